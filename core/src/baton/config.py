@@ -1,0 +1,284 @@
+"""baton's configuration: one pydantic-settings model, eight sections.
+
+Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
+``BATON_<SECTION>__<FIELD>`` environment variables, a TOML or YAML file (given
+with ``--config`` or ``BATON_CONFIG``), defaults. A plugin's own settings sit in
+a sub-table named after it (``[transport.zmq]``) and are validated by the
+settings model the plugin registered (see ``BatonConfig.plugin_settings``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from baton.errors import ConfigError
+
+CONFIG_ENV = "BATON_CONFIG"
+
+
+class _Section(BaseModel):
+    # extra keys are plugin sub-tables (e.g. [transport.zmq]); plain typos are
+    # caught in BatonConfig.check_extras once the plugins are known.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    name: str = "smollm2-135m-instruct"
+    """A built-in alias, a local Hugging Face model folder, or a .gguf file."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    max_model_len: int | None = Field(2048, gt=0)
+    """Longest prompt + output; None takes the model's own limit."""
+    tokenizer: str | None = None
+    """A tokenizer folder when it differs from the model's."""
+    cache_dir: Path | None = None
+    """Where converted models (GGUF -> safetensors) are kept; default: the user cache dir."""
+    seed: int = 0
+
+
+class CacheSection(_Section):
+    block_size: int = Field(16, gt=0, le=1024)
+    kv_cache_memory: ByteSize | None = None
+    """KV cache size, e.g. "2GiB". None: memory_utilization on CUDA, 2GiB-or-what-is-needed on CPU."""
+    memory_utilization: float | None = Field(None, gt=0, le=1)
+    enable_prefix_caching: bool = True
+
+
+class SchedulerSection(_Section):
+    policy: str = "fcfs"
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    enable_chunked_prefill: bool = True
+
+
+class ExecutorSection(_Section):
+    backend: str = "uniproc"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    tensor_parallel_size: int = Field(1, gt=0)
+    pipeline_parallel_size: int = Field(1, gt=0)
+    num_threads: int | None = Field(None, gt=0)
+    """torch intra-op threads per process; None keeps torch's default."""
+
+
+class TransportSection(_Section):
+    name: str = "inproc"
+
+
+class StructuredOutputSection(_Section):
+    backend: str = "auto"
+    """A structured-output backend; "auto" takes xgrammar when installed."""
+    compile_threads: int = Field(2, gt=0)
+
+
+class ServerSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = None
+    api_key: str | None = None
+
+
+class ObservabilitySection(_Section):
+    log_stats: bool = True
+    log_stats_interval: float = Field(10.0, gt=0)
+    stat_loggers: list[str] = Field(default_factory=lambda: ["logging"])
+    log_level: str = "INFO"
+
+
+SECTIONS = (
+    "model",
+    "cache",
+    "scheduler",
+    "executor",
+    "transport",
+    "structured_output",
+    "server",
+    "observability",
+)
+#: Which section field a plugin-kind's sub-table belongs to, and which field names it.
+PLUGIN_SELECTORS = {
+    "scheduler_policy": ("scheduler", "policy"),
+    "executor": ("executor", "backend"),
+    "transport": ("transport", "name"),
+    "structured_output": ("structured_output", "backend"),
+}
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("baton_config_file", default=None)
+
+
+class BatonConfig(BaseSettings):
+    """All of baton's settings. Build it with ``BatonConfig.load(...)``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="BATON_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    cache: CacheSection = Field(default_factory=CacheSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    executor: ExecutorSection = Field(default_factory=ExecutorSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+    structured_output: StructuredOutputSection = Field(default_factory=StructuredOutputSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            if path.suffix in (".yaml", ".yml"):
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+            else:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def load(cls, config: str | os.PathLike[str] | None = None, **overrides: Any) -> BatonConfig:
+        """Build the config from defaults, the file, the environment and ``overrides``.
+
+        ``config`` is a TOML/YAML path (default: ``$BATON_CONFIG``). ``overrides``
+        take section dicts (``scheduler={"policy": "priority"}``), dotted keys
+        (``**{"scheduler.policy": "priority"}``), unambiguous field names
+        (``max_num_seqs=8``) or a section name for its plugin/name field
+        (``model="path"``, ``transport="zmq"``, ``executor="cuda-tp"``).
+        """
+        path = config if config is not None else os.environ.get(CONFIG_ENV) or None
+        file: Path | None = None
+        if path is not None:
+            file = Path(path).expanduser()
+            if not file.is_file():
+                raise ConfigError(f"config file {str(file)!r} does not exist (from --config or ${CONFIG_ENV})")
+            if file.suffix not in (".toml", ".yaml", ".yml"):
+                raise ConfigError(f"config file {str(file)!r}: use a .toml, .yaml or .yml file")
+        nested = nest_overrides(overrides)
+        token = _config_file.set(file)
+        try:
+            return cls(**nested)
+        except pydantic.ValidationError as e:
+            raise ConfigError(format_validation_error(e, source=file)) from None
+        except ValueError as e:  # a TOML/YAML syntax error
+            raise ConfigError(f"config file {str(file)!r} could not be parsed: {e}") from e
+        finally:
+            _config_file.reset(token)
+
+    def replace(self, **overrides: Any) -> BatonConfig:
+        """A copy with ``overrides`` applied (same forms as ``load``), validated."""
+        data = self.model_dump()
+        for section, values in nest_overrides(overrides).items():
+            data[section] = {**data[section], **values}
+        try:
+            return type(self).model_validate(data)
+        except pydantic.ValidationError as e:
+            raise ConfigError(format_validation_error(e)) from None
+
+    # ---------------------------------------------------------------- plugins
+
+    def plugin_settings(self, section: str, name: str, model: type[BaseModel] | None) -> BaseModel | None:
+        """Validate the ``[section.name]`` sub-table with the plugin's settings model."""
+        raw = (getattr(self, section).model_extra or {}).get(name, {})
+        if model is None:
+            if raw:
+                raise ConfigError(f"{section}.{name}: plugin {name!r} takes no settings, got {raw!r}")
+            return None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{section}.{name} must be a table of settings, got {raw!r}")
+        try:
+            return model.model_validate(raw)
+        except pydantic.ValidationError as e:
+            raise ConfigError(format_validation_error(e, prefix=f"{section}.{name}")) from None
+
+    def check_extras(self, plugin_names: dict[str, set[str]]) -> None:
+        """Refuse unknown keys: an extra key in a section must name an installed plugin.
+
+        ``plugin_names`` maps a section to the plugin names whose sub-tables it may hold.
+        """
+        for section in SECTIONS:
+            for key in getattr(self, section).model_extra or {}:
+                allowed = plugin_names.get(section, set())
+                if key not in allowed:
+                    fields = ", ".join(type(getattr(self, section)).model_fields)
+                    plugins = ", ".join(sorted(allowed)) or "none installed"
+                    raise ConfigError(
+                        f"{section}.{key}: unknown setting (fields: {fields}; plugin sub-tables: {plugins})"
+                    )
+
+
+def _flat_aliases() -> dict[str, tuple[str, str]]:
+    seen: dict[str, list[tuple[str, str]]] = {}
+    for section in SECTIONS:
+        for field in BatonConfig.model_fields[section].annotation.model_fields:  # type: ignore[union-attr]
+            seen.setdefault(field, []).append((section, field))
+    aliases = {k: v[0] for k, v in seen.items() if len(v) == 1}
+    aliases.update(
+        model=("model", "name"),
+        transport=("transport", "name"),
+        executor=("executor", "backend"),
+        policy=("scheduler", "policy"),
+        structured_output=("structured_output", "backend"),
+    )
+    return aliases
+
+
+_ALIASES = _flat_aliases()
+
+
+def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Turn the override forms ``load`` accepts into ``{section: {field: value}}``."""
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue  # unset CLI flags and defaulted keyword arguments
+        if key in SECTIONS and isinstance(value, dict | BaseModel):
+            data = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+            nested.setdefault(key, {}).update(data)
+        elif "." in key:
+            section, _, field = key.partition(".")
+            if section not in SECTIONS:
+                raise ConfigError(f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})")
+            nested.setdefault(section, {})[field] = value
+        elif key in _ALIASES:
+            section, field = _ALIASES[key]
+            nested.setdefault(section, {})[field] = value
+        else:
+            raise ConfigError(
+                f"unknown setting {key!r}: use a field name such as max_num_seqs, a dotted "
+                f"'section.field', or a section dict (sections: {', '.join(SECTIONS)})"
+            )
+    return nested
+
+
+def format_validation_error(
+    e: pydantic.ValidationError, source: Path | None = None, prefix: str = ""
+) -> str:
+    lines = []
+    for err in e.errors():
+        path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"{path}: {err['msg']}{shown}")
+    where = f" in {source}" if source else ""
+    return f"invalid configuration{where}:\n  " + "\n  ".join(lines)

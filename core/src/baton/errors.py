@@ -1,0 +1,59 @@
+"""The typed errors of baton. Every message names the bad value and the fix."""
+
+from __future__ import annotations
+
+
+class BatonError(Exception):
+    """Base of every error baton raises on purpose."""
+
+
+class ConfigError(BatonError, ValueError):
+    """A configuration value is invalid; the message names the field path."""
+
+
+class PluginError(BatonError):
+    """Base of plugin discovery and lookup errors."""
+
+
+class PluginNotFoundError(PluginError, LookupError):
+    """A config names a plugin that is not installed."""
+
+
+class DuplicatePluginError(PluginError):
+    """Two plugins registered one name for one kind."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin failed to import, raised inside a hook, or targets another API version."""
+
+
+class InvalidRequestError(BatonError, ValueError):
+    """A request or its sampling parameters are invalid; the engine keeps serving others."""
+
+
+class ProtocolError(BatonError):
+    """A frame could not be decoded into a protocol message."""
+
+
+class EngineDeadError(BatonError, RuntimeError):
+    """The engine core (or one of its workers) died; no further request can be served."""
+
+
+class EngineShuttingDownError(BatonError, RuntimeError):
+    """The engine is shutting down and refuses new requests."""
+
+
+class ExecutorError(BatonError, RuntimeError):
+    """The executor failed to run a step or to start."""
+
+
+class ModelLoadError(BatonError):
+    """A model could not be found or is not supported."""
+
+
+class StructuredOutputError(BatonError, ValueError):
+    """A structured-output spec is invalid, fails to compile, or no backend is installed."""
+
+
+class TransportError(BatonError, OSError):
+    """A transport channel failed (peer gone, closed, timed out)."""

@@ -1,0 +1,149 @@
+"""The plugin contract of baton: one hookspec per extension point.
+
+Every hook is a *registration* hook in the style of simonw/llm: it receives a
+``register(name, factory, settings_model=None)`` callback and returns nothing.
+The kernel owns the registry, so it can refuse duplicate names, say which
+distribution provided what, and validate a plugin's settings sub-table with the
+``settings_model`` (a pydantic model) before calling the factory.
+
+Hooks run once per process, when the registry is first needed (engine start,
+``baton plugins``, CLI start-up), in every process the kernel spawns (engine
+core, workers). A hook must only register: no I/O, no threads, no heavy
+imports (import heavy dependencies inside the factory).
+
+Installing a plugin only makes its names available; the config chooses.
+The factory signatures below are part of the contract; the protocols their
+products implement are in ``baton.interfaces``.
+
+Nothing here is imported at runtime but pluggy (types are under TYPE_CHECKING),
+so this module never causes an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from baton.plugins import RegisterFn
+
+#: The version of this contract. A plugin module may declare
+#: ``BATON_PLUGIN_API = 1`` (or a list of versions it supports); a plugin that
+#: declares versions not including this one is refused at load.
+PLUGIN_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker("baton")
+hookimpl = pluggy.HookimplMarker("baton")
+
+
+# ---------------------------------------------------------------------------
+# scheduling
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_scheduler_policies(register: RegisterFn) -> None:
+    """Register scheduler policies: which waiting request runs next, who is preempted.
+
+    :param register: call ``register(name, factory, settings_model=None)`` once per
+        policy. ``factory(config, settings)`` receives the BatonConfig and the
+        validated ``[scheduler.<name>]`` settings (or None) and returns an object
+        implementing ``baton.interfaces.SchedulerPolicy``.
+
+    Selected by ``scheduler.policy``. Called once per process when the registry
+    loads; the factory is called once per engine core, in the engine process.
+    Built in: ``fcfs``, ``priority`` (``baton.sched.policies``).
+    """
+
+
+# ---------------------------------------------------------------------------
+# execution
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_executors(register: RegisterFn) -> None:
+    """Register executor backends: how the model runs (in-process, TP, PP, ...).
+
+    :param register: ``register(name, factory, settings_model=None)``;
+        ``factory(config, settings)`` returns an object implementing
+        ``baton.interfaces.Executor``. It may start worker processes; it must
+        not allocate the KV cache (the core sizes it and calls
+        ``initialize_kv_cache``).
+
+    Selected by ``executor.backend``. The factory is called once, in the engine
+    process, before the KV cache is sized. Built in: ``uniproc``.
+    """
+
+
+# ---------------------------------------------------------------------------
+# transport
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_transports(register: RegisterFn) -> None:
+    """Register frontend <-> engine-core transports.
+
+    :param register: ``register(name, factory, settings_model=None)``;
+        ``factory(config, settings)`` returns an object implementing
+        ``baton.interfaces.Transport``, which makes the client-side channel (in
+        the frontend) and, from a picklable address, the engine-side channel
+        (in the engine process).
+
+    Selected by ``transport.name``. Called in the frontend and, for the engine
+    side, in the engine process. Built in: ``inproc``.
+    """
+
+
+# ---------------------------------------------------------------------------
+# structured output
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_structured_output_backends(register: RegisterFn) -> None:
+    """Register structured-output (grammar) backends.
+
+    :param register: ``register(name, factory, settings_model=None)``;
+        ``factory(config, settings, tokenizer, vocab_size)`` returns an object
+        implementing ``baton.interfaces.StructuredOutputBackend``. ``vocab_size``
+        is the model's (the logits' width), which may exceed the tokenizer's.
+
+    Selected by ``structured_output.backend``. The factory is called in the
+    engine process the first time a request carries a structured-output spec.
+    Built in: none (``baton-plugin-xgrammar`` provides ``xgrammar``).
+    """
+
+
+# ---------------------------------------------------------------------------
+# observability and command line
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_stat_loggers(register: RegisterFn) -> None:
+    """Register stat loggers: observers of per-step engine and per-request stats.
+
+    :param register: ``register(name, factory, settings_model=None)``;
+        ``factory(config, settings, engine_index)`` returns an object
+        implementing ``baton.interfaces.StatLogger``.
+
+    Selected by ``observability.stat_loggers`` (a list). Factories are called in
+    the frontend process when an LLM / AsyncLLM starts. Built in: ``logging``.
+    """
+
+
+@hookspec
+def register_commands(register: RegisterFn) -> None:
+    """Register ``baton`` CLI subcommands.
+
+    :param register: ``register(name, factory)``; ``factory(parser)`` receives the
+        subcommand's ``argparse.ArgumentParser``, adds its arguments and returns
+        the handler ``handler(args: argparse.Namespace) -> int | None``. Every
+        command gets ``--config`` added by the kernel.
+
+    Called once when the CLI starts. Built in: ``generate``, ``chat``,
+    ``plugins``, ``bench``; ``baton-plugin-openai`` adds ``serve``.
+    """

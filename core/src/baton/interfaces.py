@@ -1,0 +1,224 @@
+"""The protocols that plugin products implement (what the hookspec factories return).
+
+These are structural (``typing.Protocol``): a plugin needs no base class. The
+conformance suites in ``baton.testing.conformance`` check the behaviour behind
+each one. Mechanics (the step loop, overlap of the forward with grammar work,
+the batch queue, abort handling, stop checks) stay in the kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from baton.metrics.stats import IterationStats
+    from baton.protocol import (
+        GrammarOutput,
+        KVCacheConfig,
+        KVCacheSpec,
+        ModelRunnerOutput,
+        SchedulerOutput,
+        SchedulerStats,
+    )
+    from baton.request import Request
+    from baton.sampling_params import StructuredOutputSpec
+
+Frame = bytes | bytearray | memoryview
+
+
+# --------------------------------------------------------------------------- scheduler policy
+
+
+@runtime_checkable
+class SchedulerPolicy(Protocol):
+    """Orders the waiting queue, admits, and picks preemption victims.
+
+    The scheduler mechanism (token budget, KV allocation, chunked prefill,
+    preemption by recompute, stop checks) calls these; a policy never touches
+    blocks or token counts. Requests waiting for a grammar are kept out of the
+    policy until they are ready. Every method must be cheap: peek/pop run for
+    each admitted request, ``select_victim`` on each preemption.
+    """
+
+    def add(self, request: Request) -> None:
+        """A request becomes schedulable: new, or back after preemption (status PREEMPTED)."""
+
+    def peek(self, now: float) -> Request | None:
+        """The request to admit next, or None to admit nothing more this step.
+
+        ``now`` is the scheduler's clock (``time.monotonic`` in an engine, a
+        simulated clock in ``baton bench scheduler``), comparable with
+        ``Request.arrival_time``. Returning None while requests wait is
+        admission control; the mechanism stops admitting for this step.
+        """
+
+    def pop(self, request: Request) -> None:
+        """Remove ``request``, the one ``peek`` just returned: it was admitted."""
+
+    def remove(self, request_ids: set[str]) -> list[Request]:
+        """Remove waiting requests by id (aborts); return those that were here."""
+
+    def select_victim(self, running: Sequence[Request]) -> Request:
+        """Choose which running request to preempt when KV blocks run out.
+
+        ``running`` is in admission order and never empty. The victim's blocks
+        are freed and it comes back through ``add`` with status PREEMPTED.
+        """
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]:
+        """The waiting requests, in the order the policy would admit them."""
+
+
+# --------------------------------------------------------------------------- executor
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs the model for the engine core. One per engine; may own worker processes.
+
+    Life: factory -> ``get_kv_cache_specs`` and ``determine_available_memory``
+    (the core sizes the cache) -> ``initialize_kv_cache`` -> ``execute_model``
+    each step -> ``shutdown``.
+    """
+
+    #: > 1 makes the core use step_with_batch_queue (pipeline parallel).
+    max_concurrent_batches: int
+
+    def get_kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per worker: the KV bytes per block for that worker's layers and heads."""
+
+    def determine_available_memory(self) -> list[int]:
+        """Bytes each worker can give to the KV cache (same order as the specs)."""
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        """Allocate ``config.num_blocks`` blocks on every worker and warm up."""
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        """Run one step's forward pass and sample.
+
+        Returns None (or a future of None) when ``scheduler_output.structured_output_req_ids``
+        is non-empty: the logits then wait for ``sample_tokens``. With
+        ``non_block=True`` returns a Future at once, so the core can compute the
+        grammar bitmask while the forward runs.
+        """
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Sample the step whose execute_model returned None, applying the bitmask."""
+
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker; one result per worker."""
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(error)`` runs (once, from any thread) when a worker dies or the executor fails."""
+
+    def check_health(self) -> None:
+        """Raise ExecutorError if a worker is dead or hung."""
+
+    def shutdown(self) -> None:
+        """Stop workers and free resources; idempotent."""
+
+
+# --------------------------------------------------------------------------- transport
+
+
+@runtime_checkable
+class ClientChannel(Protocol):
+    """The frontend's end: sends to engines, receives from all of them."""
+
+    #: Picklable; handed to the engine process for ``Transport.connect_engine``.
+    address: Any
+
+    def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
+        """Queue a multipart message for one engine. Never blocks indefinitely."""
+
+    def recv(self, timeout: float | None = None) -> list[Frame] | None:
+        """The next multipart message from any engine, or None after ``timeout`` seconds."""
+
+    def close(self) -> None:
+        """Release sockets / segments; idempotent, also after the peer died."""
+
+
+@runtime_checkable
+class EngineChannel(Protocol):
+    """The engine's end: receives the frontend's messages, sends outputs."""
+
+    def recv(self, timeout: float | None = None) -> list[Frame] | None: ...
+
+    def send(self, frames: Sequence[Frame]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Makes the two ends of a frontend <-> engine link."""
+
+    #: False: the engine runs in the frontend's process (inproc); no process is spawned.
+    multiprocess: bool
+
+    def create_client(self, num_engines: int = 1) -> ClientChannel:
+        """Bind the frontend's end (in the frontend process) before engines start."""
+
+    def connect_engine(self, address: Any, engine_index: int = 0) -> EngineChannel:
+        """Connect an engine's end (in the engine process) to ``address``."""
+
+
+# --------------------------------------------------------------------------- structured output
+
+
+class GrammarMatcher(Protocol):
+    """One request's position in its grammar."""
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over ``token_ids``; False (and no advance past it) if one is not allowed."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, bit set = allowed)."""
+
+    def is_terminated(self) -> bool:
+        """The grammar accepted a complete output (the request finishes with reason stop)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+
+class StructuredOutputBackend(Protocol):
+    """Compiles specs and makes matchers for one tokenizer and vocabulary size."""
+
+    def compile(self, spec: StructuredOutputSpec) -> Any:
+        """Compile a spec; runs on a thread pool, must be thread-safe. Raises StructuredOutputError."""
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of the compiled grammar."""
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        """A reusable int32 bitmask of shape [num_rows, ceil(vocab_size / 32)], all allowed."""
+
+
+# --------------------------------------------------------------------------- stat loggers
+
+
+class StatLogger(Protocol):
+    """Observes engine stats in the frontend process."""
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        """Called for every batch of engine outputs; must be cheap."""
+
+    def log(self) -> None:
+        """Called every ``observability.log_stats_interval`` seconds."""

@@ -1,0 +1,221 @@
+"""Everything that crosses a process boundary, as msgspec structs.
+
+Frontend <-> engine core: EngineCoreRequest, UtilityRequest in; EngineCoreOutputs
+(with UtilityOutput and SchedulerStats) out. Engine core <-> executor workers:
+SchedulerOutput, GrammarOutput in; ModelRunnerOutput out. The encoding is
+baton.serial's msgpack codec. These structs are public, versioned API
+(docs/stability.md): fields are only ever added, with defaults, at the end.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from baton.sampling_params import SamplingParams
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False, kw_only=True)
+
+#: The frame an engine sends before it exits on a fatal error; no client hangs.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class RequestType(bytes, enum.Enum):
+    """First frame of every frontend -> engine message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    EXECUTOR_FAILED = b"\x03"  # internal: the executor's failure callback woke the busy loop
+    START_DP_WAVE = b"\x04"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; ``str()`` gives OpenAI's finish_reason."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "error")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, **_STRUCT):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    #: Who sent it (OpenAI's ``user``); tenant-aware scheduler policies group by it.
+    user: str | None = None
+    #: Mixed into prefix-cache block hashes: requests with different salts never share KV.
+    cache_salt: str | None = None
+    client_index: int = 0
+
+
+class UtilityRequest(msgspec.Struct, **_STRUCT):
+    """Call ``EngineCore.<method>(*args)`` in the engine; answered by a UtilityOutput."""
+
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+    client_index: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, **_STRUCT):
+    """Logprobs at one position: entry 0 is the sampled token, then the top-k in order."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # rank of the sampled token in the full distribution, 1 = most likely
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, **_STRUCT):
+    type: EngineCoreEventType
+    timestamp: float  # time.monotonic() in the engine process
+
+
+class EngineCoreOutput(msgspec.Struct, **_STRUCT):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    #: The stop token id (an int) that ended the request, if any.
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
+    #: Set with FinishReason.ERROR: what went wrong for this request only.
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, **_STRUCT):
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, **_STRUCT):
+    """The scheduler's figures after one step."""
+
+    step: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_scheduled_tokens: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # of which found cached
+    num_preemptions: int = 0  # this step
+    num_batches_in_flight: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, **_STRUCT):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    #: Requests that finished without a final token output (e.g. aborted by the engine).
+    finished_requests: list[str] | None = None
+
+
+# --------------------------------------------------------------------------
+# engine core <-> executor workers
+# --------------------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, **_STRUCT):
+    """A request the model runner has not seen (or dropped on preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    #: Tokens generated before a preemption; empty for a first-time request.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class CachedRequestData(msgspec.Struct, **_STRUCT):
+    """Requests already in the runner's batch: only what changed, aligned by index."""
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    #: Tokens appended since the request was last scheduled (normally the last sampled one).
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    #: Blocks appended to the request's block table since it was last scheduled.
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+
+
+class SchedulerOutput(msgspec.Struct, **_STRUCT):
+    """One step's work: which requests run, how many tokens each, and their blocks."""
+
+    step_id: int = 0
+    scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    #: Finished or aborted since the previous step: the runner drops their state.
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    #: Preempted since the previous step: dropped too; they come back as new requests.
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    #: Scheduled requests whose sampling waits for a grammar bitmask (sample_tokens).
+    structured_output_req_ids: list[str] = msgspec.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class GrammarOutput(msgspec.Struct, **_STRUCT):
+    """The bitmask for sample_tokens: row i masks req_ids[i]; bit set = token allowed.
+
+    ``bitmask`` is an int32 numpy array or torch tensor of shape [len(req_ids), ceil(vocab/32)].
+    """
+
+    req_ids: list[str]
+    bitmask: Any
+
+
+class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
+    """Sampled tokens of one step, aligned with req_ids (empty for a mid-prompt chunk)."""
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    sampled_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    logprobs: dict[str, list[TokenLogprobs]] | None = None
+
+
+class KVCacheSpec(msgspec.Struct, **_STRUCT):
+    """The paged KV cache one worker needs per block (its own layers and heads only)."""
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # a torch dtype name, e.g. "float32"
+
+    @property
+    def page_size_bytes(self) -> int:
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * itemsize
+
+
+class KVCacheConfig(msgspec.Struct, **_STRUCT):
+    num_blocks: int
+    block_size: int

@@ -1,0 +1,167 @@
+"""The engine's view of one request and its status machine.
+
+WAITING -> RUNNING -> FINISHED_*; WAITING_FOR_FSM first when the request
+carries a grammar that is still compiling; RUNNING -> PREEMPTED -> RUNNING when
+its KV blocks are taken back (it recomputes from its tokens and produces the
+same output). Any state -> FINISHED_ABORTED.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from baton.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from baton.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_FSM = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    # finished: everything from here on
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler. Plain attributes, no properties on the hot path."""
+
+    __slots__ = (
+        "_output_start",
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "client_index",
+        "eos_token_id",
+        "error",
+        "events",
+        "grammar",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+        "user",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        user: str | None = None,
+        cache_salt: str | None = None,
+        client_index: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self._output_start = self.num_prompt_tokens
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.user = user
+        self.cache_salt = cache_salt
+        self.client_index = client_index
+        # max_tokens=None: up to the model's length limit
+        cap = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - self.num_prompt_tokens
+            cap = room if cap is None else min(cap, room)
+        self.max_tokens: int = cap if cap is not None else 2**31
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.block_hashes: list[Any] = []
+        self.grammar: Any = None  # the structured-output matcher, when the request has a spec
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.events: list[EngineCoreEvent] | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int | None = None) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time,
+            req.priority,
+            req.user,
+            req.cache_salt,
+            req.client_index,
+            max_model_len,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self._output_start :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self._output_start
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
+
+    def record_event(self, type_: EngineCoreEventType, timestamp: float) -> None:
+        if self.events is None:
+            self.events = []
+        self.events.append(EngineCoreEvent(type=type_, timestamp=timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        events, self.events = self.events, None
+        return events
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
