@@ -1,7 +1,56 @@
-"""baton: a plugin-first LLM inference engine."""
+"""baton: a plugin-first LLM inference engine.
 
+``from baton import LLM, SamplingParams`` for offline use; ``AsyncLLM`` for
+asyncio serving; ``hookimpl`` to write a plugin. Heavy modules load lazily so
+that ``import baton`` (and the CLI's start-up) stays fast.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from baton.hookspecs import PLUGIN_API_VERSION, hookimpl
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputSpec", "__version__"]
+_LAZY = {
+    "LLM": "baton.frontend.llm",
+    "AsyncLLM": "baton.frontend.async_llm",
+    "RequestOutput": "baton.outputs",
+    "CompletionOutput": "baton.outputs",
+    "Logprob": "baton.outputs",
+    "BatonConfig": "baton.config",
+    "EngineCore": "baton.engine.core",
+}
+
+if TYPE_CHECKING:
+    from baton.config import BatonConfig
+    from baton.engine.core import EngineCore
+    from baton.frontend.async_llm import AsyncLLM
+    from baton.frontend.llm import LLM
+    from baton.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'baton' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "LLM",
+    "PLUGIN_API_VERSION",
+    "AsyncLLM",
+    "BatonConfig",
+    "CompletionOutput",
+    "EngineCore",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StructuredOutputSpec",
+    "__version__",
+    "hookimpl",
+]

@@ -1,1 +1,1 @@
-"""baton.metrics"""
+"""baton.metrics: per-step and per-request statistics and the stat-logger plugins."""

@@ -1,0 +1,153 @@
+"""Built-in CLI commands: generate, chat, plugins, bench (a plugin module like any other)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from baton.cli.main import add_engine_arguments, engine_overrides
+from baton.hookspecs import hookimpl
+
+Handler = Callable[[argparse.Namespace], int | None]
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from baton import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop,
+    )
+
+
+def generate_command(p: argparse.ArgumentParser) -> Handler:
+    """Complete prompts with a model and print the text."""
+    p.add_argument("prompts", nargs="+", help="prompt texts")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_arguments(p)
+    _add_sampling_arguments(p, max_tokens=64)
+
+    def run(args: argparse.Namespace) -> int:
+        from baton import LLM
+
+        with LLM(config=args.config, **engine_overrides(args)) as llm:
+            outs = llm.generate(args.prompts, _sampling_params(args), use_tqdm=False)
+        for o in outs:
+            c = o.outputs[0]
+            if args.json:
+                print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+            else:
+                print(c.text)
+        return 0
+
+    return run
+
+
+def chat_command(p: argparse.ArgumentParser) -> Handler:
+    """Chat with a model: one --message, or an interactive conversation on stdin."""
+    p.add_argument("--message", "-m", help="answer this one message and exit")
+    p.add_argument("--system", help="a system prompt")
+    add_engine_arguments(p)
+    _add_sampling_arguments(p, max_tokens=256)
+
+    def run(args: argparse.Namespace) -> int:
+        from baton import LLM
+
+        params = _sampling_params(args)
+        history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+        with LLM(config=args.config, **engine_overrides(args)) as llm:
+            while True:
+                if args.message is not None:
+                    text = args.message
+                else:
+                    try:
+                        text = input("you> ")
+                    except EOFError:
+                        return 0
+                    if not text.strip():
+                        continue
+                history.append({"role": "user", "content": text})
+                answer = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text.strip()
+                history.append({"role": "assistant", "content": answer})
+                print(answer if args.message is not None else f"baton> {answer}", flush=True)
+                if args.message is not None:
+                    return 0
+
+    return run
+
+
+def plugins_command(p: argparse.ArgumentParser) -> Handler:
+    """List installed plugins: kind, name, distribution, version."""
+    p.add_argument("--json", action="store_true")
+
+    def run(args: argparse.Namespace) -> int:
+        from baton.plugins import get_registry
+
+        reg = get_registry()
+        rows = [
+            {"kind": e.kind, "name": e.name, "distribution": e.distribution, "version": e.version, "plugin": e.plugin}
+            for e in sorted(reg.entries.values(), key=lambda e: (e.kind, e.name))
+        ]
+        failed = [{"plugin": p, "distribution": d, "error": r} for p, d, r in reg.failed]
+        if args.json:
+            print(json.dumps({"plugins": rows, "failed": failed}, indent=2))
+            return 0
+        width = max((len(r["kind"]) for r in rows), default=4)
+        for r in rows:
+            print(f"{r['kind']:<{width}}  {r['name']:<12} {r['distribution']} {r['version']}")
+        for f in failed:
+            print(f"FAILED  {f['plugin']} ({f['distribution']}): {f['error']}", file=sys.stderr)
+        return 0
+
+    return run
+
+
+#: bench kind -> module with add_arguments(parser) and main(args)
+BENCHES = {
+    "scheduler": "baton.bench.scheduler",
+    "transport": "baton.bench.transport",
+    "throughput": "baton.bench.throughput",
+    "latency": "baton.bench.latency",
+}
+
+
+def bench_command(p: argparse.ArgumentParser) -> Handler:
+    """Benchmarks: scheduler, transport, throughput, latency."""
+    sub = p.add_subparsers(dest="bench", metavar="KIND", required=True)
+    for name, module_name in BENCHES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # not built yet in this checkout
+        bp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(bp)
+        bp.set_defaults(_bench_main=module.main)
+
+    def run(args: argparse.Namespace) -> int:
+        return int(args._bench_main(args) or 0)
+
+    return run
+
+
+@hookimpl
+def register_commands(register: Any) -> None:
+    register("generate", generate_command)
+    register("chat", chat_command)
+    register("plugins", plugins_command)
+    register("bench", bench_command)

@@ -1,0 +1,85 @@
+"""The ``baton`` command. Subcommands come from plugins (register_commands hooks)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from baton.errors import BatonError
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config overrides every engine-running command accepts (strongest source)."""
+    g = parser.add_argument_group("engine (overrides the config file and BATON_* variables)")
+    g.add_argument("--model", help="built-in alias, HF model folder or .gguf file")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--transport", help="inproc | zmq | shm | any installed")
+    g.add_argument("--executor", help="uniproc | cuda-tp | pipeline | any installed")
+    g.add_argument("--device", help="cpu | cuda | cuda:N | auto")
+    g.add_argument("--policy", help="scheduler policy: fcfs | priority | any installed")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--tensor-parallel-size", "--tp", type=int)
+    g.add_argument("--pipeline-parallel-size", "--pp", type=int)
+    g.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="any other setting, e.g. --set cache.block_size=32 (repeatable)",
+    )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The overrides for BatonConfig.load from add_engine_arguments' flags."""
+    names = (
+        "model", "dtype", "max_model_len", "transport", "executor", "device", "policy",
+        "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+    )
+    overrides: dict[str, Any] = {n: getattr(args, n, None) for n in names}
+    for item in getattr(args, "set", None) or ():
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise BatonError(f"--set {item!r}: use SECTION.FIELD=VALUE, e.g. --set cache.block_size=32")
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from baton import __version__
+    from baton.plugins import get_registry
+
+    parser = argparse.ArgumentParser(prog="baton", description="baton: a plugin-first LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"baton {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for entry in get_registry().of_kind("command"):
+        p = sub.add_parser(entry.name, help=(entry.factory.__doc__ or "").strip().splitlines()[0] or None)
+        p.add_argument("--config", help="a TOML or YAML config file (default: $BATON_CONFIG)")
+        p.set_defaults(_handler=entry.create(p), _entry=entry)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        )
+        if not getattr(args, "_handler", None):
+            parser.print_help()
+            return 2
+        return int(args._handler(args) or 0)
+    except BatonError as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""EngineCoreClient: one interface, several faces.
+
+- InprocClient: the core in this process, driven by the caller's thread (sync).
+- AsyncInprocClient / SyncMPClient / AsyncMPClient / DPAsyncMPClient live in
+  baton.engine.mp_client: the core behind a transport plugin's channel.
+
+``make_client`` picks the face from the transport (``multiprocess``) and the
+caller (asyncio or not).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from baton.config import BatonConfig
+from baton.engine.core import UTILITY_METHODS, EngineCore
+from baton.errors import InvalidRequestError
+from baton.model_info import ModelInfo
+from baton.protocol import EngineCoreOutputs, EngineCoreRequest
+
+
+class EngineCoreClient(ABC):
+    """What a frontend needs from an engine, wherever it runs."""
+
+    info: ModelInfo
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next batch of outputs (blocks until there is one)."""
+
+    @abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` in the engine and return its result."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    # asyncio face; sync clients do not implement it
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is synchronous; use make_client(..., asyncio_mode=True)")
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is synchronous")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        raise NotImplementedError(f"{type(self).__name__} is synchronous")
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} is synchronous")
+
+
+class InprocClient(EngineCoreClient):
+    """The engine core in this process; ``get_output`` runs one step."""
+
+    def __init__(self, config: BatonConfig, **core_kwargs: Any) -> None:
+        self.core = EngineCore(config, **core_kwargs)
+        self.info = self.core.info
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs, _ = self.core.step_fn()
+        return outputs or EngineCoreOutputs()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        if method not in UTILITY_METHODS:
+            raise InvalidRequestError(f"unknown utility method {method!r} (known: {', '.join(sorted(UTILITY_METHODS))})")
+        return getattr(self.core, method)(*args)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def make_client(config: BatonConfig, *, asyncio_mode: bool = False, **core_kwargs: Any) -> EngineCoreClient:
+    """The client face for this config's transport and the caller's mode."""
+    from baton.plugins import get_registry
+
+    entry = get_registry().get("transport", config.transport.name)
+    transport = entry.create(config, config.plugin_settings("transport", entry.name, entry.settings_model))
+    if not transport.multiprocess and not asyncio_mode:
+        return InprocClient(config, **core_kwargs)
+    from baton.engine import mp_client
+
+    return mp_client.make_mp_client(config, transport, asyncio_mode=asyncio_mode, **core_kwargs)

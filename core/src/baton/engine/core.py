@@ -1,0 +1,273 @@
+"""EngineCore: the inner loop. Schedule -> execute the model -> update requests -> emit outputs.
+
+The core owns the executor, the scheduler (mechanism + policy plugin) and the
+structured-output manager. Start-up: build the executor -> ask it for KV specs
+and available memory -> size the KV cache -> initialise the executor with it
+-> build the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+from baton.config import BatonConfig
+from baton.engine.plugin_check import check_config_plugins
+from baton.errors import ConfigError, InvalidRequestError
+from baton.interfaces import Executor
+from baton.model_info import ModelInfo, model_info
+from baton.plugins import Registry, get_registry
+from baton.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVCacheConfig,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from baton.request import Request, RequestStatus
+from baton.sched.scheduler import Scheduler
+from baton.structured.manager import StructuredOutputManager
+
+log = logging.getLogger(__name__)
+
+#: How long the batch-queue loop yields the CPU when it scheduled nothing but requests are pending.
+IDLE_YIELD_S = 0.001
+
+
+class EngineCore:
+    """One engine: requests in, EngineCoreOutputs out. Not thread-safe; one thread drives it."""
+
+    def __init__(
+        self,
+        config: BatonConfig,
+        *,
+        registry: Registry | None = None,
+        executor: Executor | None = None,
+        info: ModelInfo | None = None,
+        engine_index: int = 0,
+    ) -> None:
+        self.config = config
+        self.engine_index = engine_index
+        self.registry = registry or get_registry()
+        check_config_plugins(config, self.registry)
+        if executor is None:
+            entry = self.registry.get("executor", config.executor.backend)
+            settings = config.plugin_settings("executor", entry.name, entry.settings_model)
+            executor = entry.create(config, settings)
+        self.executor: Executor = executor
+        try:
+            self.info: ModelInfo = info or getattr(executor, "model_info", None) or model_info(config)
+            self.config = config = self._apply_model_capabilities(config)
+            self.num_blocks = self._initialize_kv_cache()
+            entry = self.registry.get("scheduler_policy", config.scheduler.policy)
+            policy = entry.create(config, config.plugin_settings("scheduler", entry.name, entry.settings_model))
+            self.scheduler = Scheduler(config, policy, self.num_blocks, max_model_len=self.info.max_model_len)
+            self.structured_output = StructuredOutputManager(config, self.registry, self.info)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.batch_queue_size = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
+        self.aborts_to_report: list[EngineCoreOutput] = []
+
+    # ------------------------------------------------------------------ start-up
+
+    def _apply_model_capabilities(self, config: BatonConfig) -> BatonConfig:
+        caps = getattr(self.executor, "model_capabilities", None)
+        if caps is None:
+            return config
+        chunked, prefix, reason = caps
+        changes: dict[str, Any] = {}
+        if not chunked and config.scheduler.enable_chunked_prefill:
+            changes["enable_chunked_prefill"] = False
+        if not prefix and config.cache.enable_prefix_caching:
+            changes["enable_prefix_caching"] = False
+        if changes:
+            log.warning("disabling %s: %s", ", ".join(changes), reason)
+            config = config.replace(**changes)
+        return config
+
+    def _initialize_kv_cache(self) -> int:
+        specs = self.executor.get_kv_cache_specs()
+        available = self.executor.determine_available_memory()
+        num_blocks = min(mem // spec.page_size_bytes for spec, mem in zip(specs, available, strict=True))
+        block_size = self.config.cache.block_size
+        needed = -(-self.info.max_model_len // block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"cache: the KV cache holds {num_blocks} blocks of {block_size} tokens but one sequence of "
+                f"model.max_model_len={self.info.max_model_len} needs {needed}: raise cache.kv_cache_memory "
+                "or lower model.max_model_len"
+            )
+        self.executor.initialize_kv_cache(KVCacheConfig(num_blocks=num_blocks, block_size=block_size))
+        per_worker = ", ".join(f"{num_blocks * s.page_size_bytes / 2**20:.0f} MiB" for s in specs)
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%s per worker)",
+            num_blocks, block_size, num_blocks * block_size, per_worker,
+        )
+        return num_blocks
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Admit a request. Raises InvalidRequestError; the engine keeps serving the others."""
+        rid = request.request_id
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use; ids must be unique")
+        n = len(request.prompt_token_ids)
+        limit = self.info.max_model_len
+        if n == 0 or n >= limit:
+            raise InvalidRequestError(
+                f"request {rid!r}: the prompt has {n} tokens; it needs 1 to {limit - 1} (model.max_model_len={limit})"
+            )
+        vocab = self.info.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise InvalidRequestError(f"request {rid!r}: a prompt token id is outside the vocabulary [0, {vocab})")
+        req = Request.from_engine_core_request(request, max_model_len=limit)
+        if req.use_structured_output:
+            self.structured_output.add_request(req)  # -> WAITING_FOR_FSM, compiles off the hot path
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort in any state; unknown or finished ids are no-ops."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def abort_all(self) -> list[EngineCoreOutput]:
+        """Abort everything in flight and report each with finish reason abort (shutdown in abort mode)."""
+        finished = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        return [
+            EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason=r.finish_reason)
+            for r in finished
+        ]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> tuple[EngineCoreOutputs | None, bool]:
+        """One step. Returns (outputs or None, whether the model ran)."""
+        errors = self._finish_failed_grammars()
+        if not self.scheduler.has_unfinished_requests():
+            return self._outputs(errors), False
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            time.sleep(IDLE_YIELD_S)  # e.g. only grammars compiling: the runner still learns of finished ids
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        grammar_output = self.structured_output.grammar_bitmask(self.scheduler, scheduler_output)  # overlaps
+        model_output = future.result()
+        if model_output is None:
+            model_output = self.executor.sample_tokens(grammar_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return self._outputs(errors + outputs), scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
+        """The pipeline-parallel step: keep up to max_concurrent_batches batches in flight.
+
+        Schedule and submit a new batch while the queue has room; block on the
+        oldest batch only when the queue is full or nothing new can be
+        scheduled; never schedule a request that is still in flight (the
+        scheduler skips those).
+        """
+        errors = self._finish_failed_grammars()
+        queue = self.batch_queue
+        scheduled = False
+        if len(queue) < self.batch_queue_size and self.scheduler.has_requests_to_schedule():
+            so = self.scheduler.schedule()
+            if not so.is_empty:
+                future = self.executor.execute_model(so, non_block=True)
+                if so.structured_output_req_ids:
+                    grammar_output = self.structured_output.grammar_bitmask(self.scheduler, so)
+                    future = _then(future, lambda _out: self.executor.sample_tokens(grammar_output))
+                queue.appendleft((future, so))
+                scheduled = True
+                if len(queue) < self.batch_queue_size and not queue[-1][0].done():
+                    return self._outputs(errors), True  # room for another batch: fill the queue first
+        if not queue:
+            if not scheduled and self.scheduler.has_unfinished_requests():
+                time.sleep(IDLE_YIELD_S)  # pending but unschedulable (e.g. grammars compiling): don't spin
+            return self._outputs(errors), False
+        future, so = queue.pop()
+        outputs = self.scheduler.update_from_output(so, future.result())
+        return self._outputs(errors + outputs), True
+
+    def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        failed = self.structured_output.take_failed()
+        if not failed:
+            return []
+        outs = []
+        for req, message in failed:
+            if self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR):
+                outs.append(
+                    EngineCoreOutput(
+                        request_id=req.request_id, new_token_ids=[], finish_reason=req.finish_reason, error=message
+                    )
+                )
+        return outs
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
+        if self.aborts_to_report:
+            outputs = self.aborts_to_report + outputs
+            self.aborts_to_report = []
+        stats = self.scheduler.make_stats() if self.config.observability.log_stats else None
+        if not outputs and stats is None:
+            return None
+        if stats is not None:
+            stats.num_batches_in_flight = len(self.batch_queue)
+        return EngineCoreOutputs(
+            engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic()
+        )
+
+    # ------------------------------------------------------------------ utilities (callable remotely)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def get_model_info(self) -> ModelInfo:
+        return self.info
+
+    def get_num_blocks(self) -> int:
+        return self.num_blocks
+
+    def list_requests(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def shutdown(self) -> None:
+        self.structured_output.shutdown()
+        self.executor.shutdown()
+
+
+#: Methods a client may call through a UTILITY request.
+UTILITY_METHODS = frozenset(
+    {"reset_prefix_cache", "get_stats", "check_health", "get_model_info", "get_num_blocks", "list_requests"}
+)
+
+
+def _then(future: Future[Any], fn: Any) -> Future[Any]:
+    """A future of fn(future.result()), run when the first completes."""
+    out: Future[Any] = Future()
+
+    def done(f: Future[Any]) -> None:
+        try:
+            result = fn(f.result())
+            if isinstance(result, Future):
+                result = result.result()
+            out.set_result(result)
+        except BaseException as e:  # delivered to whoever waits on the future
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out

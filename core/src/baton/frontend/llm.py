@@ -1,0 +1,176 @@
+"""LLM: the offline, synchronous API (vLLM's shape)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from baton.config import BatonConfig
+from baton.engine.client import EngineCoreClient, make_client
+from baton.errors import InvalidRequestError
+from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
+from baton.frontend.output_processor import OutputProcessor, ParentRequest
+from baton.frontend.stat_loggers import StatLoggers
+from baton.frontend.tokenizer import load_tokenizer
+from baton.metrics.stats import IterationStats
+from baton.model_info import model_info
+from baton.outputs import RequestOutput
+from baton.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate offline: ``LLM(model=..., config="baton.toml", **overrides).generate(prompts, params)``.
+
+    ``overrides`` are config fields (``max_num_seqs=8``, ``transport="zmq"``,
+    ``scheduler={"policy": "priority"}``, ``**{"cache.block_size": 32}``); see BatonConfig.load.
+    """
+
+    def __init__(self, model: str | None = None, config: str | os.PathLike[str] | None = None, **overrides: Any) -> None:
+        self.config = BatonConfig.load(config, model=model, **overrides)
+        self.info = model_info(self.config)
+        self.tokenizer = load_tokenizer(self.config, self.info)
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = StatLoggers(self.config)
+        self.engine: EngineCoreClient = make_client(self.config, info=self.info)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ API
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        user: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
+        return self._run(tokenized, sampling_params, use_tqdm, priority, user)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        tokenized = []
+        for conv in conversations:  # type: ignore[union-attr]
+            ids = self.input_processor.render_chat(conv, **(chat_template_kwargs or {}))  # type: ignore[arg-type]
+            tokenized.append((self.tokenizer.decode(ids), ids))
+        return self._run(tokenized, sampling_params, use_tqdm, None, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> Any:
+        return self.engine.call_utility("get_stats")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(
+        self,
+        tokenized: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+        user: str | Sequence[str | None] | None,
+    ) -> list[RequestOutput]:
+        n = len(tokenized)
+        params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
+        users = _per_prompt(user, n, "user")
+        request_ids = []
+        # validate everything before anything reaches the engine
+        for (_, ids), p in zip(tokenized, params, strict=True):
+            self.input_processor.validate(ids, p)
+        added: list[str] = []
+        try:
+            for (text, ids), p, prio, u in zip(tokenized, params, priorities, users, strict=True):
+                rid = str(next(self._ids))
+                request_ids.append(rid)
+                added.extend(self._add_request(rid, text, ids, p, prio, u))
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
+            raise
+
+    def _add_request(
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, priority: int, user: str | None
+    ) -> list[str]:
+        arrival = time.monotonic()
+        if params.n == 1:
+            children = [(request_id, 0, params, None)]
+        else:
+            parent = ParentRequest(request_id, params.n, params.output_kind)
+            children = []
+            for i in range(params.n):
+                # each child samples independently; seeded children stay reproducible
+                seed = None if params.seed is None else params.seed + i
+                children.append((parent.child_id(i), i, params.clone(n=1, seed=seed), parent))
+        for rid, index, p, parent in children:
+            self.output_processor.add_request(rid, prompt, ids, p, arrival, index=index, parent=parent, user=user)
+            req = self.input_processor.process(rid, ids, p, arrival_time=arrival, priority=priority, user=user)
+            self.engine.add_request(req)
+        return [c[0] for c in children]
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(finished) < len(wanted):
+                out = self.engine.get_output()
+                stats = IterationStats(timestamp=time.monotonic())
+                processed = self.output_processor.process_outputs(out.outputs, stats)
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                self.stat_loggers.record(out.scheduler_stats, stats, out.engine_index)
+                self.stat_loggers.maybe_log()
+                for ro in processed.request_outputs:
+                    if ro.finished and ro.request_id in wanted:
+                        finished[ro.request_id] = ro
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one tokenised prompt
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts: give one, or one per prompt")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,259 @@
+"""Turn EngineCoreOutputs into RequestOutputs: detokenise, stop strings, logprobs, n > 1, stats."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.frontend.detokenizer import IncrementalDetokenizer
+from baton.metrics.stats import FinishedRequestStats, IterationStats, RequestMetrics
+from baton.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from baton.protocol import EngineCoreEventType, EngineCoreOutput, FinishReason, TokenLogprobs
+from baton.sampling_params import RequestOutputKind, SamplingParams
+
+
+class ParentRequest:
+    """Joins the n child sequences of one user request (each child is its own engine request)."""
+
+    def __init__(self, request_id: str, n: int, kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.children: list[CompletionOutput | None] = [None] * n
+        self.unfinished = n
+
+    def child_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+    def merge(self, child: CompletionOutput) -> list[CompletionOutput] | None:
+        """The outputs to report after a child update, or None to report nothing yet."""
+        self.children[child.index] = child
+        if child.finished:
+            self.unfinished -= 1
+        if self.kind == RequestOutputKind.DELTA:
+            return [child]
+        if self.kind == RequestOutputKind.FINAL_ONLY and self.unfinished:
+            return None
+        return [c for c in self.children if c is not None]
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str  # the engine request id (a child id when n > 1)
+    index: int
+    parent: ParentRequest | None
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+    user: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    sent_tokens: int = 0
+    logprobs: SampleLogprobs | None = None
+    sent_logprobs: int = 0
+    cumulative_logprob: float | None = None
+    #: Called with each RequestOutput (AsyncLLM's per-request queue); None: returned in a list.
+    sink: Callable[[RequestOutput], None] | None = None
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    #: Requests the engine still runs but the frontend finished (stop strings): abort them.
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, log_stats: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        *,
+        index: int = 0,
+        parent: ParentRequest | None = None,
+        user: str | None = None,
+        sink: Callable[[RequestOutput], None] | None = None,
+        detokenize: bool = True,
+    ) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, params) if detokenize else None
+        self.states[request_id] = RequestState(
+            request_id, index, parent, prompt, prompt_token_ids, params, detok,
+            RequestMetrics(arrival_time=arrival_time), user, sink=sink,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget requests (user aborts); returns the engine request ids to abort (children included)."""
+        engine_ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            ids = [parent.child_id(i) for i in range(len(parent.children))] if parent else [rid]
+            for eid in ids:
+                if self.states.pop(eid, None) is not None:
+                    engine_ids.append(eid)
+        return engine_ids
+
+    def process_outputs(
+        self, outputs: Iterable[EngineCoreOutput], iteration_stats: IterationStats | None = None
+    ) -> ProcessedOutputs:
+        now = time.monotonic()
+        result: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # aborted by the user meanwhile
+            finish_reason = out.finish_reason
+            stop_reason = out.stop_reason
+            new = out.new_token_ids
+            if new:
+                state.token_ids.extend(new)
+                if out.new_logprobs is not None and state.logprobs is not None:
+                    self._add_logprobs(state, out.new_logprobs)
+            if state.detokenizer is not None and new and state.detokenizer.update(new):
+                if finish_reason is None:  # the engine still runs it
+                    to_abort.append(out.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, state.detokenizer.stop_reason
+            self._update_metrics(state, out, now, iteration_stats)
+            finished = finish_reason is not None
+            if finished:
+                del self.states[out.request_id]
+                if iteration_stats is not None:
+                    iteration_stats.finished_requests.append(self._finished_stats(state, finish_reason))
+            ro = self._make_output(state, finish_reason, stop_reason, out, finished)
+            if ro is None:
+                continue
+            if state.sink is not None:
+                state.sink(ro)
+            else:
+                result.append(ro)
+        return ProcessedOutputs(result, to_abort)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _add_logprobs(self, state: RequestState, entries: list[TokenLogprobs]) -> None:
+        assert state.logprobs is not None and state.cumulative_logprob is not None
+        decode = self.tokenizer.decode
+        for e in entries:
+            pos: dict[int, Logprob] = {}
+            for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs, strict=True)):
+                if tid not in pos:
+                    rank = e.sampled_rank if j == 0 else j
+                    pos[tid] = Logprob(lp, rank, decode([tid]))
+            state.logprobs.append(pos)
+            state.cumulative_logprob += e.logprobs[0]
+
+    def _update_metrics(
+        self, state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats | None
+    ) -> None:
+        m = state.metrics
+        for ev in out.events or ():
+            if ev.type == EngineCoreEventType.QUEUED:
+                m.queued_time = ev.timestamp
+            elif ev.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
+                m.first_scheduled_time = ev.timestamp
+            elif ev.type == EngineCoreEventType.PREEMPTED:
+                m.num_preemptions += 1
+                if stats is not None:
+                    stats.num_preemptions += 1
+        n_new = len(out.new_token_ids)
+        if n_new:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                if stats is not None:
+                    stats.num_prompt_tokens += len(state.prompt_token_ids)
+                    stats.time_to_first_tokens.append(now - m.arrival_time)
+            elif stats is not None and m.last_token_time is not None:
+                stats.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
+            m.num_generation_tokens += n_new
+            if stats is not None:
+                stats.num_generation_tokens += n_new
+        if out.finish_reason is not None or state.detokenizer is not None and state.detokenizer.stop_reason:
+            m.finished_time = now
+
+    def _finished_stats(self, state: RequestState, reason: FinishReason) -> FinishedRequestStats:
+        m = state.metrics
+        return FinishedRequestStats(
+            finish_reason=str(reason),
+            e2e_latency=(m.finished_time or time.monotonic()) - m.arrival_time,
+            queue_time=m.queue_time or 0.0,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=m.num_generation_tokens,
+            ttft=m.ttft,
+            num_preemptions=m.num_preemptions,
+        )
+
+    def _make_output(
+        self,
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        out: EngineCoreOutput,
+        finished: bool,
+    ) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished and state.parent is None:
+            return None
+        detok = state.detokenizer
+        if kind == RequestOutputKind.DELTA:
+            text = detok.take_delta(finished) if detok else ""
+            token_ids = state.token_ids[state.sent_tokens :]
+            logprobs = state.logprobs[state.sent_logprobs :] if state.logprobs is not None else None
+            state.sent_tokens = len(state.token_ids)
+            state.sent_logprobs = len(state.logprobs or ())
+            if not text and not token_ids and not finished:
+                return None
+        else:
+            text = detok.visible_text(finished) if detok else ""
+            token_ids = list(state.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        completion = CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finish_reason is not None else None,
+            stop_reason=stop_reason,
+        )
+        request_id, completions, all_finished = state.request_id, [completion], finished
+        if state.parent is not None:
+            merged = state.parent.merge(completion)
+            if merged is None:
+                return None
+            request_id, completions = state.parent.request_id, merged
+            all_finished = state.parent.unfinished == 0
+            if all_finished:
+                self.parents.pop(request_id, None)
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=all_finished,
+            num_cached_tokens=out.num_cached_tokens,
+            metrics=state.metrics,
+            error=out.error,
+            user=state.user,
+        )

@@ -1,0 +1,65 @@
+"""The built-in ``logging`` stat logger: one periodic log line with the engine's figures."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from baton.config import BatonConfig
+from baton.hookspecs import hookimpl
+from baton.metrics.stats import IterationStats
+from baton.protocol import SchedulerStats
+
+log = logging.getLogger("baton.stats")
+
+
+class LoggingStatLogger:
+    def __init__(self, config: BatonConfig, settings: Any = None, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self._reset(time.monotonic())
+        self.last_scheduler_stats = SchedulerStats()
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def _reset(self, now: float) -> None:
+        self.last_log_time = now
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_index: int = 0
+    ) -> None:
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self.last_scheduler_stats = scheduler_stats
+            self.prefix_queries += scheduler_stats.prefix_cache_queries
+            self.prefix_hits += scheduler_stats.prefix_cache_hits
+            self.num_preemptions += scheduler_stats.num_preemptions
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log_time, 1e-9)
+        s = self.last_scheduler_stats
+        hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        log.info(
+            "engine %03d: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
+            "KV cache %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
+            self.engine_index,
+            self.num_prompt_tokens / elapsed,
+            self.num_generation_tokens / elapsed,
+            s.num_running_reqs,
+            s.num_waiting_reqs,
+            100 * s.kv_cache_usage,
+            100 * hit_rate,
+            self.num_preemptions,
+        )
+        self._reset(now)
+
+
+@hookimpl
+def register_stat_loggers(register: Any) -> None:
+    register("logging", LoggingStatLogger)

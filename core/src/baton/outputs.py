@@ -1,0 +1,52 @@
+"""What the frontends return: RequestOutput with one CompletionOutput per sequence (vLLM's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.metrics.stats import RequestMetrics
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One candidate token at one position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+#: Per generated position: candidate token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (index i of n)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's outputs so far (cumulative, delta or final, per SamplingParams.output_kind)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    user: str | None = field(default=None, repr=False)
