@@ -1,0 +1,167 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, allocation.
+
+The scheduler's only window on the block pool. Requests are keyed by id; the
+manager keeps each one's block list and the parallel list of block ids the
+model runner sees. Blocks are registered in the prefix cache once their tokens
+are computed (``cache_blocks``, called after the step that computed them ran),
+so a cache hit never points at KV a forward pass has yet to write.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from baton.kv.block_pool import BlockPool, KVBlock
+
+if TYPE_CHECKING:
+    from baton.request import Request
+
+_NO_BLOCKS: list[KVBlock] = []
+
+
+class KVCacheManager:
+    """Paged KV books for all requests. ``num_blocks`` includes the null block 0."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        #: How many of a request's leading blocks are registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # prefix-cache figures in tokens; cumulative (the scheduler takes deltas)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---------------------------------------------------------------- lookups
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request's full blocks, and how many tokens it covers.
+
+        Never the whole sequence: the last token is always left to compute, so
+        the step produces logits to sample from. Takes no reference yet (that
+        happens in ``allocate_slots``) and counts no statistics.
+        """
+        if not self.enable_caching:
+            return _NO_BLOCKS, 0
+        hashes = request.block_hashes
+        max_blocks = min(len(hashes), (len(request.all_token_ids) - 1) // self.block_size)
+        lookup = self.pool.cached_block_hash_to_block.get
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = lookup(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (the manager's own list: copy before handing it out)."""
+        return self.req_to_block_ids.get(request_id, [])
+
+    # ------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks``
+        (only for a request that holds no blocks yet); their tokens count as
+        computed on top of ``request.num_computed_tokens``. Returns the ids of
+        the newly allocated blocks (hits excluded), or None when too few blocks
+        are free, in which case nothing changed.
+        """
+        req_id = request.request_id
+        bs = self.block_size
+        blocks = self.req_to_blocks.get(req_id)
+        num_held = 0 if blocks is None else len(blocks)
+        num_hits = 0 if not new_computed_blocks else len(new_computed_blocks)
+        total = request.num_computed_tokens + num_hits * bs + num_new_tokens
+        need = (total + bs - 1) // bs - num_held - num_hits
+        if need <= 0 and not num_hits:
+            # the decode fast path: the last block still has room
+            return []
+        pool = self.pool
+        free = pool.free_queue.num_free
+        if num_hits:
+            # hits sitting in the free queue stop being allocatable once touched
+            free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # type: ignore[union-attr]
+        if need > free:
+            return None
+        if blocks is None:
+            blocks = self.req_to_blocks[req_id] = []
+            self.req_to_block_ids[req_id] = []
+            self.num_cached_blocks[req_id] = 0
+            self.prefix_cache_queries += len(request.all_token_ids)
+            self.prefix_cache_hits += num_hits * bs
+        ids = self.req_to_block_ids[req_id]
+        if num_hits:
+            pool.touch(new_computed_blocks)  # type: ignore[arg-type]
+            blocks.extend(new_computed_blocks)  # type: ignore[arg-type]
+            ids.extend([b.block_id for b in new_computed_blocks])  # type: ignore[union-attr]
+            # hits are registered already
+            self.num_cached_blocks[req_id] = num_held + num_hits
+        if need <= 0:
+            return []
+        new = pool.get_new_blocks(need)
+        new_ids = [b.block_id for b in new]
+        blocks.extend(new)
+        ids.extend(new_ids)
+        return new_ids
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks whose tokens are all computed (and hashed)."""
+        req_id = request.request_id
+        done = self.num_cached_blocks.get(req_id)
+        if done is None:
+            return
+        upto = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        if upto <= done:
+            return
+        blocks = self.req_to_blocks[req_id]
+        hashes = request.block_hashes
+        cache = self.pool.cache_full_block
+        for i in range(done, upto):
+            cache(blocks[i], hashes[i])
+        self.num_cached_blocks[req_id] = upto
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so a sequence's tail is evicted before its head."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        if blocks is None:
+            return
+        del self.req_to_block_ids[req_id]
+        del self.num_cached_blocks[req_id]
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; False (and nothing done) while requests hold blocks."""
+        return self.pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests, 0..1."""
+        return self.pool.usage()
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether one request of ``num_tokens`` tokens fits in the whole cache."""
+        return (num_tokens + self.block_size - 1) // self.block_size <= self.pool.num_usable_blocks
