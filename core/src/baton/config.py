@@ -68,6 +68,8 @@ class ExecutorSection(_Section):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     tensor_parallel_size: int = Field(1, gt=0)
     pipeline_parallel_size: int = Field(1, gt=0)
+    data_parallel_size: int = Field(1, gt=0)
+    """Independent engine cores behind one asyncio frontend (least-loaded routing)."""
     num_threads: int | None = Field(None, gt=0)
     """torch intra-op threads per process; None keeps torch's default."""
 
@@ -87,6 +89,8 @@ class ServerSection(_Section):
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = None
     api_key: str | None = None
+    shutdown_timeout: float = Field(0.0, ge=0)
+    """On SIGTERM: > 0 drains (in-flight requests finish, up to this many seconds); 0 aborts them."""
 
 
 class ObservabilitySection(_Section):

@@ -57,3 +57,12 @@ class StructuredOutputError(BatonError, ValueError):
 
 class TransportError(BatonError, OSError):
     """A transport channel failed (peer gone, closed, timed out)."""
+
+
+def error_from_message(message: str) -> BaseException:
+    """Rebuild an error sent across a process as ``"ClassName: text"`` (utility calls, request errors)."""
+    name, sep, text = message.partition(": ")
+    cls = globals().get(name) if sep else None
+    if isinstance(cls, type) and issubclass(cls, BatonError):
+        return cls(text)
+    return BatonError(message)

@@ -5,22 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import msgspec
-
 from baton.config import BatonConfig
 from baton.errors import ConfigError
+from baton.protocol import ModelInfo
 
-
-class ModelInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
-    path: str  # the resolved Hugging Face folder
-    architecture: str
-    vocab_size: int
-    max_model_len: int  # the effective limit: config.model.max_model_len capped by the model's
-    eos_token_ids: list[int]
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
+__all__ = ["ModelInfo", "model_info", "read_model_info"]
 
 
 def model_info(config: BatonConfig) -> ModelInfo:

@@ -216,6 +216,27 @@ class KVCacheSpec(msgspec.Struct, **_STRUCT):
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
 
+class ModelInfo(msgspec.Struct, **_STRUCT):
+    path: str  # the resolved Hugging Face folder
+    architecture: str
+    vocab_size: int
+    max_model_len: int  # the effective limit: config.model.max_model_len capped by the model's
+    eos_token_ids: list[int]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+
+class EngineReady(msgspec.Struct, **_STRUCT):
+    """The engine's READY handshake, sent once its executor and KV cache are initialised."""
+
+    engine_index: int
+    pid: int
+    num_blocks: int
+    info: ModelInfo
+
+
 class KVCacheConfig(msgspec.Struct, **_STRUCT):
     num_blocks: int
     block_size: int

@@ -14,7 +14,7 @@ from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
 from baton.errors import InvalidRequestError
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
-from baton.frontend.output_processor import OutputProcessor, ParentRequest
+from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
@@ -123,15 +123,7 @@ class LLM:
         self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, priority: int, user: str | None
     ) -> list[str]:
         arrival = time.monotonic()
-        if params.n == 1:
-            children = [(request_id, 0, params, None)]
-        else:
-            parent = ParentRequest(request_id, params.n, params.output_kind)
-            children = []
-            for i in range(params.n):
-                # each child samples independently; seeded children stay reproducible
-                seed = None if params.seed is None else params.seed + i
-                children.append((parent.child_id(i), i, params.clone(n=1, seed=seed), parent))
+        children = split_request(request_id, params)
         for rid, index, p, parent in children:
             self.output_processor.add_request(rid, prompt, ids, p, arrival, index=index, parent=parent, user=user)
             req = self.input_processor.process(rid, ids, p, arrival_time=arrival, priority=priority, user=user)

@@ -38,6 +38,20 @@ class ParentRequest:
         return [c for c in self.children if c is not None]
 
 
+def split_request(
+    request_id: str, params: SamplingParams
+) -> list[tuple[str, int, SamplingParams, ParentRequest | None]]:
+    """(engine request id, index, params, parent) per sequence: n > 1 becomes n child requests."""
+    if params.n == 1:
+        return [(request_id, 0, params, None)]
+    parent = ParentRequest(request_id, params.n, params.output_kind)
+    # each child samples independently; seeded children stay reproducible
+    return [
+        (parent.child_id(i), i, params.clone(n=1, seed=None if params.seed is None else params.seed + i), parent)
+        for i in range(params.n)
+    ]
+
+
 @dataclass(slots=True)
 class RequestState:
     request_id: str  # the engine request id (a child id when n > 1)

@@ -83,7 +83,7 @@ class StructuredOutputManager:
             message = str(e) if isinstance(e, StructuredOutputError) else f"{type(e).__name__}: {e}"
             log.warning("request %s: structured-output spec failed to compile: %s", request.request_id, message)
             with self._lock:
-                self._failed.append((request, f"structured-output spec failed to compile: {message}"))
+                self._failed.append((request, f"StructuredOutputError: the structured-output spec failed to compile: {message}"))
                 self._compiled.pop(request.sampling_params.structured_outputs.key(), None)  # type: ignore[union-attr]
 
     def take_failed(self) -> list[tuple[Request, str]]:

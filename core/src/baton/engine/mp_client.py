@@ -1,0 +1,379 @@
+"""Clients for an engine core behind a transport: a process per engine (or a thread, for inproc).
+
+The transport plugin supplies the channel; everything here is transport-agnostic.
+One background thread per client receives outputs, resolves utility calls and
+watches the engines: a dead engine (ENGINE_CORE_DEAD, or its process gone
+without one) turns every pending and later call into EngineDeadError.
+Resources are released by weakref.finalize, even after a half-finished start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.config import BatonConfig
+from baton.engine.client import EngineCoreClient
+from baton.engine.core_proc import READY, run_engine_core
+from baton.errors import BatonError, EngineDeadError, InvalidRequestError, ProtocolError, error_from_message
+from baton.interfaces import ClientChannel, Transport
+from baton.plugins import get_registry
+from baton.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    ModelInfo,
+    RequestType,
+    UtilityRequest,
+)
+from baton.serial import MsgpackDecoder, MsgpackEncoder
+
+log = logging.getLogger(__name__)
+
+#: How often the output thread checks that every engine is alive.
+LIVENESS_INTERVAL_S = 0.25
+STARTUP_TIMEOUT_S = 900.0
+
+
+@dataclass
+class _Resources:
+    """Everything a client must release; closed by weakref.finalize or shutdown()."""
+
+    channel: ClientChannel | None = None
+    procs: list[Any] = field(default_factory=list)  # multiprocessing.Process or threading.Thread
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    closing: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
+    shutdown_timeout: float = 0.0
+
+    def close(self) -> None:
+        self.closing.set()
+        self.stop_event.set()  # in-thread engines
+        deadline = time.monotonic() + max(5.0, self.shutdown_timeout + 2.0)
+        for p in self.procs:
+            if isinstance(p, multiprocessing.process.BaseProcess) and p.is_alive():
+                p.terminate()  # SIGTERM: the engine shuts down (drain or abort mode)
+        for p in self.procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if isinstance(p, multiprocessing.process.BaseProcess) and p.is_alive():
+                log.warning("engine process %s did not exit in time; killing it", p.pid)
+                p.kill()
+                p.join(timeout=5)
+        if self.reader is not None and self.reader is not threading.current_thread():
+            self.reader.join(timeout=2)
+        if self.channel is not None:
+            self.channel.close()
+
+
+class MPClient(EngineCoreClient):
+    """Start engines, handshake, then deliver their outputs through ``_deliver``."""
+
+    def __init__(self, config: BatonConfig, transport: Transport, num_engines: int = 1) -> None:
+        self.config = config
+        self.num_engines = num_engines
+        self.resources = _Resources(shutdown_timeout=config.server.shutdown_timeout)
+        self._finalizer = weakref.finalize(self, self.resources.close)
+        self.dead_error: EngineDeadError | None = None
+        self._encoder = MsgpackEncoder()
+        self._send_lock = threading.Lock()
+        self._call_ids = itertools.count()
+        self._pending: dict[int, Future[Any]] = {}
+        try:
+            self._start(config, transport)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self, config: BatonConfig, transport: Transport) -> None:
+        res = self.resources
+        channel = res.channel = transport.create_client(self.num_engines)
+        fingerprint = get_registry().fingerprint()
+        ctx = multiprocessing.get_context("spawn")
+        for i in range(self.num_engines):
+            if transport.multiprocess:
+                p: Any = ctx.Process(
+                    target=run_engine_core, args=(config, channel.address, i, fingerprint),
+                    name=f"baton-engine-{i}",
+                )
+            else:
+                p = threading.Thread(
+                    target=run_engine_core,
+                    kwargs=dict(config=config, address=channel.address, engine_index=i, in_thread=True,
+                                shutdown_event=res.stop_event),
+                    name=f"baton-engine-{i}", daemon=True,
+                )
+            p.start()
+            res.procs.append(p)
+        self.ready = self._wait_ready(channel)
+        self.info: ModelInfo = self.ready[0].info
+        res.reader = threading.Thread(target=self._output_loop, name="baton-client-output", daemon=True)
+        res.reader.start()
+
+    def _wait_ready(self, channel: ClientChannel) -> list[EngineReady]:
+        decoder = MsgpackDecoder(EngineReady)
+        ready: dict[int, EngineReady] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < self.num_engines:
+            frames = channel.recv(timeout=0.1)
+            if frames is None:
+                dead = self._dead_engine()
+                if dead:
+                    raise EngineDeadError(f"the engine failed to start: {dead}")
+                if time.monotonic() > deadline:
+                    raise EngineDeadError(f"the engine did not report READY within {STARTUP_TIMEOUT_S:.0f} s")
+                continue
+            head = bytes(frames[0])
+            if head == ENGINE_CORE_DEAD:
+                raise EngineDeadError(_dead_message(frames))
+            if head == READY:
+                r = decoder.decode(frames[1:])
+                ready[r.engine_index] = r
+        return [ready[i] for i in range(self.num_engines)]
+
+    def _dead_engine(self) -> str | None:
+        for i, p in enumerate(self.resources.procs):
+            if not p.is_alive():
+                code = getattr(p, "exitcode", None)
+                return f"engine {i} ({'pid ' + str(p.pid) if hasattr(p, 'pid') and p.pid else 'thread'}) exited" + (
+                    f" with code {code}" if code is not None else ""
+                )
+        return None
+
+    # ------------------------------------------------------------------ output thread
+
+    def _output_loop(self) -> None:
+        res = self.resources
+        decoder = MsgpackDecoder(EngineCoreOutputs)
+        next_check = time.monotonic() + LIVENESS_INTERVAL_S
+        assert res.channel is not None
+        while not res.closing.is_set():
+            try:
+                frames = res.channel.recv(timeout=0.1)
+            except BatonError as e:
+                if not res.closing.is_set():
+                    self._mark_dead(f"the transport failed: {e}")
+                return
+            now = time.monotonic()
+            if frames is None or now >= next_check:
+                next_check = now + LIVENESS_INTERVAL_S
+                dead = self._dead_engine()
+                if dead and not res.closing.is_set():
+                    self._mark_dead(f"{dead} without notice")
+                    return
+            if frames is None:
+                continue
+            if len(frames[0]) == len(ENGINE_CORE_DEAD) and bytes(frames[0]) == ENGINE_CORE_DEAD:
+                self._mark_dead(_dead_message(frames))
+                return
+            try:
+                outputs = decoder.decode(frames)
+            except ProtocolError as e:
+                log.error("dropped a malformed output message: %s", e)
+                continue
+            if outputs.utility_output is not None:
+                u = outputs.utility_output
+                fut = self._pending.pop(u.call_id, None)
+                if fut is not None:
+                    if u.failure_message is None:
+                        fut.set_result(u.result)
+                    else:
+                        fut.set_exception(error_from_message(u.failure_message))
+            if outputs.outputs or outputs.scheduler_stats is not None:
+                self._deliver(outputs)
+
+    def _mark_dead(self, message: str) -> None:
+        err = EngineDeadError(f"the engine core died: {message}")
+        log.error("%s", err)
+        self.dead_error = err
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        self._deliver(err)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _send(self, rtype: RequestType, payload: Any, engine_index: int = 0) -> None:
+        self._check_alive()
+        frames = [rtype.value, *self._encoder.encode(payload)]
+        channel = self.resources.channel
+        assert channel is not None
+        with self._send_lock:
+            try:
+                channel.send(frames, engine_index)
+            except BatonError as e:
+                raise EngineDeadError(f"could not reach the engine: {e}") from e
+
+    def engine_for(self, request_id: str) -> int:
+        return 0
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(RequestType.ADD, request, self.engine_for(request.request_id))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_error is None:
+            by_engine: dict[int, list[str]] = {}
+            for rid in request_ids:
+                by_engine.setdefault(self.engine_for(rid), []).append(rid)
+            for idx, ids in by_engine.items():
+                self._send(RequestType.ABORT, ids, idx)
+
+    def _utility_future(self, method: str, args: tuple[Any, ...], engine_index: int = 0) -> Future[Any]:
+        self._check_alive()
+        call_id = next(self._call_ids)
+        fut: Future[Any] = Future()
+        self._pending[call_id] = fut
+        try:
+            self._send(RequestType.UTILITY, UtilityRequest(call_id=call_id, method=method, args=list(args)), engine_index)
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
+        if self.dead_error is not None and not fut.done():  # died between the check and the send
+            fut.set_exception(self.dead_error)
+        return fut
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._utility_future(method, args).result()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """Blocking face: get_output() waits on a queue the output thread fills."""
+
+    def __init__(self, config: BatonConfig, transport: Transport) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        super().__init__(config, transport)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self._outputs.put(item)
+
+    def get_output(self) -> EngineCoreOutputs:
+        while True:
+            self._check_alive()
+            try:
+                item = self._outputs.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if isinstance(item, EngineDeadError):
+                self._outputs.put(item)  # every later call raises too
+                raise item
+            return item
+
+
+class AsyncMPClient(MPClient):
+    """asyncio face: outputs land in an asyncio.Queue of the loop that created the client."""
+
+    def __init__(
+        self, config: BatonConfig, transport: Transport, num_engines: int = 1,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._outputs_async: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
+        super().__init__(config, transport, num_engines)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._outputs_async.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise InvalidRequestError("AsyncMPClient is asynchronous: await get_output_async()")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._check_alive()
+        item = await self._outputs_async.get()
+        if isinstance(item, EngineDeadError):
+            self._outputs_async.put_nowait(item)
+            raise item
+        return item
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._utility_future(method, args))
+
+
+class DPAsyncMPClient(AsyncMPClient):
+    """Data parallel: several engines, each request routed to the one with the fewest in flight."""
+
+    def __init__(
+        self, config: BatonConfig, transport: Transport, num_engines: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self._owner: dict[str, int] = {}
+        self._load = [0] * num_engines
+        super().__init__(config, transport, num_engines, loop)
+
+    def engine_for(self, request_id: str) -> int:
+        return self._owner.get(request_id, 0)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        idx = min(range(self.num_engines), key=self._load.__getitem__)
+        self._owner[request.request_id] = idx
+        self._load[idx] += 1
+        try:
+            super().add_request(request)
+        except BaseException:
+            self._release(request.request_id)
+            raise
+
+    def _release(self, request_id: str) -> None:
+        idx = self._owner.pop(request_id, None)
+        if idx is not None:
+            self._load[idx] -= 1
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        if isinstance(item, EngineCoreOutputs):
+            for out in item.outputs:
+                if out.finish_reason is not None:
+                    self._loop.call_soon_threadsafe(self._release, out.request_id)
+        super()._deliver(item)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        super().abort_requests(request_ids)
+        for rid in request_ids:
+            self._release(rid)
+
+
+def _dead_message(frames: list[Any]) -> str:
+    return bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else "no reason given"
+
+
+def make_mp_client(
+    config: BatonConfig, transport: Transport, *, asyncio_mode: bool,
+    loop: asyncio.AbstractEventLoop | None = None, **_: Any,
+) -> EngineCoreClient:
+    num_engines = config.executor.data_parallel_size
+    if not asyncio_mode:
+        if num_engines > 1:
+            raise InvalidRequestError("executor.data_parallel_size > 1 needs the asyncio client (AsyncLLM / baton serve)")
+        return SyncMPClient(config, transport)
+    if num_engines > 1:
+        return DPAsyncMPClient(config, transport, num_engines, loop)
+    return AsyncMPClient(config, transport, 1, loop)

@@ -1,0 +1,174 @@
+"""AsyncLLM: the asyncio frontend. Streams RequestOutputs; a cancelled consumer aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from baton.config import BatonConfig
+from baton.engine.client import EngineCoreClient, make_client
+from baton.errors import EngineDeadError, error_from_message
+from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
+from baton.frontend.output_processor import OutputProcessor, split_request
+from baton.frontend.stat_loggers import StatLoggers
+from baton.frontend.tokenizer import load_tokenizer
+from baton.metrics.stats import IterationStats
+from baton.model_info import model_info
+from baton.outputs import RequestOutput
+from baton.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Serve many concurrent requests from one event loop.
+
+    Build it with ``await AsyncLLM.create(model=..., config=..., **overrides)``
+    (the engine starts off the event loop). ``generate`` is an async iterator.
+    """
+
+    def __init__(self, config: BatonConfig, engine: EngineCoreClient, tokenizer: Any) -> None:
+        self.config = config
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(tokenizer, self.info)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stat_loggers = StatLoggers(config)
+        self._ids = itertools.count()
+        self._handler: asyncio.Task[None] | None = None
+        self._logger_task: asyncio.Task[None] | None = None
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    async def create(
+        cls, model: str | None = None, config: str | os.PathLike[str] | BatonConfig | None = None, **overrides: Any
+    ) -> AsyncLLM:
+        cfg = config if isinstance(config, BatonConfig) else BatonConfig.load(config, model=model, **overrides)
+        loop = asyncio.get_running_loop()
+
+        def start() -> tuple[EngineCoreClient, Any]:
+            info = model_info(cfg)
+            tokenizer = load_tokenizer(cfg, info)
+            return make_client(cfg, asyncio_mode=True, loop=loop, info=info), tokenizer
+
+        engine, tokenizer = await loop.run_in_executor(None, start)
+        return cls(cfg, engine, tokenizer)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def render_chat(self, messages: ChatMessages, **kwargs: Any) -> list[int]:
+        return self.input_processor.render_chat(messages, **kwargs)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request (cumulative, delta or final only per params.output_kind).
+
+        Cancelling the consumer (or closing the generator) aborts the request in the engine.
+        """
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        params = sampling_params or SamplingParams()
+        text, ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate(ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._ensure_handler()
+        arrival = time.monotonic()
+        children = split_request(rid, params)
+        try:
+            for child_id, index, p, parent in children:
+                self.output_processor.add_request(
+                    child_id, text, ids, p, arrival, index=index, parent=parent, user=user, sink=queue.put_nowait
+                )
+                req = self.input_processor.process(child_id, ids, p, arrival_time=arrival, priority=priority, user=user)
+                await self.engine.add_request_async(req)
+            while True:
+                item = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise error_from_message(item.error)
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # finished requests are already gone from the processor: this only aborts live ones
+            engine_ids = self.output_processor.abort_requests([rid])
+            if engine_ids and self.dead_error is None:
+                await self.engine.abort_requests_async(engine_ids)
+
+    async def abort(self, request_id: str) -> None:
+        engine_ids = self.output_processor.abort_requests([request_id])
+        if engine_ids:
+            await self.engine.abort_requests_async(engine_ids)
+
+    # ------------------------------------------------------------------ output handling
+
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="baton-output-handler")
+        if self._logger_task is None and self.stat_loggers.loggers:
+            self._logger_task = asyncio.get_running_loop().create_task(self._log_loop(), name="baton-stat-logger")
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                out = await self.engine.get_output_async()
+                stats = IterationStats(timestamp=time.monotonic())
+                processed = self.output_processor.process_outputs(out.outputs, stats)
+                if processed.reqs_to_abort:
+                    await self.engine.abort_requests_async(processed.reqs_to_abort)
+                self.stat_loggers.record(out.scheduler_stats, stats, out.engine_index)
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:  # a bug here must reach every waiting request, not vanish in a task
+            log.exception("the output handler failed")
+            self._fail_all(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead_error = error
+        for state in list(self.output_processor.states.values()):
+            if state.sink is not None:
+                state.sink(error)  # type: ignore[arg-type]
+        self.output_processor.states.clear()
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stat_loggers.interval)
+            self.stat_loggers.log()
+
+    # ------------------------------------------------------------------ utilities
+
+    async def get_stats(self) -> Any:
+        return await self.engine.call_utility_async("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.call_utility_async("reset_prefix_cache")
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        await self.engine.call_utility_async("check_health")
+
+    def shutdown(self) -> None:
+        for task in (self._handler, self._logger_task):
+            if task is not None:
+                task.cancel()
+        self.engine.shutdown()
