@@ -55,7 +55,7 @@ class EngineCore:
         self.config = config
         self.engine_index = engine_index
         self.registry = registry or get_registry()
-        check_config_plugins(config, self.registry)
+        check_config_plugins(config, self.registry, skip=frozenset({"executor"}) if executor else frozenset())
         if executor is None:
             entry = self.registry.get("executor", config.executor.backend)
             settings = config.plugin_settings("executor", entry.name, entry.settings_model)
@@ -194,9 +194,10 @@ class EngineCore:
             if not scheduled and self.scheduler.has_unfinished_requests():
                 time.sleep(IDLE_YIELD_S)  # pending but unschedulable (e.g. grammars compiling): don't spin
             return self._outputs(errors), False
+        in_flight = len(queue)  # including the batch about to complete
         future, so = queue.pop()
         outputs = self.scheduler.update_from_output(so, future.result())
-        return self._outputs(errors + outputs), True
+        return self._outputs(errors + outputs, in_flight), True
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
         failed = self.structured_output.take_failed()
@@ -212,7 +213,7 @@ class EngineCore:
                 )
         return outs
 
-    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
+    def _outputs(self, outputs: list[EngineCoreOutput], in_flight: int = 0) -> EngineCoreOutputs | None:
         if self.aborts_to_report:
             outputs = self.aborts_to_report + outputs
             self.aborts_to_report = []
@@ -220,7 +221,7 @@ class EngineCore:
         if not outputs and stats is None:
             return None
         if stats is not None:
-            stats.num_batches_in_flight = len(self.batch_queue)
+            stats.num_batches_in_flight = in_flight
         return EngineCoreOutputs(
             engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic()
         )

@@ -11,10 +11,15 @@ SECTION_KINDS = {section: kind for kind, (section, _) in PLUGIN_SELECTORS.items(
 }
 
 
-def check_config_plugins(config: BatonConfig, registry: Registry) -> None:
-    """Raise PluginNotFoundError / ConfigError naming the field when the config asks for a missing plugin."""
+def check_config_plugins(config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()) -> None:
+    """Raise PluginNotFoundError / ConfigError naming the field when the config asks for a missing plugin.
+
+    ``skip``: plugin kinds the caller supplies itself (e.g. an executor instance).
+    """
     for kind, (section, field) in PLUGIN_SELECTORS.items():
         name = getattr(getattr(config, section), field)
+        if kind in skip:
+            continue
         if kind == "structured_output" and name in ("auto", "none"):
             continue
         registry.get(kind, name)

@@ -1,0 +1,107 @@
+"""Offline throughput on a chat workload: output tokens/s, peak RSS and the output digest.
+
+Runs the workload's ``prompt_token_ids`` with greedy decoding and each request's
+exact ``max_new_tokens`` (EOS ignored), through ``LLM.generate`` with the
+configured engine. ``--repeats N`` runs it N times on one warm engine (prefix
+cache reset between runs) and reports the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from baton.bench.common import (
+    CpuMonitor,
+    children_peak_rss_mb,
+    default_bench_dir,
+    digest,
+    emit,
+    load_workload,
+    peak_rss_mb,
+    summarize,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from baton.cli import add_engine_arguments
+
+    p.add_argument("--workload", default=None, help="a chat-workload JSON (default: workload.json of ../shared/bench)")
+    p.add_argument("--num-requests", type=int, help="use only the first N requests")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--per-request", action="store_true", help="include each request's output token ids")
+    add_engine_arguments(p)
+
+
+def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None, repeats: int = 1) -> dict[str, Any]:
+    from baton import SamplingParams
+
+    wl = load_workload(workload_path)
+    reqs = wl.requests[:num_requests] if num_requests else wl.requests
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True) for r in reqs]
+    runs, outputs, monitors = [], None, []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        with CpuMonitor() as mon:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+        monitors.append(mon.result)
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({"wall_s": round(wall, 3), "output_tokens": n_out, "tok_per_s": round(n_out / wall, 2)})
+        outputs = [o.outputs[0].token_ids for o in outs]
+    assert outputs is not None
+    tok_s = summarize(r["tok_per_s"] for r in runs)
+    return {
+        "bench": "throughput",
+        "workload": str(workload_path),
+        "num_requests": len(reqs),
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+        "output_tokens": runs[-1]["output_tokens"],
+        "tok_per_s": tok_s,
+        "runs": runs,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "engine_children_peak_rss_mb": round(children_peak_rss_mb(), 1),
+        "outputs_sha256_16": digest(outputs),
+        "cpu": monitors,
+        "expected_tokens_ok": all(len(o) == r.max_new_tokens for o, r in zip(outputs, reqs, strict=True)),
+        "_outputs": outputs,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from baton import LLM
+    from baton.cli import engine_overrides
+
+    path = args.workload or str(default_bench_dir() / "workload.json")
+    t0 = time.perf_counter()
+    with LLM(config=args.config, **engine_overrides(args)) as llm:
+        startup = time.perf_counter() - t0
+        result = run_throughput(llm, path, args.num_requests, args.repeats)
+        result["config"] = {
+            "transport": llm.config.transport.name, "executor": llm.config.executor.backend,
+            "tp": llm.config.executor.tensor_parallel_size, "pp": llm.config.executor.pipeline_parallel_size,
+            "max_num_seqs": llm.config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
+            "block_size": llm.config.cache.block_size,
+        }
+        stats = llm.get_stats()
+        result["kv_blocks"] = stats.num_total_blocks
+    result["startup_s"] = round(startup, 2)
+    outputs = result.pop("_outputs")
+    if args.per_request:
+        result["outputs"] = outputs
+    emit(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    parser = argparse.ArgumentParser(prog="baton bench throughput")
+    parser.add_argument("--config")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

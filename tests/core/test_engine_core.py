@@ -1,0 +1,138 @@
+"""EngineCore with the fake executor: the step loop, the batch queue, aborts, utilities, failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.config import BatonConfig
+from baton.engine.core import EngineCore
+from baton.errors import ConfigError, ExecutorError, InvalidRequestError
+from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo
+from baton.sampling_params import SamplingParams
+from baton.testing import FakeExecutor
+
+INFO = ModelInfo(path="fake", architecture="Fake", vocab_size=32000, max_model_len=512, eos_token_ids=[0])
+
+
+def make_core(max_concurrent_batches: int = 1, **overrides) -> EngineCore:
+    config = BatonConfig.load(max_model_len=512, **overrides)
+    fake = FakeExecutor(block_size=config.cache.block_size, max_concurrent_batches=max_concurrent_batches,
+                        latency_s=0.002 if max_concurrent_batches > 1 else 0.0)
+    return EngineCore(config, executor=fake, info=INFO)
+
+
+def req(rid: str, n_prompt: int = 20, max_tokens: int = 8, **params) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=[(7 * i + len(rid)) % 30000 + 1 for i in range(n_prompt)],
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, **params), eos_token_id=0,
+    )
+
+
+def run_to_completion(core: EngineCore, max_steps: int = 1000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, FinishReason] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            break
+        outs, _ = core.step_fn()
+        for o in outs.outputs if outs else ():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.finish_reason
+    assert not core.has_work()
+    return {k: v for k, v in tokens.items() if k in finished}
+
+
+def test_requests_run_to_their_length():
+    core = make_core()
+    for i in range(5):
+        core.add_request(req(f"r{i}", n_prompt=10 + 30 * i, max_tokens=4 + i))
+    out = run_to_completion(core)
+    assert {k: len(v) for k, v in out.items()} == {f"r{i}": 4 + i for i in range(5)}
+
+
+def test_batch_queue_gives_the_same_tokens_and_overlaps():
+    plain = make_core()
+    queued = make_core(max_concurrent_batches=2, max_num_seqs=8, max_num_batched_tokens=32)
+    assert queued.step_fn == queued.step_with_batch_queue
+    for core in (plain, queued):
+        for i in range(10):
+            core.add_request(req(f"r{i}", n_prompt=5 + 13 * i, max_tokens=6))
+    max_in_flight = 0
+    tokens: dict[str, list[int]] = {}
+    while queued.has_work():
+        outs, _ = queued.step_fn()
+        if outs is not None and outs.scheduler_stats is not None:
+            max_in_flight = max(max_in_flight, outs.scheduler_stats.num_batches_in_flight)
+        for o in outs.outputs if outs else ():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert max_in_flight == 2
+    assert tokens == run_to_completion(plain)
+
+
+def test_abort_in_any_state_is_idempotent():
+    core = make_core(max_num_seqs=1)
+    core.add_request(req("running", max_tokens=50))
+    core.add_request(req("waiting", max_tokens=50))
+    core.step_fn()
+    core.abort_requests(["running", "waiting", "never-seen"])
+    core.abort_requests(["running"])
+    assert not core.has_work()
+    assert core.get_stats().num_free_blocks == core.num_blocks - 1  # block 0 is the null block
+
+
+def test_bad_requests_raise_and_the_engine_keeps_serving():
+    core = make_core()
+    core.add_request(req("ok"))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        core.add_request(req("ok"))
+    with pytest.raises(InvalidRequestError, match="prompt has 600 tokens"):
+        core.add_request(req("long", n_prompt=600))
+    bad = req("vocab")
+    bad.prompt_token_ids[3] = 99999
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        core.add_request(bad)
+    assert list(run_to_completion(core)) == ["ok"]
+
+
+def test_abort_all_reports_abort():
+    core = make_core()
+    core.add_request(req("a", max_tokens=100))
+    core.step_fn()
+    outs = core.abort_all()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ABORT)]
+
+
+def test_utilities():
+    core = make_core()
+    core.add_request(req("a"))
+    assert core.list_requests() == ["a"]
+    run_to_completion(core)
+    assert core.reset_prefix_cache() is True
+    assert core.get_stats().num_running_reqs == 0
+    core.check_health()
+
+
+def test_executor_failure_surfaces_from_step():
+    config = BatonConfig.load(max_model_len=512)
+    core = EngineCore(config, executor=FakeExecutor(fail_at_step=2), info=INFO)
+    core.add_request(req("a", max_tokens=20))
+    core.step_fn()
+    core.step_fn()
+    with pytest.raises(ExecutorError):
+        core.step_fn()
+
+
+def test_kv_cache_too_small_for_one_sequence_is_a_config_error():
+    config = BatonConfig.load(max_model_len=512, block_size=16)
+    with pytest.raises(ConfigError, match="raise cache.kv_cache_memory"):
+        EngineCore(config, executor=FakeExecutor(num_blocks=8), info=INFO)
+
+
+def test_structured_output_without_backend_names_the_plugin():
+    from baton.sampling_params import StructuredOutputSpec
+
+    core = make_core(structured_output="none")
+    with pytest.raises(Exception, match="pip install baton-plugin-xgrammar"):
+        core.add_request(req("j", structured_outputs=StructuredOutputSpec(regex="[ab]+")))
+    assert not core.has_work()
