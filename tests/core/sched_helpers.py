@@ -40,7 +40,8 @@ def make_request(
     arrival: float = 0.0, salt: str | None = None, max_model_len: int | None = None, **params: Any,
 ) -> Request:
     if isinstance(prompt, int):
-        prompt = [(7 * i + len(rid)) % 997 + 1 for i in range(prompt)]
+        seed = sum(map(ord, rid))  # distinct ids, distinct prompts
+        prompt = [(7 * i + 13 * seed) % 997 + 1 for i in range(prompt)]
     params.setdefault("max_tokens", 8)
     return Request(
         rid, list(prompt), SamplingParams(**params), eos_token_id=eos, arrival_time=arrival,
@@ -70,7 +71,7 @@ class Driver:
         self.scheduler_outputs.append(so)
         mro = self.ex.execute_model(so)
         outs = self.s.update_from_output(so, mro)
-        self.preemptions += self.s.make_stats().num_preemptions
+        self.preemptions += len(so.preempted_req_ids)
         self.record(outs)
         return outs
 

@@ -1,0 +1,485 @@
+"""The scheduler mechanism: continuous batching over a paged KV cache.
+
+There are no prefill or decode phases. Each ``schedule()`` decides how many
+tokens each request computes this step (``{req_id: num_tokens}``) under
+``max_num_batched_tokens`` and ``max_num_seqs``: running requests first (decodes
+and the next chunk of unfinished prompts, in admission order), then waiting
+requests in the order the policy gives. A request's ``num_computed_tokens``
+advances when it is scheduled; until its output is applied by
+``update_from_output`` it is *in flight* and is neither scheduled again nor
+preempted (so several SchedulerOutputs can be in flight: the pipeline-parallel
+batch queue).
+
+When a running request needs a block and none is free, the policy picks a
+victim; its blocks are freed and it is recomputed later from its tokens
+(prompt + what it generated), producing the same output. The model runner
+learns of finished and preempted requests through the next SchedulerOutput.
+
+What a policy decides (order, admission, victim) is behind
+``baton.interfaces.SchedulerPolicy``; everything here is mechanism.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from baton.errors import InvalidRequestError
+from baton.kv.hashing import update_block_hashes
+from baton.kv.manager import KVCacheManager
+from baton.protocol import (
+    CachedRequestData,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from baton.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from baton.config import BatonConfig
+    from baton.interfaces import SchedulerPolicy
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED
+_FINISHED = RequestStatus.FINISHED_STOPPED  # every status >= this one is finished
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+_ERROR = RequestStatus.FINISHED_ERROR
+
+
+class Scheduler:
+    """Decides each step's work and applies its results. See the module docstring."""
+
+    def __init__(
+        self,
+        config: BatonConfig,
+        policy: SchedulerPolicy,
+        num_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.block_size = config.cache.block_size
+        self.enable_caching = config.cache.enable_prefix_caching
+        self.max_model_len = max_model_len if max_model_len is not None else config.model.max_model_len
+        self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+
+        #: Every unfinished request by id (finished ones are dropped when they finish).
+        self.requests: dict[str, Request] = {}
+        #: Admitted requests in admission order; may hold finished/preempted ones until
+        #: the next filter (``_running_dirty``), so removal is never an O(n) list.remove.
+        self.running: list[Request] = []
+        self._running_dirty = False
+        self._waiting_for_fsm: dict[str, Request] = {}
+        #: req id -> step id of the SchedulerOutput it is in flight in.
+        self._in_flight: dict[str, int] = {}
+        self._steps_in_flight: set[int] = set()
+        #: req id -> how many of its tokens the runner has; present iff the runner knows it.
+        self._num_sent: dict[str, int] = {}
+        #: Runner news not yet sent: finished and preempted request ids.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        self._step = 0
+        # figures for make_stats (deltas since its previous call)
+        self._last_num_scheduled = 0
+        self._num_preemptions = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
+
+    # ------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (WAITING, or WAITING_FOR_FSM until ``request.grammar`` is set)."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use by an unfinished request")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError(f"request {rid!r}: the prompt is empty; give at least one token")
+        if self.max_model_len is not None and n > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {rid!r}: prompt of {n} tokens is longer than max_model_len "
+                f"({self.max_model_len}); shorten it or raise model.max_model_len"
+            )
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"request {rid!r}: prompt of {n} tokens exceeds scheduler.max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) and chunked prefill is off; enable "
+                "scheduler.enable_chunked_prefill or raise max_num_batched_tokens"
+            )
+        max_len = n + max(request.max_tokens, 1)
+        if self.max_model_len is not None:
+            max_len = min(max_len, self.max_model_len)
+        if not self.kv.can_fit(max_len):
+            raise InvalidRequestError(
+                f"request {rid!r}: up to {max_len} tokens need more KV blocks than the cache has "
+                f"({self.kv.num_total_blocks} blocks of {self.block_size}); lower max_tokens, "
+                "model.max_model_len, or give the cache more memory"
+            )
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
+        self.requests[rid] = request
+        request.record_event(EngineCoreEventType.QUEUED, self.clock())
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            self._waiting_for_fsm[rid] = request
+        else:
+            request.status = _WAITING
+            self.policy.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests in any state (aborts). Unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        done: list[Request] = []
+        waiting: set[str] = set()
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == _WAITING or req.status == _PREEMPTED:
+                waiting.add(rid)
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                del self._waiting_for_fsm[rid]
+            req.status = status
+            self._in_flight.pop(rid, None)  # its in-flight output, if any, is dropped
+            self._release(req)
+            done.append(req)
+        if waiting:
+            self.policy.remove(waiting)
+        return done
+
+    def _release(self, req: Request) -> None:
+        """Drop a finished request: blocks back to the pool, the runner told next step."""
+        rid = req.request_id
+        self.kv.free(req)
+        del self.requests[rid]
+        self._running_dirty = True
+        if self._num_sent.pop(rid, None) is not None:
+            self._finished_ids.append(rid)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_requests_to_schedule(self) -> bool:
+        """Whether a request exists that is not in flight and not waiting for its grammar."""
+        if len(self.requests) - len(self._waiting_for_fsm) > len(self._in_flight):
+            return True
+        return any(r.grammar is not None for r in self._waiting_for_fsm.values())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work; see the module docstring."""
+        now = self.clock()
+        if self._waiting_for_fsm:
+            self._release_ready_grammars()
+        self._step += 1
+        step_id = self._step
+        budget = self.max_num_batched_tokens
+        in_flight = self._in_flight
+        num_sent = self._num_sent
+        allocate = self.kv.allocate_slots
+        num_scheduled: dict[str, int] = {}
+        c_ids: list[str] = []
+        c_tokens: list[list[int]] = []
+        c_blocks: list[list[int]] = []
+        c_computed: list[int] = []
+        so_ids: list[str] = []
+        preempted: list[str] = []
+
+        # running requests: decodes and the next chunks of started prompts
+        running = self.running
+        for req in running:
+            if budget <= 0:
+                break
+            rid = req.request_id
+            if req.status != _RUNNING or rid in in_flight:
+                continue
+            tokens = req.all_token_ids
+            computed = req.num_computed_tokens
+            ntok = len(tokens)
+            n = ntok - computed
+            if n > budget:
+                n = budget
+            if n <= 0:
+                continue
+            new_ids = allocate(req, n)
+            while new_ids is None:
+                victim = self._preempt_for(req, now, preempted)
+                if victim is req:
+                    break
+                vid = victim.request_id
+                if vid in num_scheduled:  # scheduled earlier this step: take it back
+                    budget += num_scheduled.pop(vid)
+                    k = c_ids.index(vid)
+                    del c_ids[k], c_tokens[k], c_blocks[k], c_computed[k]
+                    if vid in so_ids:
+                        so_ids.remove(vid)
+                new_ids = allocate(req, n)
+            if new_ids is None:
+                break  # the request preempted itself: nothing more fits
+            num_scheduled[rid] = n
+            budget -= n
+            c_ids.append(rid)
+            c_tokens.append(tokens[num_sent[rid] : ntok])
+            num_sent[rid] = ntok
+            c_blocks.append(new_ids)
+            c_computed.append(computed)
+            computed += n
+            req.num_computed_tokens = computed
+            if req.grammar is not None and computed == ntok:
+                so_ids.append(rid)
+
+        if self._running_dirty:
+            running = self.running = [r for r in running if r.status == _RUNNING]
+            self._running_dirty = False
+
+        # waiting requests, in policy order, unless this step had to preempt
+        new_reqs: list[NewRequestData] = []
+        if not preempted:
+            budget = self._admit(now, budget, num_scheduled, new_reqs, so_ids)
+
+        self._num_preemptions += len(preempted)
+        if num_scheduled:
+            in_flight.update(dict.fromkeys(num_scheduled, step_id))
+            self._steps_in_flight.add(step_id)
+            finished_ids, self._finished_ids = self._finished_ids, []
+            if self._preempted_ids:
+                preempted[:0] = self._preempted_ids
+                self._preempted_ids = []
+        else:
+            # an empty output may never reach the runner (the batch queue skips it):
+            # keep its news for the next output that does
+            finished_ids = []
+            self._preempted_ids.extend(preempted)
+            preempted = []
+        total = self.max_num_batched_tokens - budget
+        self._last_num_scheduled = total
+        return SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=c_ids, new_token_ids=c_tokens, new_block_ids=c_blocks, num_computed_tokens=c_computed
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_ids,
+            preempted_req_ids=preempted,
+            structured_output_req_ids=so_ids,
+        )
+
+    def _admit(
+        self,
+        now: float,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        so_ids: list[str],
+    ) -> int:
+        """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
+        policy = self.policy
+        kv = self.kv
+        running = self.running
+        while budget > 0 and len(running) < self.max_num_seqs:
+            req = policy.peek(now)
+            if req is None:
+                break
+            rid = req.request_id
+            hits, num_hit = kv.get_computed_blocks(req)
+            tokens = req.all_token_ids
+            ntok = len(tokens)
+            n = ntok - num_hit
+            if n > budget:
+                # without chunked prefill a prompt waits for a step it fits in whole; one that
+                # can never fit (a long request resumed after preemption) is chunked anyway
+                if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+                    break
+                n = budget
+            new_ids = kv.allocate_slots(req, n, hits)
+            if new_ids is None:
+                break
+            policy.pop(req)
+            req.status = _RUNNING
+            running.append(req)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.record_event(EngineCoreEventType.SCHEDULED, now)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=list(kv.get_block_ids(rid)),
+                    num_computed_tokens=num_hit,
+                    output_token_ids=tokens[req.num_prompt_tokens :],
+                )
+            )
+            self._num_sent[rid] = ntok
+            num_scheduled[rid] = n
+            budget -= n
+            req.num_computed_tokens = num_hit + n
+            if req.grammar is not None and num_hit + n == ntok:
+                so_ids.append(rid)
+        return budget
+
+    def _preempt_for(self, req: Request, now: float, preempted: list[str]) -> Request:
+        """Preempt the policy's victim among running requests not in flight (``req`` included)."""
+        in_flight = self._in_flight
+        candidates = [r for r in self.running if r.status == _RUNNING and r.request_id not in in_flight]
+        victim = self.policy.select_victim(candidates)
+        if victim.status != _RUNNING or victim.request_id in in_flight:
+            raise RuntimeError(f"scheduler policy chose {victim!r}, which is not a preemption candidate")
+        self.kv.free(victim)
+        victim.status = _PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.record_event(EngineCoreEventType.PREEMPTED, now)
+        if self._num_sent.pop(victim.request_id, None) is not None:
+            preempted.append(victim.request_id)
+        self._running_dirty = True
+        self.policy.add(victim)
+        return victim
+
+    def _release_ready_grammars(self) -> None:
+        ready = [r for r in self._waiting_for_fsm.values() if r.grammar is not None]
+        for req in ready:
+            del self._waiting_for_fsm[req.request_id]
+            req.status = _WAITING
+            self.policy.add(req)
+
+    # ------------------------------------------------------ update_from_output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens: stop checks, prefix-cache registration, outputs.
+
+        Returns one EngineCoreOutput per request that got tokens or finished.
+        Requests finished (aborted) while the step was in flight are skipped.
+        """
+        step_id = scheduler_output.step_id
+        self._steps_in_flight.discard(step_id)
+        if model_runner_output is not None and model_runner_output.req_ids:
+            sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True))
+            logprobs = model_runner_output.logprobs
+        else:
+            sampled, logprobs = {}, None
+        in_flight = self._in_flight
+        requests = self.requests
+        caching = self.enable_caching
+        bs = self.block_size
+        outputs: list[EngineCoreOutput] = []
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            if in_flight.get(rid) != step_id:
+                continue
+            del in_flight[rid]
+            req = requests[rid]
+            tokens = req.all_token_ids
+            computed = req.num_computed_tokens
+            new = None
+            if computed == len(tokens):  # this step reached the end: it sampled
+                new = sampled.get(rid)
+                if not new:
+                    req.status = _ERROR
+                    req.error = f"the model runner returned no token for request {rid!r} at step {step_id}"
+                    new = []
+                else:
+                    new = self._append_and_check(req, new)
+                if caching and len(tokens) // bs > len(req.block_hashes):
+                    update_block_hashes(req, bs)
+            if caching and computed // bs != (computed - n) // bs:
+                self.kv.cache_blocks(req, computed)
+            if new is None:
+                continue  # a prompt chunk: nothing to report yet
+            status = req.status
+            finished = status >= _FINISHED
+            events = req.events
+            if events is not None:
+                req.events = None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=new,
+                    new_logprobs=logprobs.get(rid) if logprobs else None,
+                    finish_reason=status.finish_reason if finished else None,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                    events=events,
+                    error=req.error,
+                )
+            )
+            if finished:
+                self._release(req)
+        return outputs
+
+    def _append_and_check(self, req: Request, new: list[int]) -> list[int]:
+        """Append sampled tokens, stopping at the first that ends the request; returns those kept."""
+        tokens = req.all_token_ids
+        sp = req.sampling_params
+        for k, tok in enumerate(new):
+            tokens.append(tok)
+            num_out = len(tokens) - req.num_prompt_tokens
+            if num_out >= sp.min_tokens:
+                if tok == req.eos_token_id and not sp.ignore_eos:
+                    req.status = _STOPPED
+                elif sp.stop_token_ids and tok in sp.stop_token_ids:
+                    req.status = _STOPPED
+                    req.stop_reason = tok
+            if req.status < _FINISHED and (
+                num_out >= req.max_tokens or (self.max_model_len is not None and len(tokens) >= self.max_model_len)
+            ):
+                req.status = _LENGTH
+            if req.status >= _FINISHED:
+                return new[: k + 1] if k + 1 < len(new) else new
+        grammar = req.grammar
+        if grammar is not None:
+            if not grammar.accept_tokens(new):
+                req.status = _ERROR
+                req.error = f"request {req.request_id!r}: sampled tokens {new} were rejected by its grammar"
+            elif grammar.is_terminated():
+                req.status = _STOPPED
+        return new
+
+    # ------------------------------------------------------------------ stats
+
+    def make_stats(self) -> SchedulerStats:
+        """The figures after the latest step; counters are deltas since the previous call."""
+        kv = self.kv
+        queries = kv.prefix_cache_queries - self._queries_seen
+        hits = kv.prefix_cache_hits - self._hits_seen
+        self._queries_seen, self._hits_seen = kv.prefix_cache_queries, kv.prefix_cache_hits
+        preemptions, self._num_preemptions = self._num_preemptions, 0
+        num_running = sum(1 for r in self.running if r.status == _RUNNING) if self._running_dirty else len(self.running)
+        return SchedulerStats(
+            step=self._step,
+            num_running_reqs=num_running,
+            num_waiting_reqs=len(self.policy) + len(self._waiting_for_fsm),
+            num_scheduled_tokens=self._last_num_scheduled,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+            num_batches_in_flight=len(self._steps_in_flight),
+        )
