@@ -1,0 +1,220 @@
+"""baton's paged attention, plugged into transformers through its AttentionInterface.
+
+The runner flattens every scheduled token of a step into one sequence (batch
+dimension 1, explicit ``position_ids``) and passes an ``AttentionMetadata`` as
+the forward keyword argument ``baton_attn``; transformers hands it, untouched,
+to ``paged_attention`` in every layer. There the new keys/values are written
+into the paged cache by slot (``slot = block_id * block_size + offset``), then
+each request attends over its own blocks:
+
+- decode tokens (one query per request) come first in the flattened sequence
+  and are attended in groups of similar context length with two batched
+  matmuls, padded to the longest context of the group;
+- prefill chunks (a prompt, or a chunk after a cached prefix) are attended one
+  request at a time with ``scaled_dot_product_attention``.
+
+GQA is never expanded in memory: decode folds the query heads of one KV head
+into a matrix; prefill uses SDPA's ``enable_gqa``.
+
+Cache layout per layer: ``[2, num_kv_heads, num_slots, head_dim]`` so that a
+gather by slot gives each KV head's keys contiguously.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPL = "baton"
+#: The forward keyword argument that carries the step's metadata to every layer.
+META_KWARG = "baton_attn"
+
+
+@dataclass
+class DecodeGroup:
+    """Decode tokens ``[start, start + n)`` of the flattened sequence, padded to ``max_len`` keys."""
+
+    start: int
+    n: int
+    max_len: int
+    slots: torch.Tensor  # [n * max_len] int64: the keys' slots, padding repeats a valid slot
+    ctx_lens: torch.Tensor  # [n] int64: number of keys of each request (position + 1)
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Additive mask [n, 1, max_len]: 0 where a key is visible, -inf elsewhere."""
+        m = self._masks.get(window)
+        if m is None:
+            pos = torch.arange(self.max_len, device=self.slots.device)
+            ok = pos[None, :] < self.ctx_lens[:, None]
+            if window is not None:  # transformers: key visible iff q - k < window
+                ok &= pos[None, :] > (self.ctx_lens[:, None] - 1 - window)
+            m = torch.zeros(ok.shape, dtype=torch.float32, device=ok.device)
+            m.masked_fill_(~ok, float("-inf"))
+            m = m.unsqueeze(1)
+            self._masks[window] = m
+        return m
+
+
+@dataclass
+class PrefillSeq:
+    """Query tokens ``[start, start + q_len)`` of one request, whose first ``prefix_len`` keys are cached."""
+
+    start: int
+    q_len: int
+    prefix_len: int
+    #: Slots of all ``prefix_len + q_len`` keys; None when prefix_len == 0 (the fresh keys suffice).
+    slots: torch.Tensor | None
+    _masks: dict[tuple[int | None, bool], torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, causal: bool) -> torch.Tensor | None:
+        """Boolean mask [q_len, prefix_len + q_len] (True = visible), or None for plain causal."""
+        key = (window, causal)
+        if key in self._masks:
+            return self._masks[key]
+        s = self.prefix_len + self.q_len
+        device = self.slots.device if self.slots is not None else None
+        if causal and window is None and self.prefix_len == 0:
+            m = None  # SDPA's is_causal
+        else:
+            q_pos = torch.arange(self.prefix_len, s, device=device)[:, None]
+            k_pos = torch.arange(s, device=device)[None, :]
+            m = k_pos <= q_pos if causal else torch.ones(self.q_len, s, dtype=torch.bool, device=device)
+            if window is not None:
+                m = m & (k_pos > q_pos - window)
+        self._masks[key] = m
+        return m
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer needs for one step; built once per step by the model runner."""
+
+    #: Per layer index: the layer's cache [2, kv_heads, num_slots, head_dim], or None (no cache:
+    #: a profiling run of one causal sequence).
+    kv_caches: list[torch.Tensor | None] | None
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSeq]
+    num_tokens: int
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
+    meta: AttentionMetadata | None = kwargs.get(META_KWARG)
+    if meta is None:
+        raise RuntimeError(
+            f"baton attention called without {META_KWARG}=...: the model's forward did not pass "
+            "extra keyword arguments through to its attention layers"
+        )
+    if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError("baton attention supports neither attention sinks nor logit soft-capping")
+    window = kwargs.get("sliding_window")
+    causal = getattr(module, "is_causal", True)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+
+    cache = meta.kv_caches[module.layer_idx] if meta.kv_caches is not None else None
+    if cache is None:  # profiling run: one causal sequence, nothing cached
+        o = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=True)
+        out[0] = o[0].transpose(0, 1)
+        return out, None
+
+    k_cache, v_cache = cache[0], cache[1]
+    k_cache.index_copy_(1, meta.slot_mapping, key[0])
+    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+
+    group = num_heads // num_kv_heads
+    for g in meta.decode_groups:
+        _decode(query, k_cache, v_cache, g, window, scale, group, num_kv_heads, out)
+    for p in meta.prefills:
+        _prefill(query, key, value, k_cache, v_cache, p, window, causal, scale, out)
+    return out, None
+
+
+def _decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+    window: int | None, scale: float, group: int, num_kv_heads: int, out: torch.Tensor,
+) -> None:
+    head_dim = query.shape[-1]
+    # [H, n, D] -> [KVH, n, G, D]: the G query heads sharing a KV head form one matrix.
+    q = query[0, :, g.start : g.start + g.n].reshape(num_kv_heads, group, g.n, head_dim).transpose(1, 2)
+    k = k_cache.index_select(1, g.slots).view(num_kv_heads, g.n, g.max_len, head_dim)
+    v = v_cache.index_select(1, g.slots).view(num_kv_heads, g.n, g.max_len, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [KVH, n, G, L]
+    scores.mul_(scale).add_(g.mask(window))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v)  # [KVH, n, G, D]
+    out[0, g.start : g.start + g.n] = o.permute(1, 0, 2, 3).reshape(g.n, num_kv_heads * group, head_dim)
+
+
+def _prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, p: PrefillSeq, window: int | None, causal: bool, scale: float,
+    out: torch.Tensor,
+) -> None:
+    end = p.start + p.q_len
+    q = query[:, :, p.start : end]
+    if p.slots is None:
+        k = key[:, :, p.start : end]
+        v = value[:, :, p.start : end]
+    else:
+        k = k_cache.index_select(1, p.slots).unsqueeze(0)
+        v = v_cache.index_select(1, p.slots).unsqueeze(0)
+    mask = p.mask(window, causal)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale, enable_gqa=True
+    )
+    out[0, p.start : end] = o[0].transpose(0, 1)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register 'baton' with transformers' AttentionInterface (idempotent).
+
+    No AttentionMaskInterface entry on purpose: for an attention name without
+    one, transformers' mask builders return None at once (masking_utils'
+    "custom attention without equivalent mask creation" exit) - the metadata
+    carries the structure, and no per-step mask work happens in the model.
+    """
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, paged_attention)
+    _registered = True
+
+
+def model_capabilities(hf_config: Any) -> tuple[bool, bool, str]:
+    """(supports_chunked_prefill, supports_prefix_caching, reason) for a transformers config.
+
+    Both need every layer to be causal: a bidirectional layer makes a token's
+    keys depend on later tokens, so neither a cached prefix nor an earlier
+    chunk can be reused. Sliding windows are handled by the attention masks.
+    """
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    if getattr(text, "use_bidirectional_attention", False):
+        return False, False, f"{text.model_type}: use_bidirectional_attention=True (layers are not causal)"
+    if getattr(text, "is_causal", True) is False:
+        return False, False, f"{text.model_type}: is_causal=False"
+    return True, True, ""

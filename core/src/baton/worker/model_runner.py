@@ -1,0 +1,301 @@
+"""The model runner: holds the model, the paged KV cache and the persistent batch; runs steps.
+
+One step: apply the SchedulerOutput to the persistent batch -> build the
+flattened inputs -> forward (logits only where a request samples) -> sample.
+Each is its own method so that tensor- and pipeline-parallel workers can reuse
+them (``prepare_inputs``, ``forward``, ``sample``). Everything runs under
+``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from baton.config import BatonConfig
+from baton.errors import ExecutorError
+from baton.protocol import (
+    GrammarOutput,
+    KVCacheConfig,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
+from baton.worker.input_batch import InputBatch
+from baton.worker.sampler import Sampler, apply_bitmask
+from baton.worker.step_inputs import StepInputBuilder, StepInputs, sampling_metadata
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+#: KV cache on CPU when nothing is configured: enough for every sequence at full length, at most this.
+CPU_DEFAULT_KV_BYTES = 2 * GiB
+#: Fraction of device memory on CUDA when neither kv_cache_memory nor memory_utilization is set.
+CUDA_DEFAULT_UTILIZATION = 0.9
+
+
+class TransposedLMHead(torch.nn.Module):
+    """``x @ W^T`` with ``W^T`` stored contiguous: on CPU twice as fast as F.linear for few rows."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y + self.bias if self.bias is not None else y
+
+
+class ModelRunner:
+    """Runs one model on one device for the engine core (through a Worker)."""
+
+    def __init__(self, cfg: BatonConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.block_size = cfg.cache.block_size
+        self.max_num_reqs = cfg.scheduler.max_num_seqs
+        self.max_num_tokens = cfg.scheduler.max_num_batched_tokens
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor | None] = []
+        self.num_blocks = 0
+        self._pending: tuple[torch.Tensor, StepInputs] | None = None
+
+    # ------------------------------------------------------------------ model
+
+    def load_model(self) -> None:
+        from baton.worker.model_loader import load_model
+
+        self.model = load_model(self.cfg, self.device)
+        self.hf_config = self.model.config
+        text = self.hf_config.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        self.num_heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.max_model_len = self._max_model_len(text)
+        self.eos_token_ids = self._eos_token_ids()
+        if self.device.type == "cpu":
+            self._transpose_lm_head()
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size)
+        self.inputs = StepInputBuilder(self.input_batch, self.max_num_tokens, self.device)
+        self.sampler = Sampler(self.device, self.cfg.model.seed)
+
+    def _max_model_len(self, text: Any) -> int:
+        limit = getattr(text, "max_position_embeddings", None)
+        want = self.cfg.model.max_model_len or limit or 2048
+        if limit is not None and want > limit:
+            log.warning("model.max_model_len=%d exceeds the model's %d positions; using %d", want, limit, limit)
+            want = limit
+        return int(want)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for src in (getattr(self.model, "generation_config", None), self.hf_config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            for t in [eos] if isinstance(eos, int) else (eos or []):
+                if t not in ids:
+                    ids.append(int(t))
+        return ids
+
+    def _transpose_lm_head(self) -> None:
+        head = self.model.get_output_embeddings()
+        if type(head) is torch.nn.Linear:  # exactly nn.Linear: we know what its forward does
+            self.model.set_output_embeddings(TransposedLMHead(head))
+
+    # ------------------------------------------------------------------ KV cache
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            block_size=self.block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache: kv_cache_memory if set; else a share of the device's memory."""
+        cache = self.cfg.cache
+        if cache.kv_cache_memory is not None:
+            return int(cache.kv_cache_memory)
+        if self.device.type == "cuda":
+            return self._cuda_available_memory(cache.memory_utilization or CUDA_DEFAULT_UTILIZATION)
+        if cache.memory_utilization is not None:
+            import psutil
+
+            return int(psutil.virtual_memory().available * cache.memory_utilization)
+        spec = self.get_kv_cache_spec()
+        per_token = spec.page_size_bytes // spec.block_size
+        return min(CPU_DEFAULT_KV_BYTES, self.max_num_reqs * self.max_model_len * per_token)
+
+    @torch.inference_mode()
+    def _cuda_available_memory(self, utilization: float) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        free, total = torch.cuda.mem_get_info(self.device)
+        available = int(utilization * total - (total - free) - activations)
+        if available <= 0:
+            raise ExecutorError(
+                f"no GPU memory left for the KV cache at memory_utilization={utilization} "
+                f"(total {total / GiB:.1f} GiB, in use {(total - free) / GiB:.1f} GiB); raise it or set kv_cache_memory"
+            )
+        return available
+
+    def _profile_run(self) -> None:
+        """A forward over max_num_batched_tokens tokens without a cache, to measure activation memory."""
+        n = min(self.max_num_tokens, self.max_model_len)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)[None]
+        meta = AttentionMetadata(None, None, [], [], n)
+        keep = torch.tensor([n - 1], device=self.device)
+        self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{META_KWARG: meta})
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        """Allocate ``config.num_blocks`` blocks for every layer, then warm up."""
+        if config.block_size != self.block_size:
+            raise ExecutorError(f"KV cache block_size {config.block_size} != cache.block_size {self.block_size}")
+        if config.num_blocks <= 0:
+            raise ExecutorError(f"KV cache needs at least one block, got num_blocks={config.num_blocks}")
+        num_slots = config.num_blocks * self.block_size
+        # [layers, K/V, kv_heads, slots, head_dim]: a gather by slot is contiguous per KV head.
+        # torch.empty is safe: a slot is always written before any request reads it.
+        cache = torch.empty(
+            self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim, dtype=self.dtype, device=self.device
+        )
+        self.kv_caches = list(cache.unbind(0))
+        self.num_blocks = config.num_blocks
+        self.inputs.set_kv_caches(self.kv_caches)
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d layers, %d KV heads, head dim %d, %s)",
+            config.num_blocks, self.block_size, num_slots, cache.numel() * cache.element_size() / GiB,
+            self.num_layers, self.num_kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."),
+        )
+        self._warmup()
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One prefill and one decode through the paged path (slots of block 0; nothing is cached yet)."""
+        t0 = time.monotonic()
+        n = min(self.block_size * self.num_blocks, 8, self.max_num_tokens)
+        slots = torch.arange(n, device=self.device)
+        for meta, ids, pos in (
+            (AttentionMetadata(self.kv_caches, slots, [], [PrefillSeq(0, n, 0, None)], n),
+             torch.zeros(1, n, dtype=torch.long, device=self.device), slots[None]),
+            (AttentionMetadata(self.kv_caches, slots[n - 1 :],
+                               [DecodeGroup(0, 1, n, slots, torch.tensor([n], device=self.device))], [], 1),
+             torch.zeros(1, 1, dtype=torch.long, device=self.device), slots[None, n - 1 :]),
+        ):
+            keep = torch.tensor([ids.shape[1] - 1], device=self.device)
+            self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{META_KWARG: meta})
+        log.debug("warm-up took %.2f s", time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ steps
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; None when sampling waits for a grammar bitmask (then call sample_tokens)."""
+        self.update_states(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            self._pending = None
+            return ModelRunnerOutput()
+        if not self.kv_caches:
+            raise ExecutorError("execute_model before initialize_kv_cache")
+        inputs = self.prepare_inputs(scheduler_output)
+        logits = self.forward(inputs)
+        if scheduler_output.structured_output_req_ids:
+            self._pending = (logits, inputs)
+            return None
+        return self.sample(logits, inputs, None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample the step whose execute_model returned None, with the grammar bitmask applied."""
+        if self._pending is None:
+            raise ExecutorError("sample_tokens called without a pending step (execute_model did not return None)")
+        logits, inputs = self._pending
+        self._pending = None
+        return self.sample(logits, inputs, grammar_output)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's changes to the persistent batch."""
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            batch.remove_request(rid)
+        for rid in so.preempted_req_ids:
+            batch.remove_request(rid)
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            batch.update_cached(
+                rid,
+                c.new_token_ids[i] if i < len(c.new_token_ids) else (),
+                c.new_block_ids[i] if i < len(c.new_block_ids) else (),
+                c.num_computed_tokens[i],
+            )
+        for req in so.scheduled_new_reqs:
+            batch.remove_request(req.req_id)  # a resumed request replaces any stale row
+            batch.add_request(req, self.eos_token_ids)
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        return self.inputs.build(so)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [num sampling requests, vocab] for the positions that sample."""
+        out = self.model(
+            input_ids=inputs.input_ids[None],
+            position_ids=inputs.positions[None],
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+            **{META_KWARG: inputs.attn},
+        )
+        return out.logits[0]
+
+    def sample(self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        sampled: dict[str, list[int]] = {}
+        logprobs = None
+        if inputs.sample_req_ids:
+            if grammar is not None and grammar.req_ids:
+                self._apply_grammar(logits, inputs, grammar)
+            md = sampling_metadata(self.input_batch, inputs.sample_rows, self.vocab_size, self.device)
+            out = self.sampler(logits, md)
+            tokens = out.token_ids.tolist()
+            sampled = {rid: [tok] for rid, tok in zip(inputs.sample_req_ids, tokens, strict=True)}
+            if out.logprobs is not None:
+                logprobs = {
+                    rid: [lp] for rid, lp in zip(inputs.sample_req_ids, out.logprobs, strict=True) if lp is not None
+                }
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[sampled.get(rid, []) for rid in inputs.req_ids],
+            logprobs=logprobs,
+        )
+
+    def _apply_grammar(self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput) -> None:
+        where = {rid: i for i, rid in enumerate(inputs.sample_req_ids)}
+        mask_rows, logit_rows = [], []
+        for j, rid in enumerate(grammar.req_ids):
+            i = where.get(rid)
+            if i is not None:  # a request in a mid-prompt chunk samples nothing this step
+                mask_rows.append(j)
+                logit_rows.append(i)
+        if not logit_rows:
+            return
+        bitmask = torch.as_tensor(grammar.bitmask)
+        if len(mask_rows) != bitmask.shape[0]:
+            bitmask = bitmask[torch.tensor(mask_rows)]
+        apply_bitmask(logits, bitmask, torch.tensor(logit_rows, device=logits.device))
+
+    def remove_requests(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.input_batch.remove_request(rid)

@@ -1,0 +1,217 @@
+"""Turn one SchedulerOutput plus the persistent batch into the step's tensors.
+
+The scheduled tokens of all requests are flattened into one sequence: decode
+tokens (one per request) first, sorted by context length so that decode groups
+pad little, then the prefill chunks. Everything is computed with vectorised
+numpy over the batch arrays and written into preallocated buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from baton.errors import ExecutorError
+from baton.protocol import SchedulerOutput
+from baton.worker.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from baton.worker.input_batch import InputBatch
+from baton.worker.sampler import SamplingMetadata
+
+#: A decode group holds requests whose context is at least this fraction of the group's longest.
+DECODE_GROUP_MIN_FILL = 0.5
+#: ...unless fewer requests than this would be left for a new group.
+DECODE_GROUP_MIN_SIZE = 4
+
+
+@dataclass
+class StepInputs:
+    """The tensors and bookkeeping of one step."""
+
+    input_ids: torch.Tensor  # [T] on the device
+    positions: torch.Tensor  # [T] on the device
+    logits_indices: torch.Tensor  # [S] on the device: flattened positions that sample
+    attn: AttentionMetadata
+    req_ids: list[str]  # scheduled requests, in the scheduler's order
+    sample_req_ids: list[str]  # requests that sample, aligned with logits rows
+    sample_rows: np.ndarray  # their batch rows
+
+
+class StepInputBuilder:
+    """Builds StepInputs; owns the staging buffers sized by max_num_batched_tokens."""
+
+    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+        self.max_num_tokens = max_num_tokens
+        pin = device.type == "cuda"
+        # CPU staging buffers; on CPU they are the step tensors themselves (sliced).
+        self._ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self._pos = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self._slots = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
+        self._ids_np, self._pos_np, self._slots_np = self._ids.numpy(), self._pos.numpy(), self._slots.numpy()
+        self._arange = np.arange(max(max_num_tokens, batch.max_model_len) + 1, dtype=np.int64)
+        self._kv_caches: list[torch.Tensor | None] | None = None
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor | None]) -> None:
+        self._kv_caches = kv_caches
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def build(self, so: SchedulerOutput) -> StepInputs:
+        b = self.batch
+        bs = b.block_size
+        req_ids = list(so.num_scheduled_tokens)
+        n = len(req_ids)
+        try:
+            rows = np.fromiter((b.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=n)
+        except KeyError as e:
+            raise ExecutorError(f"scheduled request {e.args[0]!r} is not in the model runner's batch") from None
+        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=n)
+        start = b.num_computed_tokens[rows]
+        end = start + q_lens
+        num_tokens = b.num_tokens[rows]
+        if (q_lens <= 0).any() or (end > num_tokens).any():
+            bad = int(np.nonzero((q_lens <= 0) | (end > num_tokens))[0][0])
+            raise ExecutorError(
+                f"request {req_ids[bad]!r}: {int(q_lens[bad])} tokens scheduled from position {int(start[bad])} "
+                f"but it has {int(num_tokens[bad])} tokens"
+            )
+        total = int(q_lens.sum())
+        if total > self.max_num_tokens:
+            raise ExecutorError(f"{total} tokens scheduled > max_num_batched_tokens={self.max_num_tokens}")
+
+        is_dec = q_lens == 1
+        dec = np.nonzero(is_dec)[0]
+        dec = dec[np.argsort(-end[dec], kind="stable")]
+        order = np.concatenate([dec, np.nonzero(~is_dec)[0]])
+        rows_o, q_o, start_o, end_o = rows[order], q_lens[order], start[order], end[order]
+        cu = np.cumsum(q_o)
+        q_start = cu - q_o
+
+        # flattened token arrays
+        tok_req = np.repeat(self._arange[:n], q_o)
+        positions = self._pos_np[:total]
+        np.add(np.repeat(start_o - q_start, q_o), self._arange[:total], out=positions)
+        token_rows = rows_o[tok_req]
+        np.take(b.token_ids.reshape(-1), token_rows * b.max_model_len + positions, out=self._ids_np[:total])
+        blocks = b.block_table[token_rows, positions // bs]
+        np.add(blocks * bs, positions % bs, out=self._slots_np[:total])
+
+        nd = len(dec)
+        groups = self._decode_groups(rows_o[:nd], end_o[:nd])
+        prefills = []
+        for i in range(nd, n):
+            p_len = int(start_o[i])
+            slots = None
+            if p_len > 0:
+                pos = self._arange[: int(end_o[i])]
+                slots = self._to_device(
+                    torch.from_numpy(b.block_table[rows_o[i], pos // bs] * bs + pos % bs)
+                )
+            prefills.append(PrefillSeq(int(q_start[i]), int(q_o[i]), p_len, slots))
+
+        samples = end_o == num_tokens[order]
+        sample_idx = np.nonzero(samples)[0]
+        logits_indices = torch.from_numpy(cu[sample_idx] - 1)
+        attn = AttentionMetadata(
+            kv_caches=self._kv_caches,
+            slot_mapping=self._to_device(self._slots[:total]),
+            decode_groups=groups,
+            prefills=prefills,
+            num_tokens=total,
+        )
+        return StepInputs(
+            input_ids=self._to_device(self._ids[:total]),
+            positions=self._to_device(self._pos[:total]),
+            logits_indices=self._to_device(logits_indices),
+            attn=attn,
+            req_ids=req_ids,
+            sample_req_ids=[req_ids[j] for j in order[sample_idx]],
+            sample_rows=rows_o[sample_idx],
+        )
+
+    def _decode_groups(self, rows: np.ndarray, ctx: np.ndarray) -> list[DecodeGroup]:
+        """Split decodes (sorted by context length, descending) into groups of similar length."""
+        b, bs = self.batch, self.batch.block_size
+        groups = []
+        i, nd = 0, len(rows)
+        while i < nd:
+            longest = int(ctx[i])
+            j = i + 1
+            while j < nd and (ctx[j] >= DECODE_GROUP_MIN_FILL * longest or nd - j < DECODE_GROUP_MIN_SIZE):
+                j += 1
+            # padding keys repeat the request's last key (always written), masked out later
+            pos = np.minimum(self._arange[:longest][None, :], ctx[i:j, None] - 1)
+            slots = b.block_table[rows[i:j, None], pos // bs] * bs + pos % bs
+            groups.append(
+                DecodeGroup(
+                    start=i,
+                    n=j - i,
+                    max_len=longest,
+                    slots=self._to_device(torch.from_numpy(slots.reshape(-1))),
+                    ctx_lens=self._to_device(torch.from_numpy(ctx[i:j].copy())),
+                )
+            )
+            i = j
+        return groups
+
+
+def sampling_metadata(
+    batch: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """The SamplingMetadata of the sampling ``rows`` (aligned with the logits rows)."""
+    temp = batch.temperature[rows]
+    greedy = temp == 0.0
+    md = SamplingMetadata(all_greedy=bool(greedy.all()))
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    n_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    if not md.all_greedy:
+        md.greedy = t(greedy)
+        md.temperature = t(np.where(greedy, np.float32(1.0), temp))
+        rnd = ~greedy
+        top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+        if (top_k[rnd] > 0).any():
+            md.top_k = t(top_k)
+        if (top_p[rnd] < 1.0).any():
+            md.top_p = t(top_p)
+        if (min_p[rnd] > 0.0).any():
+            md.min_p = t(min_p)
+        has_seed = batch.has_seed[rows]
+        if has_seed.any():
+            seeds = batch.seed[rows]
+            md.seeds = [(int(seeds[i]), int(n_out[i])) if has_seed[i] else None for i in range(len(rows))]
+
+    pres, freq, rep = batch.presence_penalty[rows], batch.frequency_penalty[rows], batch.repetition_penalty[rows]
+    pen = (pres != 0) | (freq != 0) | (rep != 1)
+    if pen.any():
+        p_idx = np.nonzero(pen)[0]
+        p_rows = rows[p_idx]
+        md.penalty_rows = t(p_idx)
+        md.prompt_ids = t(_padded([batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in p_rows], vocab_size))
+        md.output_ids = t(_padded([batch.output_token_ids(r) for r in p_rows], vocab_size))
+        md.presence_penalty = t(pres[p_idx]) if (pres[p_idx] != 0).any() else None
+        md.frequency_penalty = t(freq[p_idx]) if (freq[p_idx] != 0).any() else None
+        md.repetition_penalty = t(rep[p_idx]) if (rep[p_idx] != 1).any() else None
+
+    for i, r in enumerate(rows):
+        ids = batch.min_tokens_stop_ids[r]
+        if ids is not None and n_out[i] < batch.min_tokens[r]:
+            md.min_tokens_bans.append((i, ids))
+    lp = batch.num_logprobs[rows]
+    if (lp >= 0).any():
+        md.num_logprobs = lp.tolist()
+    return md
+
+
+def _padded(seqs: list[np.ndarray], pad: int) -> np.ndarray:
+    width = max(1, max(len(s) for s in seqs))
+    out = np.full((len(seqs), width), pad, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out

@@ -1,0 +1,91 @@
+"""The Worker: one device, one ModelRunner. Executors call its methods (maybe in a child process)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from baton.config import BatonConfig
+from baton.errors import ExecutorError
+from baton.protocol import GrammarOutput, KVCacheConfig, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from baton.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def select_device(name: str) -> torch.device:
+    """``executor.device`` -> a torch device: "auto" is CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ExecutorError(f"executor.device={name!r} but torch sees no CUDA device; use 'cpu' or 'auto'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ExecutorError(
+                f"executor.device={name!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return device
+
+
+class Worker:
+    """Owns the device choice and a ModelRunner; every public method is an RPC target."""
+
+    def __init__(self, cfg: BatonConfig, rank: int = 0) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        self.device = select_device(self.cfg.executor.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.cfg.executor.num_threads is not None:
+            torch.set_num_threads(self.cfg.executor.num_threads)
+        torch.manual_seed(self.cfg.model.seed)
+        log.info("worker %d on %s (%d torch threads)", self.rank, self.device, torch.get_num_threads())
+        self.model_runner = ModelRunner(self.cfg, self.device)
+
+    def load_model(self) -> None:
+        self._runner().load_model()
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise ExecutorError("worker used before init_device()")
+        return self.model_runner
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return self._runner().get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        return self._runner().determine_available_memory()
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        self._runner().initialize_kv_cache(config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self._runner().execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self._runner().sample_tokens(grammar_output)
+
+    def model_info(self) -> dict[str, Any]:
+        """What the engine needs to know about the loaded model (plain values)."""
+        r = self._runner()
+        return {
+            "max_model_len": r.max_model_len,
+            "vocab_size": r.vocab_size,
+            "eos_token_ids": list(r.eos_token_ids),
+            "num_layers": r.num_layers,
+            "device": str(self.device),
+            "dtype": str(r.dtype).removeprefix("torch."),
+        }
+
+    def check_health(self) -> None:
+        """Nothing to probe in-process; a dead device raises on the next step."""
+
+    def shutdown(self) -> None:
+        self.model_runner = None
