@@ -1,0 +1,266 @@
+"""Scheduler overhead: the real Scheduler + KVCacheManager driven by the fake executor (no model).
+
+Only scheduler time is measured (``schedule()`` + ``update_from_output()``),
+per step. Two variants: ``default`` (enough blocks for 256 running requests)
+and ``tight`` (2048 blocks, which forces preemptions). Deterministic for a seed.
+
+The pieces are kept separate so a simulator can grow from them: a workload is
+a list of ``WorkloadRequest`` (arrival time, prompt tokens, max tokens, user);
+``run_scheduler_bench`` replays one against any registered policy, with a
+simulated clock the fake executor's cost model advances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+from baton.bench.common import CpuMonitor, WorkloadRequest, emit, percentile
+from baton.config import BatonConfig
+from baton.plugins import get_registry
+from baton.request import Request
+from baton.sampling_params import SamplingParams
+from baton.sched.scheduler import Scheduler
+from baton.testing.fake_executor import FakeExecutor
+
+VOCAB = 32000
+
+
+def make_workload(
+    num_requests: int = 1000,
+    seed: int = 0,
+    min_prompt: int = 64,
+    max_prompt: int = 512,
+    output_len: int = 128,
+    shared_prefix_frac: float = 0.5,
+    num_prefixes: int = 8,
+    arrival_rate: float | None = None,
+    num_users: int = 1,
+) -> list[WorkloadRequest]:
+    """Prompts uniform in [min_prompt, max_prompt]; a fraction start with one of a few shared prefixes.
+
+    ``arrival_rate`` (requests/s) gives Poisson arrivals; None: all arrive at 0.
+    """
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(1, VOCAB) for _ in range(rng.randrange(32, max(33, min_prompt * 3)))]
+        for _ in range(num_prefixes)
+    ]
+    t = 0.0
+    out = []
+    for i in range(num_requests):
+        n = rng.randint(min_prompt, max_prompt)
+        prompt: list[int] = []
+        if prefixes and rng.random() < shared_prefix_frac:
+            prompt = list(rng.choice(prefixes)[: max(0, n - 16)])
+        prompt += [rng.randrange(1, VOCAB) for _ in range(n - len(prompt))]
+        if arrival_rate:
+            t += rng.expovariate(arrival_rate)
+        out.append(
+            WorkloadRequest(
+                id=f"req-{i}", prompt_token_ids=prompt, max_new_tokens=output_len, arrival_time=t,
+                user=f"user-{i % num_users}",
+            )
+        )
+    return out
+
+
+def run_scheduler_bench(
+    workload: list[WorkloadRequest],
+    config: BatonConfig,
+    num_blocks: int,
+    *,
+    check: bool = True,
+    executor_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Replay ``workload`` through a Scheduler built from ``config``; return the figures.
+
+    Time advances on the fake executor's simulated clock (its cost model;
+    zero by default), so arrivals and the policy's ``peek(now)`` see a
+    deterministic clock. Only scheduler calls are timed, with perf_counter.
+    """
+    reg = get_registry()
+    entry = reg.get("scheduler_policy", config.scheduler.policy)
+    policy = entry.create(config, config.plugin_settings("scheduler", entry.name, entry.settings_model))
+    ex = FakeExecutor(
+        block_size=config.cache.block_size, num_blocks=num_blocks, vocab_size=VOCAB, simulate_time=True,
+        check=check, **(executor_settings or {}),
+    )
+    sched = Scheduler(config, policy, num_blocks, clock=lambda: ex.simulated_time, max_model_len=None)
+    pending = deque(sorted(workload, key=lambda w: w.arrival_time))
+    params = {n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in
+              {w.max_new_tokens for w in workload}}
+    perf = time.perf_counter
+    step_s: list[float] = []
+    sched_s: list[float] = []
+    update_s: list[float] = []
+    running: list[int] = []
+    add_s = 0.0
+    num_tokens_out = preemptions = queries = hits = 0
+    first_token: dict[str, float] = {}
+    e2e: list[float] = []
+    ttft: list[float] = []
+    arrival = {w.id: w.arrival_time for w in workload}
+    wall0 = perf()
+    while pending or sched.has_unfinished_requests():
+        now = ex.simulated_time
+        if not sched.has_unfinished_requests() and pending[0].arrival_time > now:
+            ex.simulated_time = now = pending[0].arrival_time
+        while pending and pending[0].arrival_time <= now:
+            w = pending.popleft()
+            req = Request(w.id, w.prompt_token_ids, params[w.max_new_tokens], eos_token_id=0,
+                          arrival_time=w.arrival_time, user=w.user)
+            t0 = perf()
+            sched.add_request(req)
+            add_s += perf() - t0
+        t0 = perf()
+        so = sched.schedule()
+        t1 = perf()
+        mro = ex.execute_model(so)
+        t2 = perf()
+        outs = sched.update_from_output(so, mro)
+        t3 = perf()
+        step_s.append(t1 - t0 + t3 - t2)
+        sched_s.append(t1 - t0)
+        update_s.append(t3 - t2)
+        running.append(len(so.num_scheduled_tokens))
+        stats = sched.make_stats()
+        preemptions += stats.num_preemptions
+        queries += stats.prefix_cache_queries
+        hits += stats.prefix_cache_hits
+        t = ex.simulated_time
+        for o in outs:
+            num_tokens_out += len(o.new_token_ids)
+            if o.request_id not in first_token:
+                first_token[o.request_id] = t
+                ttft.append(t - arrival[o.request_id])
+            if o.finish_reason is not None:
+                e2e.append(t - arrival[o.request_id])
+    wall = perf() - wall0
+    if num_tokens_out != sum(w.max_new_tokens for w in workload):
+        raise AssertionError(f"the bench lost tokens: {num_tokens_out} generated")
+    return _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, add_s,
+                    num_tokens_out, preemptions, queries, hits, wall, ex.simulated_time, ttft, e2e)
+
+
+def _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, add_s, num_tokens_out,
+             preemptions, queries, hits, wall, sim_time, ttft, e2e) -> dict[str, Any]:
+    ms = 1e3
+    full = config.scheduler.max_num_seqs
+    busiest = max(running)
+    at_full = [s for s, r in zip(step_s, running, strict=True) if r >= full]
+    at_max = [s for s, r in zip(step_s, running, strict=True) if r == busiest]
+    per_req = [s / r for s, r in zip(step_s, running, strict=True) if r >= max(1, busiest // 2)]
+    total = sum(step_s) + add_s
+    out: dict[str, Any] = {
+        "num_requests": len(workload),
+        "num_blocks": num_blocks,
+        "policy": config.scheduler.policy,
+        "steps": len(step_s),
+        "step_ms_median": round(statistics.median(step_s) * ms, 4),
+        "step_ms_p99": round(percentile(step_s, 99) * ms, 4),
+        "schedule_ms_median": round(statistics.median(sched_s) * ms, 4),
+        "update_ms_median": round(statistics.median(update_s) * ms, 4),
+        f"step_ms_median_at_{full}_running": round(statistics.median(at_full) * ms, 4) if at_full else None,
+        f"steps_at_{full}_running": len(at_full),
+        "max_running": busiest,
+        "step_ms_median_at_max_running": round(statistics.median(at_max) * ms, 4),
+        "us_per_running_request_per_step": round(statistics.median(per_req) * 1e6, 3),
+        "add_request_us_mean": round(add_s / len(workload) * 1e6, 2),
+        "scheduler_s_total": round(total, 4),
+        "requests_per_s_of_scheduler_time": round(len(workload) / total, 1),
+        "output_tokens": num_tokens_out,
+        "num_preemptions": preemptions,
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "wall_s": round(wall, 2),
+    }
+    if sim_time > 0:
+        out["simulated"] = {
+            "duration_s": round(sim_time, 3),
+            "ttft_s_median": round(statistics.median(ttft), 4),
+            "e2e_s_median": round(statistics.median(e2e), 4),
+            "e2e_s_p99": round(percentile(e2e, 99), 4),
+        }
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--num-blocks", type=int, default=16384, help="blocks in the default variant")
+    p.add_argument("--tight-num-blocks", type=int, default=2048, help="blocks in the tight (preempting) variant")
+    p.add_argument("--variant", choices=("both", "default", "tight"), default="both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default=None, help="scheduler policy (default: fcfs, or the config's)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--min-prompt", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--shared-prefix-frac", type=float, default=0.5)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-check", action="store_true", help="skip the fake executor's contract checks")
+    # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
+    p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = BatonConfig.load(
+        getattr(args, "config", None),
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=True,
+        policy=args.policy,
+    )
+    workload = make_workload(
+        args.num_requests, args.seed, args.min_prompt, args.max_prompt, args.output_len, args.shared_prefix_frac
+    )
+    variants = {"default": args.num_blocks, "tight": args.tight_num_blocks}
+    if args.variant != "both":
+        variants = {args.variant: variants[args.variant]}
+    result: dict[str, Any] = {
+        "bench": "scheduler",
+        "config": {
+            "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "prefix_caching": not args.no_prefix_caching,
+            "output_len": args.output_len, "prompt_len": [args.min_prompt, args.max_prompt], "seed": args.seed,
+        },
+    }
+    with CpuMonitor() as cpu:
+        for name, blocks in variants.items():
+            gc.collect()
+            result[name] = run_scheduler_bench(workload, config, blocks, check=not args.no_check)
+    result["cpu"] = cpu.result
+    if args.json:
+        emit(result, True)
+    else:
+        _print_human(result, variants)
+    return 0
+
+
+def _print_human(result: dict[str, Any], variants: dict[str, int]) -> None:
+    c = result["config"]
+    print(
+        f"scheduler bench: prompts {c['prompt_len'][0]}-{c['prompt_len'][1]} tokens, {c['output_len']} out, "
+        f"block {c['block_size']}, max_num_seqs {c['max_num_seqs']}, "
+        f"max_num_batched_tokens {c['max_num_batched_tokens']}, prefix caching {c['prefix_caching']}"
+    )
+    for name in variants:
+        print(f"\n[{name}]")
+        for k, v in result[name].items():
+            print(f"  {k:>36}: {v}")
+    print(f"\ncpu: {result['cpu']}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m baton.bench.scheduler", description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
