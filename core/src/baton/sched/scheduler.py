@@ -38,6 +38,8 @@ from baton.protocol import (
     SchedulerStats,
 )
 from baton.request import Request, RequestStatus
+from baton.sched.admission import check_request
+from baton.sched.stop import append_and_check_stop
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
@@ -47,8 +49,6 @@ _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 _FINISHED = RequestStatus.FINISHED_STOPPED  # every status >= this one is finished
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 _ERROR = RequestStatus.FINISHED_ERROR
 
 
@@ -102,29 +102,10 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use by an unfinished request")
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise InvalidRequestError(f"request {rid!r}: the prompt is empty; give at least one token")
-        if self.max_model_len is not None and n > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {rid!r}: prompt of {n} tokens is longer than max_model_len "
-                f"({self.max_model_len}); shorten it or raise model.max_model_len"
-            )
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"request {rid!r}: prompt of {n} tokens exceeds scheduler.max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) and chunked prefill is off; enable "
-                "scheduler.enable_chunked_prefill or raise max_num_batched_tokens"
-            )
-        max_len = n + max(request.max_tokens, 1)
-        if self.max_model_len is not None:
-            max_len = min(max_len, self.max_model_len)
-        if not self.kv.can_fit(max_len):
-            raise InvalidRequestError(
-                f"request {rid!r}: up to {max_len} tokens need more KV blocks than the cache has "
-                f"({self.kv.num_total_blocks} blocks of {self.block_size}); lower max_tokens, "
-                "model.max_model_len, or give the cache more memory"
-            )
+        check_request(
+            request, max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill, kv=self.kv,
+        )
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
         self.requests[rid] = request
@@ -276,25 +257,16 @@ class Scheduler:
         total = self.max_num_batched_tokens - budget
         self._last_num_scheduled = total
         return SchedulerOutput(
-            step_id=step_id,
-            scheduled_new_reqs=new_reqs,
+            step_id=step_id, scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=c_ids, new_token_ids=c_tokens, new_block_ids=c_blocks, num_computed_tokens=c_computed
             ),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=finished_ids,
-            preempted_req_ids=preempted,
-            structured_output_req_ids=so_ids,
+            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total, finished_req_ids=finished_ids,
+            preempted_req_ids=preempted, structured_output_req_ids=so_ids,
         )
 
     def _admit(
-        self,
-        now: float,
-        budget: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-        so_ids: list[str],
+        self, now: float, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], so_ids: list[str]
     ) -> int:
         """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
         policy = self.policy
@@ -324,16 +296,11 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.record_event(EngineCoreEventType.SCHEDULED, now)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=rid,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling_params=req.sampling_params,
-                    block_ids=list(kv.get_block_ids(rid)),
-                    num_computed_tokens=num_hit,
-                    output_token_ids=tokens[req.num_prompt_tokens :],
-                )
-            )
+            new_reqs.append(NewRequestData(
+                req_id=rid, prompt_token_ids=req.prompt_token_ids, sampling_params=req.sampling_params,
+                block_ids=list(kv.get_block_ids(rid)), num_computed_tokens=num_hit,
+                output_token_ids=tokens[req.num_prompt_tokens :],
+            ))
             self._num_sent[rid] = ntok
             num_scheduled[rid] = n
             budget -= n
@@ -404,7 +371,7 @@ class Scheduler:
                     req.error = f"the model runner returned no token for request {rid!r} at step {step_id}"
                     new = []
                 else:
-                    new = self._append_and_check(req, new)
+                    new = append_and_check_stop(req, new, self.max_model_len)
                 if caching and len(tokens) // bs > len(req.block_hashes):
                     update_block_hashes(req, bs)
             if caching and computed // bs != (computed - n) // bs:
@@ -416,49 +383,14 @@ class Scheduler:
             events = req.events
             if events is not None:
                 req.events = None
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=new,
-                    new_logprobs=logprobs.get(rid) if logprobs else None,
-                    finish_reason=status.finish_reason if finished else None,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                    events=events,
-                    error=req.error,
-                )
-            )
+            outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=new, new_logprobs=logprobs.get(rid) if logprobs else None,
+                finish_reason=status.finish_reason if finished else None, stop_reason=req.stop_reason,
+                num_cached_tokens=req.num_cached_tokens, events=events, error=req.error,
+            ))
             if finished:
                 self._release(req)
         return outputs
-
-    def _append_and_check(self, req: Request, new: list[int]) -> list[int]:
-        """Append sampled tokens, stopping at the first that ends the request; returns those kept."""
-        tokens = req.all_token_ids
-        sp = req.sampling_params
-        for k, tok in enumerate(new):
-            tokens.append(tok)
-            num_out = len(tokens) - req.num_prompt_tokens
-            if num_out >= sp.min_tokens:
-                if tok == req.eos_token_id and not sp.ignore_eos:
-                    req.status = _STOPPED
-                elif sp.stop_token_ids and tok in sp.stop_token_ids:
-                    req.status = _STOPPED
-                    req.stop_reason = tok
-            if req.status < _FINISHED and (
-                num_out >= req.max_tokens or (self.max_model_len is not None and len(tokens) >= self.max_model_len)
-            ):
-                req.status = _LENGTH
-            if req.status >= _FINISHED:
-                return new[: k + 1] if k + 1 < len(new) else new
-        grammar = req.grammar
-        if grammar is not None:
-            if not grammar.accept_tokens(new):
-                req.status = _ERROR
-                req.error = f"request {req.request_id!r}: sampled tokens {new} were rejected by its grammar"
-            elif grammar.is_terminated():
-                req.status = _STOPPED
-        return new
 
     # ------------------------------------------------------------------ stats
 
@@ -471,15 +403,10 @@ class Scheduler:
         preemptions, self._num_preemptions = self._num_preemptions, 0
         num_running = sum(1 for r in self.running if r.status == _RUNNING) if self._running_dirty else len(self.running)
         return SchedulerStats(
-            step=self._step,
-            num_running_reqs=num_running,
+            step=self._step, num_running_reqs=num_running,
             num_waiting_reqs=len(self.policy) + len(self._waiting_for_fsm),
-            num_scheduled_tokens=self._last_num_scheduled,
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_total_blocks,
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-            num_preemptions=preemptions,
+            num_scheduled_tokens=self._last_num_scheduled, kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
+            prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions,
             num_batches_in_flight=len(self._steps_in_flight),
         )
