@@ -2,7 +2,8 @@
 
 Both implement ``baton.interfaces.SchedulerPolicy``: they order the waiting
 queue and pick preemption victims; the mechanism (``baton.sched.scheduler``)
-does everything else.
+does everything else. Each class is its own registry factory,
+``cls(config, settings)``, so a plugin can subclass one and register it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class FCFSPolicy:
     victim is the most recently admitted running request.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any = None, settings: Any = None) -> None:
         self._queue: deque[Request] = deque()
 
     def add(self, request: Request) -> None:
@@ -68,7 +69,7 @@ class PriorityPolicy:
     (priority, arrival_time), the most recently admitted among equals.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any = None, settings: Any = None) -> None:
         self._heap: list[list[Any]] = []
         self._entries: dict[str, list[Any]] = {}
         self._seq = itertools.count()
@@ -121,15 +122,8 @@ class PriorityPolicy:
         return iter([e[3] for e in sorted(self._entries.values(), key=lambda e: e[:3])])
 
 
-def _fcfs(config: Any, settings: Any) -> FCFSPolicy:
-    return FCFSPolicy()
-
-
-def _priority(config: Any, settings: Any) -> PriorityPolicy:
-    return PriorityPolicy()
-
-
 @hookimpl
 def register_scheduler_policies(register) -> None:  # type: ignore[no-untyped-def]
-    register("fcfs", _fcfs)
-    register("priority", _priority)
+    # the classes are their own factories: factory(config, settings)
+    register("fcfs", FCFSPolicy)
+    register("priority", PriorityPolicy)
