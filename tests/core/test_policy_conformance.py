@@ -1,0 +1,13 @@
+"""The built-in scheduler policies pass the scheduler-policy conformance suite."""
+
+from __future__ import annotations
+
+from baton.testing.conformance.scheduler_policy import SchedulerPolicyConformance
+
+
+class TestFCFSConformance(SchedulerPolicyConformance):
+    name = "fcfs"
+
+
+class TestPriorityConformance(SchedulerPolicyConformance):
+    name = "priority"
