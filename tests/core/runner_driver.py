@@ -112,7 +112,7 @@ class Driver:
         self.finished, self.preempted = [], []
         self.step_id += 1
         out = self.runner.execute_model(so)
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             r = self.all[rid]
             r.computed += num_sched[rid]
             if toks:

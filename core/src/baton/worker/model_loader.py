@@ -46,6 +46,8 @@ ALIASES: dict[str, tuple[str, str, str]] = {
 MARKER = "baton-converted.json"
 #: Attention layer kinds baton's paged attention implements.
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+#: Model types whose attention needs more than the interface carries (e.g. attention sinks).
+UNSUPPORTED_MODEL_TYPES = {"gpt_oss": "attention sinks"}
 
 
 # --------------------------------------------------------------------------- where models live
@@ -222,6 +224,9 @@ def check_architecture(hf_config: Any) -> type:
             "(_supports_attention_backend is False), so baton's paged attention cannot run it"
         )
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    why = UNSUPPORTED_MODEL_TYPES.get(getattr(text, "model_type", ""))
+    if why:
+        raise ModelLoadError(f"{cls.__name__} uses {why}, which baton's paged attention does not implement")
     layer_types = set(getattr(text, "layer_types", None) or ())
     if layer_types - SUPPORTED_LAYER_TYPES:
         raise ModelLoadError(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -69,8 +68,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ model
 
     def load_model(self) -> None:
-        from baton.worker.model_loader import load_model
+        from baton.model_info import read_model_info
+        from baton.worker.model_loader import load_model, resolve_model
 
+        folder = resolve_model(self.cfg.model.name, self.cfg.model.cache_dir)
+        self.model_info = read_model_info(folder, self.cfg.model.max_model_len)
         self.model = load_model(self.cfg, self.device)
         self.hf_config = self.model.config
         text = self.hf_config.get_text_config()
@@ -80,30 +82,13 @@ class ModelRunner:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.max_model_len = self._max_model_len(text)
-        self.eos_token_ids = self._eos_token_ids()
+        self.max_model_len = self.model_info.max_model_len
+        self.eos_token_ids = list(self.model_info.eos_token_ids)
         if self.device.type == "cpu":
             self._transpose_lm_head()
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size)
         self.inputs = StepInputBuilder(self.input_batch, self.max_num_tokens, self.device)
         self.sampler = Sampler(self.device, self.cfg.model.seed)
-
-    def _max_model_len(self, text: Any) -> int:
-        limit = getattr(text, "max_position_embeddings", None)
-        want = self.cfg.model.max_model_len or limit or 2048
-        if limit is not None and want > limit:
-            log.warning("model.max_model_len=%d exceeds the model's %d positions; using %d", want, limit, limit)
-            want = limit
-        return int(want)
-
-    def _eos_token_ids(self) -> list[int]:
-        ids: list[int] = []
-        for src in (getattr(self.model, "generation_config", None), self.hf_config):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            for t in [eos] if isinstance(eos, int) else (eos or []):
-                if t not in ids:
-                    ids.append(int(t))
-        return ids
 
     def _transpose_lm_head(self) -> None:
         head = self.model.get_output_embeddings()
@@ -178,8 +163,8 @@ class ModelRunner:
         self.num_blocks = config.num_blocks
         self.inputs.set_kv_caches(self.kv_caches)
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d layers, %d KV heads, head dim %d, %s)",
-            config.num_blocks, self.block_size, num_slots, cache.numel() * cache.element_size() / GiB,
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head dim %d, %s)",
+            config.num_blocks, self.block_size, num_slots, cache.numel() * cache.element_size() / 2**20,
             self.num_layers, self.num_kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."),
         )
         self._warmup()

@@ -5,14 +5,13 @@ Order per row (vLLM's): grammar bitmask -> raw logprobs -> min-tokens stop mask
 frequency over the output) -> greedy rows take the argmax; random rows:
 temperature -> min-p -> top-k -> top-p -> one draw by inverse CDF.
 
-Randomness: each random row needs one uniform number. A seeded row derives it
-by hashing (seed, output position) with splitmix64, so its tokens do not depend
-on its batch companions and are the same after a preemption and recompute;
-unseeded rows draw from the sampler's generator. Inverse-CDF sampling needs one
-uniform per row where Gumbel/exponential noise would need a vocabulary's worth
-(60 ms for 64 rows on a 2-core CPU). top-p avoids a full sort (120 ms for 64
-rows) by looking at the top candidates first and sorting fully only the rows
-whose nucleus is larger.
+Randomness: a seeded row draws with exponential noise from a generator seeded
+by (seed, output position), so its tokens do not depend on its batch companions
+and are the same after a preemption and recompute (see ``_Randomness``).
+Unseeded rows need only one uniform each from the sampler's generator
+(inverse CDF): noise for the whole vocabulary costs ~1 ms per row on a 2-core
+CPU. top-p avoids a full sort (120 ms for 64 rows) by looking at the top
+candidates first and sorting fully only the rows whose nucleus is larger.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seeded_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) fixed by (seed, output position)."""
-    return (splitmix64(splitmix64(seed) ^ position) >> 11) * (1.0 / (1 << 53))
+def step_seed(seed: int, position: int) -> int:
+    """The generator seed (63 bits) of a request's draw at one output position."""
+    return splitmix64(splitmix64(seed) ^ position) >> 1
 
 
 @dataclass
@@ -154,21 +153,13 @@ class Sampler:
         tokens[idx] = self._sample_random(logits[idx], md, idx)
         return tokens
 
-    def _uniforms(self, md: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
-        for j, i in enumerate(rows):
-            s = md.seeds[i] if md.seeds else None
-            if s is not None:
-                u[j] = seeded_uniform(*s)
-        return u
-
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata, idx: torch.Tensor | None) -> torch.Tensor:
         """Sample every row of ``logits`` (the random rows; ``idx`` maps them to batch rows)."""
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:
             return t if t is None or idx is None else t[idx]
 
-        rows = list(range(logits.shape[0])) if idx is None else idx.tolist()
-        u = self._uniforms(md, rows).to(logits.device)
+        batch_rows = list(range(logits.shape[0])) if idx is None else idx.tolist()
+        rand = _Randomness([md.seeds[i] if md.seeds else None for i in batch_rows], self.generator, logits.shape[1])
         x = logits / sel(md.temperature)[:, None]
         min_p = sel(md.min_p)
         if min_p is not None:
@@ -184,12 +175,11 @@ class Sampler:
         f_rows = filtered.nonzero().flatten()
         if len(f_rows) < x.shape[0]:
             plain = (~filtered).nonzero().flatten()
-            out[plain] = _inverse_cdf(torch.softmax(x[plain], dim=-1), u[plain])
+            out[plain] = rand.draw(torch.softmax(x[plain], dim=-1), None, plain.tolist())
         if len(f_rows):
-            vocab = x.shape[1]
             k = top_k[f_rows] if top_k is not None else torch.zeros_like(f_rows)
             p = top_p[f_rows] if top_p is not None else torch.ones(len(f_rows), device=x.device)
-            out[f_rows] = _sample_top_k_top_p(x[f_rows], k, p, u[f_rows], vocab)
+            out[f_rows] = _sample_top_k_top_p(x[f_rows], k, p, rand, f_rows.tolist())
         return out
 
     # ------------------------------------------------------------------ logprobs
@@ -216,6 +206,48 @@ class Sampler:
         return out
 
 
+class _Randomness:
+    """The randomness of one step's random rows.
+
+    Unseeded rows: one uniform each from the sampler's generator, drawn by
+    inverse CDF (cheap). Seeded rows: exponential noise for every token id from
+    a generator seeded by (seed, output position), and the token maximising
+    p / noise (an exponential race, equivalent to Gumbel-max). The race only
+    changes its winner when two candidates' scores are within float noise,
+    so a seeded row keeps its tokens when its batch companions (and with them
+    the last bits of its logits) change; an inverse CDF would not.
+    """
+
+    def __init__(self, seeds: list[tuple[int, int] | None], generator: torch.Generator, vocab: int) -> None:
+        self.seeds = seeds
+        self.vocab = vocab
+        self.u = torch.rand(len(seeds), generator=generator, dtype=torch.float64)
+        self._gen: torch.Generator | None = None
+
+    def draw(self, probs: torch.Tensor, ids: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+        """One token per row of ``probs`` [n, C] (weights over ``ids`` [n, C], or over the vocabulary)."""
+        pick = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+        plain = [j for j, r in enumerate(rows) if self.seeds[r] is None]
+        if plain:
+            u = self.u[[rows[j] for j in plain]].to(probs.device)
+            pick[plain] = _inverse_cdf(probs[plain], u)
+        for j, r in enumerate(rows):
+            s = self.seeds[r]
+            if s is None:
+                continue
+            noise = self._noise(s, probs.device)
+            if ids is not None:
+                noise = noise[ids[j]]
+            pick[j] = (probs[j] / noise).argmax()
+        return pick if ids is None else ids.gather(1, pick[:, None])[:, 0]
+
+    def _noise(self, seed_pos: tuple[int, int], device: torch.device) -> torch.Tensor:
+        if self._gen is None:
+            self._gen = torch.Generator(device=device)
+        self._gen.manual_seed(step_seed(*seed_pos))
+        return torch.empty(self.vocab, device=device).exponential_(generator=self._gen)
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row of ``probs`` (unnormalised weights >= 0) from uniforms ``u``."""
     cdf = probs.double().cumsum(dim=-1)
@@ -225,7 +257,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_top_k_top_p(
-    x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, u: torch.Tensor, vocab: int
+    x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, rand: _Randomness, rows: list[int]
 ) -> torch.Tensor:
     """Sample rows of scaled logits ``x`` under top-k (0 = off) and top-p (1 = off).
 
@@ -233,6 +265,7 @@ def _sample_top_k_top_p(
     Looks at the best ``max(k, TOP_P_CANDIDATES)`` tokens; a row whose nucleus is
     not inside them is redone over its fully sorted vocabulary.
     """
+    vocab = x.shape[1]
     k_eff = torch.where(k > 0, k, torch.full_like(k, vocab)).clamp_(max=vocab)
     has_k = k > 0
     cand = int(min(vocab, max(TOP_P_CANDIDATES, int(k[has_k].max()) if bool(has_k.any()) else 0)))
@@ -243,18 +276,19 @@ def _sample_top_k_top_p(
     lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
     probs = torch.exp(vals - lse[:, None])
     cum = probs.cumsum(dim=-1)
-    keep = ((cum - probs) < p[:, None]) | (p >= 1.0)[:, None]
-    keep[:, 0] = True
-    probs = probs * keep
-    out = ids.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]
+    out = rand.draw(probs * _nucleus(probs, cum, p), ids, rows)
     # rows without top-k whose nucleus reaches past the candidates: redo over the full vocabulary
     spill = (~has_k) & (cum[:, -1] < p) & (cand < vocab)
     if bool(spill.any()):
         r = spill.nonzero().flatten()
         svals, sids = x[r].sort(dim=-1, descending=True)
         sprobs = torch.softmax(svals, dim=-1)
-        scum = sprobs.cumsum(dim=-1)
-        skeep = (scum - sprobs) < p[r][:, None]
-        skeep[:, 0] = True
-        out[r] = sids.gather(1, _inverse_cdf(sprobs * skeep, u[r])[:, None])[:, 0]
+        out[r] = rand.draw(sprobs * _nucleus(sprobs, sprobs.cumsum(dim=-1), p[r]), sids, [rows[i] for i in r.tolist()])
     return out
+
+
+def _nucleus(probs: torch.Tensor, cum: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep-mask of descending-sorted ``probs``: tokens whose preceding mass is below ``p`` (always the first)."""
+    keep = ((cum - probs) < p[:, None]) | (p >= 1.0)[:, None]
+    keep[:, 0] = True
+    return keep

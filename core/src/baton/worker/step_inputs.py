@@ -36,6 +36,8 @@ class StepInputs:
     req_ids: list[str]  # scheduled requests, in the scheduler's order
     sample_req_ids: list[str]  # requests that sample, aligned with logits rows
     sample_rows: np.ndarray  # their batch rows
+    flat_req_ids: list[str]  # scheduled requests in flattened order
+    query_start: np.ndarray  # [n] where each of them starts in the flattened sequence
 
 
 class StepInputBuilder:
@@ -131,6 +133,8 @@ class StepInputBuilder:
             req_ids=req_ids,
             sample_req_ids=[req_ids[j] for j in order[sample_idx]],
             sample_rows=rows_o[sample_idx],
+            flat_req_ids=[req_ids[j] for j in order],
+            query_start=q_start,
         )
 
     def _decode_groups(self, rows: np.ndarray, ctx: np.ndarray) -> list[DecodeGroup]:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
-from baton.protocol import GrammarOutput, KVCacheConfig, KVCacheSpec, ModelRunnerOutput, SchedulerOutput
+from baton.protocol import (
+    GrammarOutput,
+    KVCacheConfig,
+    KVCacheSpec,
+    ModelInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from baton.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -72,17 +78,15 @@ class Worker:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self._runner().sample_tokens(grammar_output)
 
-    def model_info(self) -> dict[str, Any]:
-        """What the engine needs to know about the loaded model (plain values)."""
-        r = self._runner()
-        return {
-            "max_model_len": r.max_model_len,
-            "vocab_size": r.vocab_size,
-            "eos_token_ids": list(r.eos_token_ids),
-            "num_layers": r.num_layers,
-            "device": str(self.device),
-            "dtype": str(r.dtype).removeprefix("torch."),
-        }
+    def get_model_info(self) -> ModelInfo:
+        """The loaded model's limits (effective max_model_len, vocab, EOS ids)."""
+        return self._runner().model_info
+
+    def get_model_capabilities(self) -> tuple[bool, bool, str]:
+        """(supports_chunked_prefill, supports_prefix_caching, reason) of the loaded model."""
+        from baton.worker.attention import model_capabilities
+
+        return model_capabilities(self._runner().hf_config)
 
     def check_health(self) -> None:
         """Nothing to probe in-process; a dead device raises on the next step."""

