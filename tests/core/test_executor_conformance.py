@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.testing import FakeExecutor
@@ -29,15 +28,20 @@ class TestFakeExecutorConformance(ExecutorConformance):
         return True
 
 
-@pytest.mark.skipif(importlib.util.find_spec("baton.executor.uniproc") is None, reason="uniproc not built")
+@pytest.mark.skipif(
+    importlib.util.find_spec("baton.executor.uniproc") is None, reason="uniproc not built"
+)
 class TestUniprocConformance(ExecutorConformance):
     rpc_method = "check_health"
 
     def engine_config(self) -> BatonConfig:
         from baton.testing.tiny_model import tiny_model
 
-        return super().engine_config().replace(model=str(tiny_model("llama")), kv_cache_memory="64MiB",
-                                               num_threads=1)
+        return (
+            super()
+            .engine_config()
+            .replace(model=str(tiny_model("llama")), kv_cache_memory="64MiB", num_threads=1)
+        )
 
     @pytest.fixture
     def executor(self, config: BatonConfig):

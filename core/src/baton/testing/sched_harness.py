@@ -55,7 +55,9 @@ class CheckedPolicy:
         return req
 
     def pop(self, request: Request) -> None:
-        assert request is self._peeked, f"pop({request!r}) is not what peek just returned ({self._peeked!r})"
+        assert request is self._peeked, (
+            f"pop({request!r}) is not what peek just returned ({self._peeked!r})"
+        )
         self.inner.pop(request)
         del self.queued[request.request_id]
         self._peeked = None
@@ -65,7 +67,9 @@ class CheckedPolicy:
         want = {rid for rid in request_ids if rid in self.queued}
         got = [r.request_id for r in removed]
         assert len(got) == len(set(got)), f"remove returned duplicates: {got}"
-        assert set(got) == want, f"remove({sorted(request_ids)}) returned {sorted(got)}, expected {sorted(want)}"
+        assert set(got) == want, (
+            f"remove({sorted(request_ids)}) returned {sorted(got)}, expected {sorted(want)}"
+        )
         for rid in want:
             assert removed[got.index(rid)] is self.queued.pop(rid)
         self._peeked = None
@@ -74,7 +78,9 @@ class CheckedPolicy:
     def select_victim(self, running: Sequence[Request]) -> Request:
         assert running, "select_victim called with no candidates"
         victim = self.inner.select_victim(running)
-        assert any(victim is r for r in running), f"select_victim returned {victim!r}, not one of the candidates"
+        assert any(victim is r for r in running), (
+            f"select_victim returned {victim!r}, not one of the candidates"
+        )
         self.num_victims += 1
         return victim
 
@@ -91,7 +97,9 @@ class CheckedPolicy:
         assert set(ids) == set(self.queued), (
             f"policy holds {sorted(ids)}, the scheduler queued {sorted(self.queued)}"
         )
-        assert len(self.inner) == len(ids), f"len() is {len(self.inner)}, __iter__ yields {len(ids)}"
+        assert len(self.inner) == len(ids), (
+            f"len() is {len(self.inner)}, __iter__ yields {len(ids)}"
+        )
 
 
 class PolicyHarness:
@@ -109,7 +117,9 @@ class PolicyHarness:
         self.config = config
         self.step_s = step_s
         self.now = 0.0
-        self.scheduler = Scheduler(config, self.policy, num_blocks, clock=lambda: self.now, max_model_len=None)
+        self.scheduler = Scheduler(
+            config, self.policy, num_blocks, clock=lambda: self.now, max_model_len=None
+        )
         self.executor = FakeExecutor(
             block_size=config.cache.block_size, num_blocks=num_blocks, deep_check=deep_check
         )
@@ -188,30 +198,50 @@ def expected_tokens(executor: FakeExecutor, request: Request) -> list[int]:
 
 
 def make_request(
-    rid: str, prompt_len: int, max_tokens: int, *, arrival_time: float = 0.0, priority: int = 0,
-    user: str | None = None, salt: int = 0,
+    rid: str,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    user: str | None = None,
+    salt: int = 0,
 ) -> Request:
     """A request with a deterministic prompt derived from its id (distinct ids, distinct prompts)."""
     seed = sum(map(ord, rid)) + salt
     prompt = [(7 * i + 13 * seed) % 997 + 1 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return Request(rid, prompt, params, eos_token_id=0, arrival_time=arrival_time, priority=priority, user=user)
+    return Request(
+        rid, prompt, params, eos_token_id=0, arrival_time=arrival_time, priority=priority, user=user
+    )
 
 
 USERS = ("alice", "bob", "carol", None)
 
 
 def random_requests(
-    seed: int, n: int = 40, *, max_prompt: int = 80, max_tokens: int = 24, spread_s: float = 0.5,
-    priorities: Sequence[int] = (-1, 0, 1), users: Sequence[str | None] = USERS,
+    seed: int,
+    n: int = 40,
+    *,
+    max_prompt: int = 80,
+    max_tokens: int = 24,
+    spread_s: float = 0.5,
+    priorities: Sequence[int] = (-1, 0, 1),
+    users: Sequence[str | None] = USERS,
 ) -> list[Request]:
     """A mixed workload: random lengths, priorities, users and arrival times in [0, spread_s)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        out.append(make_request(
-            f"s{seed}-r{i}", rng.randint(1, max_prompt), rng.randint(1, max_tokens),
-            arrival_time=round(rng.uniform(0, spread_s), 3) if i else 0.0,
-            priority=rng.choice(list(priorities)), user=rng.choice(list(users)), salt=seed,
-        ))
+        out.append(
+            make_request(
+                f"s{seed}-r{i}",
+                rng.randint(1, max_prompt),
+                rng.randint(1, max_tokens),
+                arrival_time=round(rng.uniform(0, spread_s), 3) if i else 0.0,
+                priority=rng.choice(list(priorities)),
+                user=rng.choice(list(users)),
+                salt=seed,
+            )
+        )
     return out

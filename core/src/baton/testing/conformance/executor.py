@@ -85,8 +85,13 @@ class ExecutorConformance:
 
     def engine_config(self) -> BatonConfig:
         return BatonConfig.load(
-            block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
-            enable_prefix_caching=False, enable_chunked_prefill=True, device="cpu",
+            block_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=512,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=True,
+            device="cpu",
         )
 
     @pytest.fixture
@@ -119,22 +124,34 @@ class ExecutorConformance:
         memory = executor.determine_available_memory()
         fit = min(m // s.page_size_bytes for s, m in zip(specs, memory, strict=True))
         n = min(fit, num_blocks or self.num_blocks)
-        executor.initialize_kv_cache(KVCacheConfig(num_blocks=n, block_size=config.cache.block_size))
+        executor.initialize_kv_cache(
+            KVCacheConfig(num_blocks=n, block_size=config.cache.block_size)
+        )
         return n
 
-    def scheduler(self, executor: Any, config: BatonConfig, num_blocks: int | None = None) -> Scheduler:
+    def scheduler(
+        self, executor: Any, config: BatonConfig, num_blocks: int | None = None
+    ) -> Scheduler:
         n = self.init_cache(executor, config, num_blocks)
         return Scheduler(config, FCFSPolicy(), n, max_model_len=config.model.max_model_len)
 
     def requests(self, tag: str, lens: list[tuple[int, int]]) -> list[Request]:
         return [
-            Request(f"{tag}{i}", prompt(i + 1, p), SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
-                    eos_token_id=None)
+            Request(
+                f"{tag}{i}",
+                prompt(i + 1, p),
+                SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
+                eos_token_id=None,
+            )
             for i, (p, m) in enumerate(lens)
         ]
 
     def run(
-        self, executor: Any, sched: Scheduler, reqs: list[Request], non_block: bool = False,
+        self,
+        executor: Any,
+        sched: Scheduler,
+        reqs: list[Request],
+        non_block: bool = False,
         abort: dict[int, list[str]] | None = None,
     ) -> dict[str, list[int]]:
         """Serve ``reqs`` to the end; ``abort`` maps a step number to request ids aborted before it."""
@@ -151,13 +168,18 @@ class ExecutorConformance:
             assert so.num_scheduled_tokens, "the scheduler found nothing to run"
             out = self._result(executor.execute_model(so, non_block=non_block), non_block)
             if so.structured_output_req_ids:
-                assert out is None, "execute_model must return None when structured_output_req_ids is set"
+                assert out is None, (
+                    "execute_model must return None when structured_output_req_ids is set"
+                )
                 grammar = self._grammar(executor, sched, so)
                 out = self._result(executor.sample_tokens(grammar, non_block=non_block), non_block)
             assert out is not None, "execute_model returned None without structured-output requests"
             vocab = self.vocab_size(executor)
             for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
-                assert rid in so.num_scheduled_tokens and all(0 <= t < vocab for t in toks), (rid, toks)
+                assert rid in so.num_scheduled_tokens and all(0 <= t < vocab for t in toks), (
+                    rid,
+                    toks,
+                )
             for o in sched.update_from_output(so, out):
                 assert o.error is None, o.error
                 tokens[o.request_id].extend(o.new_token_ids)
@@ -166,7 +188,9 @@ class ExecutorConformance:
     @staticmethod
     def _result(value: Any, non_block: bool) -> Any:
         if non_block:
-            assert isinstance(value, Future), f"non_block=True must return a Future, got {type(value).__name__}"
+            assert isinstance(value, Future), (
+                f"non_block=True must return a Future, got {type(value).__name__}"
+            )
             return value.result(timeout=STEP_TIMEOUT)
         assert not isinstance(value, Future), "non_block=False must not return a Future"
         return value
@@ -175,7 +199,9 @@ class ExecutorConformance:
         import torch
 
         vocab = self.vocab_size(executor)
-        bitmask = torch.full((len(so.structured_output_req_ids), (vocab + 31) // 32), -1, dtype=torch.int32)
+        bitmask = torch.full(
+            (len(so.structured_output_req_ids), (vocab + 31) // 32), -1, dtype=torch.int32
+        )
         for i, rid in enumerate(so.structured_output_req_ids):
             sched.requests[rid].grammar.fill_bitmask(bitmask, i)
         return GrammarOutput(req_ids=list(so.structured_output_req_ids), bitmask=bitmask)
@@ -189,9 +215,19 @@ class ExecutorConformance:
         assert specs and all(isinstance(s, KVCacheSpec) for s in specs)
         assert len(memory) == len(specs), "one memory figure per KV spec (per worker)"
         for s, m in zip(specs, memory, strict=True):
-            assert s.page_size_bytes > 0 and s.num_layers > 0 and s.num_kv_heads > 0 and s.head_size > 0
-            assert isinstance(m, int) and m >= s.page_size_bytes, f"{m} bytes cannot hold one block of {s}"
-        assert isinstance(executor.max_concurrent_batches, int) and executor.max_concurrent_batches >= 1
+            assert (
+                s.page_size_bytes > 0
+                and s.num_layers > 0
+                and s.num_kv_heads > 0
+                and s.head_size > 0
+            )
+            assert isinstance(m, int) and m >= s.page_size_bytes, (
+                f"{m} bytes cannot hold one block of {s}"
+            )
+        assert (
+            isinstance(executor.max_concurrent_batches, int)
+            and executor.max_concurrent_batches >= 1
+        )
 
     def test_execute_blocking_and_non_block_agree(self, executor: Any, config: BatonConfig) -> None:
         sched = self.scheduler(executor, config)
@@ -204,8 +240,9 @@ class ExecutorConformance:
             assert [blocking[f"b{i}"] for i in range(5)] == [future[f"f{i}"] for i in range(5)]
 
     @pytest.mark.parametrize("non_block", [False, True])
-    def test_structured_output_waits_for_sample_tokens(self, executor: Any, config: BatonConfig,
-                                                       non_block: bool) -> None:
+    def test_structured_output_waits_for_sample_tokens(
+        self, executor: Any, config: BatonConfig, non_block: bool
+    ) -> None:
         sched = self.scheduler(executor, config)
         reqs = self.requests("g", [(12, 5), (30, 6), (3, 4)])
         reqs[0].grammar = OnlyToken(self.grammar_token)
@@ -216,7 +253,8 @@ class ExecutorConformance:
         assert len(tokens["g1"]) == 6
 
     def test_finished_and_preempted_requests(self, executor: Any, config: BatonConfig) -> None:
-        sched = self.scheduler(executor, config, num_blocks=16)  # 240 usable tokens, prompts up to 133 tokens
+        # 15 usable blocks (240 tokens) for 8 requests of up to 133 tokens each
+        sched = self.scheduler(executor, config, num_blocks=16)
         lens = [(30 + 9 * i, 40) for i in range(8)]
         alone: dict[str, list[int]] = {}
         for req in self.requests("x", lens):  # one at a time: no preemption
@@ -227,7 +265,9 @@ class ExecutorConformance:
         for i in (0, 1, 2, 4, 5, 7):
             assert len(together[f"y{i}"]) == 40
             if self.exact_tokens:
-                assert together[f"y{i}"] == alone[f"x{i}"], f"request {i}: tokens changed with preemption"
+                assert together[f"y{i}"] == alone[f"x{i}"], (
+                    f"request {i}: tokens changed with preemption"
+                )
         # the runner forgot finished and aborted requests: their ids are new again
         again = self.run(executor, sched, self.requests("y", lens[2:4]))
         assert [len(again["y0"]), len(again["y1"])] == [40, 40]
@@ -259,7 +299,9 @@ class ExecutorConformance:
         executor.check_health()
         assert not calls, "the failure callback ran while the executor was healthy"
         if not self.inject_failure(executor):
-            pytest.skip("this executor does not support failure injection (override inject_failure)")
+            pytest.skip(
+                "this executor does not support failure injection (override inject_failure)"
+            )
         assert done.wait(10.0), "the failure callback did not run within 10 s of the failure"
         with pytest.raises(ExecutorError):
             executor.check_health()

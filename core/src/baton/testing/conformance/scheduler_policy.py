@@ -78,8 +78,12 @@ class SchedulerPolicyConformance:
 
     def config(self, **overrides: Any) -> BatonConfig:
         base: dict[str, Any] = dict(
-            block_size=16, max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=True,
-            enable_prefix_caching=True, max_model_len=None,
+            block_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=True,
+            max_model_len=None,
         )
         base.update(overrides)
         name = self.name or "fcfs"
@@ -91,7 +95,9 @@ class SchedulerPolicyConformance:
         if self.name is None:
             raise NotImplementedError("set `name` or override make_policy(self, config)")
         entry = get_registry().get("scheduler_policy", self.name)
-        return entry.create(config, config.plugin_settings("scheduler", entry.name, entry.settings_model))
+        return entry.create(
+            config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
+        )
 
     def harness(self, num_blocks: int = 1024, **config: Any) -> PolicyHarness:
         cfg = self.config(**config)
@@ -104,14 +110,18 @@ class SchedulerPolicyConformance:
                 return out
             req = policy.peek(now)
             if req is None:
-                assert self.admission_control, "peek returned None while requests wait (set admission_control)"
+                assert self.admission_control, (
+                    "peek returned None while requests wait (set admission_control)"
+                )
                 now += 1.0
                 continue
             policy.pop(req)
             out.append(req.request_id)
         raise AssertionError("the policy never admitted its waiting requests")
 
-    def _assert_complete(self, h: PolicyHarness, requests: list[Request], aborted: set[str] = frozenset()) -> None:
+    def _assert_complete(
+        self, h: PolicyHarness, requests: list[Request], aborted: set[str] = frozenset()
+    ) -> None:
         for r in requests:
             rid = r.request_id
             if rid in aborted:
@@ -134,7 +144,9 @@ class SchedulerPolicyConformance:
         reqs = random_requests(7, n=30)
         for r in reqs:
             policy.add(r)
-        assert len(policy) == 30 and sorted(r.request_id for r in policy) == sorted(r.request_id for r in reqs)
+        assert len(policy) == 30 and sorted(r.request_id for r in policy) == sorted(
+            r.request_id for r in reqs
+        )
         first = policy.peek(1.0)
         if first is not None:
             assert policy.peek(1.0) is first, "peek must not change the queue"
@@ -148,12 +160,16 @@ class SchedulerPolicyConformance:
         left = {r.request_id for r in policy}
         assert not left & gone and len(policy) == len(left) == 29 - len(gone) + (first is None)
         drained = self._drain(policy)
-        assert sorted(drained) == sorted(left), "draining must admit every waiting request exactly once"
+        assert sorted(drained) == sorted(left), (
+            "draining must admit every waiting request exactly once"
+        )
         assert len(policy) == 0 and policy.peek(2.0) is None
 
     def test_preempted_request_comes_back(self) -> None:
         policy = self.make_policy(self.config())
-        reqs = [make_request(f"p{i}", 10 + i, 8, arrival_time=0.01 * i, user="alice") for i in range(4)]
+        reqs = [
+            make_request(f"p{i}", 10 + i, 8, arrival_time=0.01 * i, user="alice") for i in range(4)
+        ]
         for r in reqs:
             policy.add(r)
         head = policy.peek(1.0)
@@ -199,29 +215,43 @@ class SchedulerPolicyConformance:
     def test_preempted_requests_resume_with_identical_tokens(self) -> None:
         h = self.harness(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=64)
         reqs = [
-            make_request(f"t{i}", 20 + 7 * (i % 5), 40 + 5 * (i % 3), arrival_time=0.01 * i,
-                         user=("alice", "bob")[i % 2], priority=i % 3 - 1)
+            make_request(
+                f"t{i}",
+                20 + 7 * (i % 5),
+                40 + 5 * (i % 3),
+                arrival_time=0.01 * i,
+                user=("alice", "bob")[i % 2],
+                priority=i % 3 - 1,
+            )
             for i in range(16)
         ]
         h.submit(*reqs)
         h.run()
-        assert h.num_preemptions > 0 and h.policy.num_victims > 0, "the workload should have preempted"
+        assert h.num_preemptions > 0 and h.policy.num_victims > 0, (
+            "the workload should have preempted"
+        )
         assert any(r.num_preemptions for r in reqs)
         self._assert_complete(h, reqs)
 
     def test_aborts_of_waiting_and_preempted_requests(self) -> None:
         h = self.harness(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
-        reqs = [make_request(f"a{i}", 16 + 5 * (i % 4), 30, user=("alice", "bob", None)[i % 3]) for i in range(20)]
+        reqs = [
+            make_request(f"a{i}", 16 + 5 * (i % 4), 30, user=("alice", "bob", None)[i % 3])
+            for i in range(20)
+        ]
         h.submit(*reqs)
         for _ in range(6):
             h.step()
         queued = [r.request_id for r in h.policy.inner]
         assert len(queued) >= 4, "the workload should leave requests waiting"
         victims = queued[::2]
-        h.abort(victims + ["nobody"])
+        h.abort([*victims, "nobody"])
         assert not {r.request_id for r in h.policy.inner} & set(victims)
         for _ in range(10_000):  # abort a preempted one too, when there is one
-            if any(r.status == RequestStatus.PREEMPTED for r in h.policy.inner) or not h.scheduler.requests:
+            if (
+                any(r.status == RequestStatus.PREEMPTED for r in h.policy.inner)
+                or not h.scheduler.requests
+            ):
                 break
             h.step()
         preempted = [r.request_id for r in h.policy.inner if r.status == RequestStatus.PREEMPTED]
@@ -260,10 +290,21 @@ class SchedulerPolicyConformance:
         reqs = []
         for k in range(flood // 8):  # 5 shorts every 8 steps; a short holds a seat for 8 steps
             for j in range(5):
-                reqs.append(make_request(f"short-{k}-{j}", 8, 8, arrival_time=round((8 * k + j) * step, 6),
-                                         user="alice"))
-        longs = [make_request(f"long-{i}", 64, 64, arrival_time=round((5 + i * flood // 4) * step, 6), user="bob")
-                 for i in range(3)]
+                reqs.append(
+                    make_request(
+                        f"short-{k}-{j}",
+                        8,
+                        8,
+                        arrival_time=round((8 * k + j) * step, 6),
+                        user="alice",
+                    )
+                )
+        longs = [
+            make_request(
+                f"long-{i}", 64, 64, arrival_time=round((5 + i * flood // 4) * step, 6), user="bob"
+            )
+            for i in range(3)
+        ]
         h.submit(*reqs, *longs)
         h.run(max_steps=20 * flood)
         self._assert_complete(h, reqs + longs)
