@@ -150,4 +150,6 @@ def test_structured_output_spec_exactly_one():
         StructuredOutputSpec()
     with pytest.raises(StructuredOutputError, match="not valid JSON"):
         StructuredOutputSpec(json="{nope")
-    assert StructuredOutputSpec(json={"b": 1, "a": 2}).key() == StructuredOutputSpec(json='{"a":2,"b":1}').key()
+    assert StructuredOutputSpec(json={"b": 1, "a": 2}).key() == StructuredOutputSpec(json='{"b":1,"a":2}').key()
+    # key order is kept: a schema's property order is the order of the output's properties
+    assert StructuredOutputSpec(json={"b": 1, "a": 2}).key() != StructuredOutputSpec(json={"a": 2, "b": 1}).key()

@@ -183,10 +183,13 @@ class GrammarMatcher(Protocol):
     """One request's position in its grammar."""
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        """Advance over ``token_ids``; False (and no advance past it) if one is not allowed."""
+        """Advance over all of ``token_ids`` and return True, or return False and stay where it was
+        (no token of the call accepted) if one of them is not allowed."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32, bit set = allowed)."""
+        """Write the allowed next tokens into ``bitmask[row]`` (int32, bit set = allowed; token t is
+        bit ``t % 32`` of word ``t // 32``), touching no other row. Tokens past the tokenizer's
+        vocabulary are never allowed; once the output is complete, only EOS is."""
 
     def is_terminated(self) -> bool:
         """The grammar accepted a complete output (the request finishes with reason stop)."""

@@ -43,8 +43,8 @@ class StructuredOutputSpec(
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):  # accept a schema dict, keep its canonical text
-            self.json = json_dumps_canonical(self.json)
+        if isinstance(self.json, dict):  # accept a schema dict, keep its compact text
+            self.json = json_dumps_compact(self.json)
         kinds = self.kinds()
         if len(kinds) != 1:
             raise StructuredOutputError(
@@ -81,8 +81,9 @@ class StructuredOutputSpec(
         return kind, getattr(self, kind)
 
 
-def json_dumps_canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+def json_dumps_compact(obj: Any) -> str:
+    # key order kept: a schema's property order is the order the output's properties take
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):

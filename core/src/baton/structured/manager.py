@@ -3,14 +3,16 @@
 A request with a spec enters WAITING_FOR_FSM while its grammar compiles on a
 thread pool (compiled grammars cached by spec); the scheduler holds it aside
 until ``request.grammar`` is set. Each step the core asks for the batch's
-bitmask while the forward runs. The backend is a plugin, created on the first
-request that needs it.
+bitmask while the forward runs. The backend is a plugin, created on the pool
+the first time a request needs it (loading the tokenizer and building the
+backend's vocabulary tables takes a second or more: never on the step thread).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -28,42 +30,86 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Compiled grammars kept by spec (least recently used dropped first).
+COMPILED_CACHE_SIZE = 1024
+
 
 class StructuredOutputManager:
+    """Compiles grammars off the step thread and fills each step's bitmask. Driven by EngineCore."""
+
     def __init__(self, config: BatonConfig, registry: Registry, info: ModelInfo) -> None:
         self.config = config
         self.registry = registry
         self.info = info
         self.backend_name = resolve_structured_output_backend(config, registry)
         self._backend: StructuredOutputBackend | None = None
+        self._backend_error: BaseException | None = None
+        self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._compiled: dict[tuple[str, str], Future[Any]] = {}
+        self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._failed: list[tuple[Request, str]] = []
         self._lock = threading.Lock()
         self._bitmask: Any = None
 
+    # ------------------------------------------------------------------ the backend
+
+    def _check_available(self) -> None:
+        if self.backend_name is not None:
+            return
+        setting = self.config.structured_output.backend
+        if setting == "none":
+            raise StructuredOutputError(
+                "the request has a structured-output spec but structured output is turned off "
+                "(structured_output.backend = 'none'): set it to 'xgrammar' (pip install baton-plugin-xgrammar)"
+            )
+        raise StructuredOutputError(
+            "the request has a structured-output spec but no structured-output backend is installed "
+            f"(structured_output.backend = {setting!r}): pip install baton-plugin-xgrammar"
+        )
+
     @property
     def backend(self) -> StructuredOutputBackend:
-        if self._backend is None:
-            if self.backend_name is None:
-                raise StructuredOutputError(
-                    "this request has a structured-output spec but no structured-output backend is "
-                    "installed (structured_output.backend = "
-                    f"{self.config.structured_output.backend!r}): pip install baton-plugin-xgrammar"
-                )
-            from transformers import AutoTokenizer
+        """The backend, created on first use (thread-safe; a failure is remembered and raised again)."""
+        backend = self._backend
+        if backend is not None:
+            return backend
+        self._check_available()
+        with self._backend_lock:
+            if self._backend is None:
+                if self._backend_error is not None:
+                    raise self._backend_error
+                try:
+                    self._backend = self._create_backend()
+                except Exception as e:  # every later request gets the same error, without retrying
+                    self._backend_error = StructuredOutputError(
+                        f"structured-output backend {self.backend_name!r} failed to start: {type(e).__name__}: {e}"
+                    )
+                    raise self._backend_error from e
+            return self._backend
 
-            entry = self.registry.get("structured_output", self.backend_name)
-            settings = self.config.plugin_settings("structured_output", entry.name, entry.settings_model)
-            tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer or self.info.path)
-            self._backend = entry.create(self.config, settings, tokenizer, self.info.vocab_size)
-        return self._backend
+    def _create_backend(self) -> StructuredOutputBackend:
+        from baton.frontend.tokenizer import load_tokenizer
+
+        assert self.backend_name is not None
+        entry = self.registry.get("structured_output", self.backend_name)
+        settings = self.config.plugin_settings("structured_output", entry.name, entry.settings_model)
+        tokenizer = load_tokenizer(self.config, self.info)
+        log.info("structured output: backend %r, vocabulary %d", entry.name, self.info.vocab_size)
+        # the model's vocabulary size (the logits' width), which may exceed the tokenizer's
+        return entry.create(self.config, settings, tokenizer, self.info.vocab_size)
+
+    # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
-        """Start compiling the request's grammar; the request waits (WAITING_FOR_FSM) until it is ready."""
+        """Start compiling the request's grammar; the request waits (WAITING_FOR_FSM) until it is ready.
+
+        Raises StructuredOutputError at once when no backend is available; any
+        other failure (backend start-up, compile) finishes only this request,
+        through ``take_failed``.
+        """
         spec = request.sampling_params.structured_outputs
         assert spec is not None
-        backend = self.backend  # raises before the request is admitted when there is no backend
+        self._check_available()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 self.config.structured_output.compile_threads, thread_name_prefix="baton-grammar"
@@ -72,26 +118,38 @@ class StructuredOutputManager:
         with self._lock:
             future = self._compiled.get(key)
             if future is None:
-                future = self._compiled[key] = self._pool.submit(backend.compile, spec)
+                future = self._compiled[key] = self._pool.submit(self._compile, spec)
+                if len(self._compiled) > COMPILED_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
         request.status = RequestStatus.WAITING_FOR_FSM
-        future.add_done_callback(lambda f: self._on_compiled(request, f))
+        future.add_done_callback(lambda f: self._on_compiled(request, key, f))
 
-    def _on_compiled(self, request: Request, future: Future[Any]) -> None:
+    def _compile(self, spec: Any) -> Any:
+        return self.backend.compile(spec)
+
+    def _on_compiled(self, request: Request, key: tuple[str, str], future: Future[Any]) -> None:
+        # runs on a pool thread (or on the caller's, when the grammar was already compiled)
         try:
             request.grammar = self.backend.matcher(future.result())
         except Exception as e:  # reported on this request only; the engine serves the others
             message = str(e) if isinstance(e, StructuredOutputError) else f"{type(e).__name__}: {e}"
             log.warning("request %s: structured-output spec failed to compile: %s", request.request_id, message)
             with self._lock:
-                self._failed.append((request, f"StructuredOutputError: the structured-output spec failed to compile: {message}"))
-                self._compiled.pop(request.sampling_params.structured_outputs.key(), None)  # type: ignore[union-attr]
+                self._failed.append((request, f"StructuredOutputError: {message}"))
+                if self._compiled.get(key) is future:  # not cached: the same spec compiles afresh next time
+                    del self._compiled[key]
 
     def take_failed(self) -> list[tuple[Request, str]]:
+        """Requests whose grammar failed since the last call, with their error messages."""
         if not self._failed:
             return []
         with self._lock:
             failed, self._failed = self._failed, []
         return failed
+
+    # ------------------------------------------------------------------ each step
 
     def grammar_bitmask(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """Fill the bitmask rows of this step's constrained requests (runs while the forward does)."""
@@ -99,15 +157,15 @@ class StructuredOutputManager:
         if not req_ids:
             return None
         backend = self.backend
-        rows = max(len(req_ids), self.config.scheduler.max_num_seqs)
-        if self._bitmask is None or self._bitmask.shape[0] < rows:
-            self._bitmask = backend.allocate_bitmask(rows)
+        n = len(req_ids)
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = backend.allocate_bitmask(max(n, self.config.scheduler.max_num_seqs))
         bitmask = self._bitmask
         requests = scheduler.requests
         for i, rid in enumerate(req_ids):
             requests[rid].grammar.fill_bitmask(bitmask, i)
         # a copy: with a batch queue the next step refills the buffer before this one samples
-        return GrammarOutput(req_ids=list(req_ids), bitmask=bitmask[: len(req_ids)].clone())
+        return GrammarOutput(req_ids=list(req_ids), bitmask=bitmask[:n].clone())
 
     def shutdown(self) -> None:
         if self._pool is not None:
