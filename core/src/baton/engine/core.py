@@ -232,7 +232,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        """A snapshot: counters (prefix-cache queries/hits, preemptions) are totals since start."""
+        return self.scheduler.make_stats(delta=False)
 
     def check_health(self) -> None:
         self.executor.check_health()
@@ -251,10 +252,15 @@ class EngineCore:
         self.executor.shutdown()
 
 
-#: Methods a client may call through a UTILITY request.
-UTILITY_METHODS = frozenset(
-    {"reset_prefix_cache", "get_stats", "check_health", "get_model_info", "get_num_blocks", "list_requests"}
-)
+#: Methods a client may call through a UTILITY request, with the type of their result.
+UTILITY_METHODS: dict[str, Any] = {
+    "reset_prefix_cache": bool,
+    "get_stats": SchedulerStats,
+    "check_health": None,
+    "get_model_info": ModelInfo,
+    "get_num_blocks": int,
+    "list_requests": list[str],
+}
 
 
 def _then(future: Future[Any], fn: Any) -> Future[Any]:

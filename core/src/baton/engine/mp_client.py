@@ -21,8 +21,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
+from baton.engine.core import UTILITY_METHODS
 from baton.engine.core_proc import READY, run_engine_core
 from baton.errors import BatonError, EngineDeadError, InvalidRequestError, ProtocolError, error_from_message
 from baton.interfaces import ClientChannel, Transport
@@ -187,7 +190,7 @@ class MPClient(EngineCoreClient):
                 fut = self._pending.pop(u.call_id, None)
                 if fut is not None:
                     if u.failure_message is None:
-                        fut.set_result(u.result)
+                        fut.set_result(_typed_result(fut, u.result))
                     else:
                         fut.set_exception(error_from_message(u.failure_message))
             if outputs.outputs or outputs.scheduler_stats is not None:
@@ -241,6 +244,7 @@ class MPClient(EngineCoreClient):
         self._check_alive()
         call_id = next(self._call_ids)
         fut: Future[Any] = Future()
+        fut.result_type = UTILITY_METHODS.get(method)  # type: ignore[attr-defined]
         self._pending[call_id] = fut
         try:
             self._send(RequestType.UTILITY, UtilityRequest(call_id=call_id, method=method, args=list(args)), engine_index)
@@ -359,6 +363,12 @@ class DPAsyncMPClient(AsyncMPClient):
         super().abort_requests(request_ids)
         for rid in request_ids:
             self._release(rid)
+
+
+def _typed_result(fut: Future[Any], result: Any) -> Any:
+    """Utility results travel as plain msgpack; rebuild the method's declared type."""
+    type_ = getattr(fut, "result_type", None)
+    return result if type_ is None or result is None else msgspec.convert(result, type_)
 
 
 def _dead_message(frames: list[Any]) -> str:

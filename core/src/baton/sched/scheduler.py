@@ -92,6 +92,7 @@ class Scheduler:
         # figures for make_stats (deltas since its previous call)
         self._last_num_scheduled = 0
         self._num_preemptions = 0
+        self.total_preemptions = 0
         self._queries_seen = 0
         self._hits_seen = 0
 
@@ -241,6 +242,7 @@ class Scheduler:
             budget = self._admit(now, budget, num_scheduled, new_reqs, so_ids)
 
         self._num_preemptions += len(preempted)
+        self.total_preemptions += len(preempted)
         if num_scheduled:
             in_flight.update(dict.fromkeys(num_scheduled, step_id))
             self._steps_in_flight.add(step_id)
@@ -394,13 +396,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stats
 
-    def make_stats(self) -> SchedulerStats:
-        """The figures after the latest step; counters are deltas since the previous call."""
+    def make_stats(self, delta: bool = True) -> SchedulerStats:
+        """The figures after the latest step.
+
+        ``delta=True`` (each step's stats): counters are deltas since the previous such call.
+        ``delta=False`` (a snapshot, e.g. the get_stats utility): counters are totals; nothing is reset.
+        """
         kv = self.kv
-        queries = kv.prefix_cache_queries - self._queries_seen
-        hits = kv.prefix_cache_hits - self._hits_seen
-        self._queries_seen, self._hits_seen = kv.prefix_cache_queries, kv.prefix_cache_hits
-        preemptions, self._num_preemptions = self._num_preemptions, 0
+        if delta:
+            queries = kv.prefix_cache_queries - self._queries_seen
+            hits = kv.prefix_cache_hits - self._hits_seen
+            self._queries_seen, self._hits_seen = kv.prefix_cache_queries, kv.prefix_cache_hits
+            preemptions, self._num_preemptions = self._num_preemptions, 0
+        else:
+            queries, hits, preemptions = kv.prefix_cache_queries, kv.prefix_cache_hits, self.total_preemptions
         num_running = sum(1 for r in self.running if r.status == _RUNNING) if self._running_dirty else len(self.running)
         return SchedulerStats(
             step=self._step, num_running_reqs=num_running,
