@@ -111,3 +111,12 @@ def test_replace_validates():
     assert c.replace(enable_chunked_prefill=False).scheduler.enable_chunked_prefill is False
     with pytest.raises(ConfigError, match="block_size"):
         c.replace(block_size=0)
+
+
+def test_configuration_doc_is_current():
+    from pathlib import Path
+
+    from baton.config_docs import render
+
+    doc = Path(__file__).parents[2] / "docs" / "configuration.md"
+    assert doc.read_text() == render(), "docs/configuration.md is stale: python -m baton.config_docs > docs/configuration.md"

@@ -32,13 +32,14 @@ CONFIG_ENV = "BATON_CONFIG"
 class _Section(BaseModel):
     # extra keys are plugin sub-tables (e.g. [transport.zmq]); plain typos are
     # caught in BatonConfig.check_extras once the plugins are known.
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelSection(_Section):
     name: str = "smollm2-135m-instruct"
     """A built-in alias, a local Hugging Face model folder, or a .gguf file."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Weights and activations; "auto" takes the model's own dtype."""
     max_model_len: int | None = Field(2048, gt=0)
     """Longest prompt + output; None takes the model's own limit."""
     tokenizer: str | None = None
@@ -46,28 +47,40 @@ class ModelSection(_Section):
     cache_dir: Path | None = None
     """Where converted models (GGUF -> safetensors) are kept; default: the user cache dir."""
     seed: int = 0
+    """Seed of the random generator for unseeded sampling."""
 
 
 class CacheSection(_Section):
     block_size: int = Field(16, gt=0, le=1024)
+    """Tokens per KV-cache block (the unit of allocation and of prefix caching)."""
     kv_cache_memory: ByteSize | None = None
     """KV cache size, e.g. "2GiB". None: memory_utilization on CUDA, 2GiB-or-what-is-needed on CPU."""
     memory_utilization: float | None = Field(None, gt=0, le=1)
+    """On CUDA: the fraction of device memory the model and the KV cache may use (default 0.9)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks shared with earlier requests (chained block hashes)."""
 
 
 class SchedulerSection(_Section):
     policy: str = "fcfs"
+    """Any installed scheduler policy: fcfs, priority, ... (`baton plugins`)."""
     max_num_seqs: int = Field(64, gt=0)
+    """Most requests running at once."""
     max_num_batched_tokens: int = Field(2048, gt=0)
+    """Token budget of one step (prompt chunks + decodes)."""
     enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget over several steps."""
 
 
 class ExecutorSection(_Section):
     backend: str = "uniproc"
+    """Any installed executor: uniproc, cuda-tp, pipeline, ..."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """cpu, cuda, cuda:N, or auto (CUDA when available)."""
     tensor_parallel_size: int = Field(1, gt=0)
+    """Ranks the model's heads, MLP and vocabulary are split across (executor cuda-tp)."""
     pipeline_parallel_size: int = Field(1, gt=0)
+    """Stages the model's layers are split across (executor pipeline)."""
     data_parallel_size: int = Field(1, gt=0)
     """Independent engine cores behind one asyncio frontend (least-loaded routing)."""
     num_threads: int | None = Field(None, gt=0)
@@ -76,28 +89,38 @@ class ExecutorSection(_Section):
 
 class TransportSection(_Section):
     name: str = "inproc"
+    """Frontend <-> engine-core transport: inproc, zmq, shm, ..."""
 
 
 class StructuredOutputSection(_Section):
     backend: str = "auto"
     """A structured-output backend; "auto" takes xgrammar when installed."""
     compile_threads: int = Field(2, gt=0)
+    """Threads compiling grammars off the hot path."""
 
 
 class ServerSection(_Section):
     host: str = "127.0.0.1"
+    """Address `baton serve` binds."""
     port: int = Field(8000, ge=0, le=65535)
+    """Port `baton serve` binds (0 = a free one)."""
     served_model_name: str | None = None
+    """The model name clients use; default: model.name."""
     api_key: str | None = None
+    """When set, requests must carry `Authorization: Bearer <api_key>`."""
     shutdown_timeout: float = Field(0.0, ge=0)
     """On SIGTERM: > 0 drains (in-flight requests finish, up to this many seconds); 0 aborts them."""
 
 
 class ObservabilitySection(_Section):
     log_stats: bool = True
+    """Collect per-step and per-request statistics and feed the stat loggers."""
     log_stats_interval: float = Field(10.0, gt=0)
+    """Seconds between two periodic stats log lines."""
     stat_loggers: list[str] = Field(default_factory=lambda: ["logging"])
+    """Installed stat loggers to run: logging, prometheus (baton serve), ..."""
     log_level: str = "INFO"
+    """Log level of the engine process."""
 
 
 SECTIONS = (

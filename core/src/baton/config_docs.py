@@ -1,0 +1,59 @@
+"""Render docs/configuration.md from BatonConfig, so the page can't drift from the code.
+
+``python -m baton.config_docs > docs/configuration.md``; a test compares them.
+"""
+
+from __future__ import annotations
+
+from baton.config import SECTIONS, BatonConfig
+
+HEADER = """# Configuration
+
+One settings model (`baton.config.BatonConfig`), eight sections, every one optional.
+Sources, strongest first:
+
+1. explicit arguments: `LLM(max_num_seqs=8)`, `LLM(scheduler={"policy": "priority"})`,
+   `LLM(**{"cache.block_size": 32})`, CLI flags (`--policy`, `--set cache.block_size=32`);
+2. environment variables `BATON_<SECTION>__<FIELD>` (e.g. `BATON_SCHEDULER__MAX_NUM_SEQS=8`);
+3. a TOML or YAML file given with `--config` / `LLM(config=...)` or `BATON_CONFIG`;
+4. the defaults below.
+
+Invalid values fail at start-up with the field path and the bad value
+(`scheduler.max_num_seqs: Input should be greater than 0 (got 0)`); a config
+naming a plugin that is not installed fails with what is installed and what to
+install. An unknown key in a section is refused unless it is the sub-table of
+an installed plugin of that section's kind.
+
+A plugin's own settings sit in a sub-table named after it and are validated by
+the settings model it registered:
+
+```toml
+[transport]
+name = "zmq"
+[transport.zmq]
+protocol = "tcp"
+```
+
+Other environment switches: `BATON_PLUGINS` (comma-separated allowlist of
+plugin or distribution names; baton-core's built-ins always load),
+`BATON_DISABLE_PLUGIN_AUTOLOAD=1`, `BATON_TRACE_PLUGINS=1` (log every hook
+call), `BATON_CACHE_DIR` (where converted models are kept), `BATON_LOG_LEVEL`
+(the CLI's log level).
+"""
+
+
+def render() -> str:
+    out = [HEADER]
+    for section in SECTIONS:
+        model = BatonConfig.model_fields[section].annotation
+        out += [f"## [{section}]", "", "| field | default | meaning |", "|---|---|---|"]
+        for name, field in model.model_fields.items():  # type: ignore[union-attr]
+            default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+            meaning = " ".join((field.description or "").split())
+            out.append(f"| `{name}` | `{default!r}` | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render(), end="")
