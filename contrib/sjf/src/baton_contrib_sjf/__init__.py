@@ -21,7 +21,7 @@ run last: the largest key.
     policy = "sjf"
 
     [scheduler.sjf]
-    aging_rate = 100.0   # tokens of size forgiven per second of waiting
+    aging_rate = 50.0    # tokens of size forgiven per second of waiting
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ MAX_OUTPUT_ESTIMATE = 1 << 20
 class SJFSettings(BaseModel):
     """``[scheduler.sjf]``."""
 
-    aging_rate: float = Field(100.0, ge=0.0)
+    aging_rate: float = Field(50.0, ge=0.0)
     """Tokens of job size forgiven per second a request waits; 0 is pure SJF (long requests may starve)."""
 
 

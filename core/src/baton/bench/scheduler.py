@@ -1,13 +1,15 @@
-"""Scheduler overhead: the real Scheduler + KVCacheManager driven by the fake executor (no model).
+"""Scheduler overhead and the scheduler simulator: the real Scheduler + KVCacheManager, no model.
 
-Only scheduler time is measured (``schedule()`` + ``update_from_output()``),
-per step. Two variants: ``default`` (enough blocks for 256 running requests)
-and ``tight`` (2048 blocks, which forces preemptions). Deterministic for a seed.
+Overhead (default): only scheduler time is measured (``schedule()`` +
+``update_from_output()``), per step, with the fake executor. Two variants:
+``default`` (enough blocks for 256 running requests) and ``tight`` (2048
+blocks, which forces preemptions). Deterministic for a seed.
 
-The pieces are kept separate so a simulator can grow from them: a workload is
-a list of ``WorkloadRequest`` (arrival time, prompt tokens, max tokens, user);
-``run_scheduler_bench`` replays one against any registered policy, with a
-simulated clock the fake executor's cost model advances.
+Simulator (``--workload FILE|bursty-two-tenant``): replays a workload with
+arrival times and tenants through each ``--policy`` (comma-separated) with a
+timing model of the executor (``--cost-model``; ``--calibrate`` measures one
+with the real model) and prints TTFT / ITL / e2e percentiles, throughput,
+preemptions and per-tenant figures side by side. See ``baton.bench.simulator``.
 """
 
 from __future__ import annotations
@@ -191,58 +193,83 @@ def _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--num-blocks", type=int, default=16384, help="blocks in the default variant")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="overhead: requests (default 1000); simulator: use only the first N arrivals")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (overhead: 16384 in the default variant; simulator: the cost model's or enough)")
     p.add_argument("--tight-num-blocks", type=int, default=2048, help="blocks in the tight (preempting) variant")
     p.add_argument("--variant", choices=("both", "default", "tight"), default="both")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default=None, help="scheduler policy (default: fcfs, or the config's)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--policy", default=None,
+                   help="scheduler policy, or several comma-separated to compare (default: the config's)")
+    p.add_argument("--block-size", type=int, default=None, help="default: 16 (simulator: the config's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 (simulator: the config's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 (simulator: the config's)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--shared-prefix-frac", type=float, default=0.5)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip the fake executor's contract checks")
+    g = p.add_argument_group("simulator")
+    g.add_argument("--workload", help="a chat-workload JSON with arrival_time/user, or a generator: bursty-two-tenant")
+    g.add_argument("--save-workload", metavar="FILE", help="write the (generated) workload to FILE")
+    g.add_argument("--cost-model", metavar="FILE|overhead=S,prefill=S,decode=S[,attention=S]",
+                   help="executor timing model (default: the built-in rough CPU figures)")
+    g.add_argument("--cost-noise", type=float, default=0.0, help="log-normal sigma of a per-step cost factor")
+    g.add_argument("--calibrate", action="store_true", help="measure the cost model with the real model")
+    g.add_argument("--cost-model-out", metavar="FILE", help="where --calibrate writes the cost model JSON")
+    g.add_argument("--model", help="the model --calibrate runs (default: the config's)")
     # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
     p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.calibrate or args.workload:
+        from baton.bench import simulator
+
+        return simulator.main(args)
     config = BatonConfig.load(
         getattr(args, "config", None),
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size or 16,
+        max_num_seqs=args.max_num_seqs or 256,
+        max_num_batched_tokens=args.max_num_batched_tokens or 8192,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=True,
-        policy=args.policy,
     )
+    policies = args.policy.split(",") if args.policy else [config.scheduler.policy]
     workload = make_workload(
-        args.num_requests, args.seed, args.min_prompt, args.max_prompt, args.output_len, args.shared_prefix_frac
+        args.num_requests or 1000, args.seed, args.min_prompt, args.max_prompt, args.output_len, args.shared_prefix_frac
     )
-    variants = {"default": args.num_blocks, "tight": args.tight_num_blocks}
+    variants = {"default": args.num_blocks or 16384, "tight": args.tight_num_blocks}
     if args.variant != "both":
         variants = {args.variant: variants[args.variant]}
     result: dict[str, Any] = {
         "bench": "scheduler",
         "config": {
-            "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "prefix_caching": not args.no_prefix_caching,
+            "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "prefix_caching": not args.no_prefix_caching,
             "output_len": args.output_len, "prompt_len": [args.min_prompt, args.max_prompt], "seed": args.seed,
         },
     }
     with CpuMonitor() as cpu:
-        for name, blocks in variants.items():
-            gc.collect()
-            result[name] = run_scheduler_bench(workload, config, blocks, check=not args.no_check)
+        for policy in policies:
+            # one policy: the figures at the top level, as always; several: one object per policy
+            into = result if len(policies) == 1 else result.setdefault("policies", {}).setdefault(policy, {})
+            cfg = config.replace(policy=policy.strip())
+            for name, blocks in variants.items():
+                gc.collect()
+                into[name] = run_scheduler_bench(workload, cfg, blocks, check=not args.no_check)
     result["cpu"] = cpu.result
     if args.json:
         emit(result, True)
-    else:
+    elif len(policies) == 1:
         _print_human(result, variants)
+    else:
+        for policy, figures in result["policies"].items():
+            print(f"\n===== policy {policy}")
+            _print_human({**result, **figures}, variants)
     return 0
 
 

@@ -43,6 +43,7 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True) for r in reqs]
     runs, outputs, monitors = [], None, []
+    latencies: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
         llm.reset_prefix_cache()
         with CpuMonitor() as mon:
@@ -53,6 +54,7 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append({"wall_s": round(wall, 3), "output_tokens": n_out, "tok_per_s": round(n_out / wall, 2)})
         outputs = [o.outputs[0].token_ids for o in outs]
+        latencies = _latencies(outs)
     assert outputs is not None
     tok_s = summarize(r["tok_per_s"] for r in runs)
     return {
@@ -68,8 +70,24 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
         "outputs_sha256_16": digest(outputs),
         "cpu": monitors,
         "expected_tokens_ok": all(len(o) == r.max_new_tokens for o, r in zip(outputs, reqs, strict=True)),
+        # of the last run: every request arrives at the start (what the scheduler simulator compares with)
+        **latencies,
         "_outputs": outputs,
     }
+
+
+def _latencies(outs: list[Any]) -> dict[str, dict[str, float]]:
+    """TTFT and e2e percentiles (seconds) from the RequestOutputs' metrics."""
+    from baton.bench.common import percentile
+
+    figures: dict[str, dict[str, float]] = {}
+    for name in ("ttft", "e2e_latency"):
+        values = [getattr(o.metrics, name) for o in outs if o.metrics is not None]
+        values = [v for v in values if v is not None]
+        if values:
+            key = "ttft_s" if name == "ttft" else "e2e_s"
+            figures[key] = {f"p{q}": round(percentile(values, q), 4) for q in (50, 90, 99)}
+    return figures
 
 
 def main(args: argparse.Namespace) -> int:

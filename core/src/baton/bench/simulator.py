@@ -1,0 +1,357 @@
+"""The scheduler simulator: replay a workload through the real scheduler with a timing model instead of a model.
+
+Each request enters the real ``Scheduler`` (with the chosen policy plugin and
+the real ``KVCacheManager``) at its ``arrival_time``; the ``FakeExecutor``
+supplies tokens and a ``CostModel`` says how long each step took, so the clock
+is simulated: a four-minute workload replays in a second or two, deterministically
+for a seed (``noise`` > 0 draws a per-step factor from that seed).
+
+``simulate`` returns per-request timings; ``figures`` turns them into what
+``baton bench scheduler --workload`` prints for each policy: TTFT, ITL, e2e and
+queue-time percentiles, throughput, preemptions and the same per tenant
+(``WorkloadRequest.user``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.bench.common import WorkloadRequest, percentile
+from baton.bench.cost_model import CostModel, step_features
+from baton.config import BatonConfig
+from baton.plugins import get_registry
+from baton.request import Request
+from baton.sampling_params import SamplingParams
+from baton.sched.scheduler import Scheduler
+from baton.testing.fake_executor import FakeExecutor
+
+_NO_TENANT = "-"
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    arrival: float
+    user: str
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_tokens: int = 0
+    num_preemptions: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    requests: dict[str, RequestTimes]
+    steps: int
+    num_preemptions: int
+    duration_s: float
+    prefix_cache_hit_rate: float
+
+
+def make_policy(config: BatonConfig, name: str) -> Any:
+    entry = get_registry().get("scheduler_policy", name)
+    return entry.create(
+        config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
+    )
+
+
+def simulate(
+    workload: list[WorkloadRequest],
+    config: BatonConfig,
+    policy: str,
+    cost: CostModel,
+    num_blocks: int,
+    *,
+    seed: int = 0,
+    noise: float = 0.0,
+    check: bool = False,
+    max_steps: int = 10_000_000,
+) -> SimResult:
+    """Replay ``workload`` with scheduler policy ``policy``; see the module docstring."""
+    rng = random.Random(seed)
+    ex = FakeExecutor(block_size=config.cache.block_size, num_blocks=num_blocks, check=check)
+    now = 0.0
+    sched = Scheduler(
+        config,
+        make_policy(config, policy),
+        num_blocks,
+        clock=lambda: now,
+        max_model_len=config.model.max_model_len,
+    )
+    pending = deque(sorted(workload, key=lambda w: w.arrival_time))
+    times: dict[str, RequestTimes] = {}
+    reqs: dict[str, Request] = {}
+    params: dict[int, SamplingParams] = {}
+    steps = preemptions = queries = hits = 0
+    while pending or sched.has_unfinished_requests():
+        if steps >= max_steps:
+            raise RuntimeError(f"simulation of {policy!r} did not finish in {max_steps} steps")
+        if pending and not sched.has_unfinished_requests() and pending[0].arrival_time > now:
+            now = pending[0].arrival_time  # idle: jump to the next arrival
+        while pending and pending[0].arrival_time <= now:
+            w = pending.popleft()
+            sp = params.get(w.max_new_tokens)
+            if sp is None:
+                sp = params[w.max_new_tokens] = SamplingParams(
+                    max_tokens=w.max_new_tokens, ignore_eos=True
+                )
+            rid = w.id or f"req-{len(times)}"
+            times[rid] = RequestTimes(w.arrival_time, w.user or _NO_TENANT)
+            req = reqs[rid] = Request(
+                rid,
+                w.prompt_token_ids,
+                sp,
+                eos_token_id=None,
+                arrival_time=w.arrival_time,
+                user=w.user,
+            )
+            sched.add_request(req)
+        so = sched.schedule()
+        steps += 1
+        if not so.num_scheduled_tokens:
+            # nothing runnable (an admission-control policy holding back): time still passes
+            now = max(now + cost.step_overhead_s, pending[0].arrival_time if pending else 0.0)
+            continue
+        for new in so.scheduled_new_reqs:
+            rt = times[new.req_id]
+            if rt.first_scheduled is None:
+                rt.first_scheduled = now
+        dt = cost.step_cost(*step_features(sched.requests, so.num_scheduled_tokens))
+        if noise > 0:
+            dt *= rng.lognormvariate(0.0, noise)
+        now += dt
+        outs = sched.update_from_output(so, ex.execute_model(so))
+        preemptions += len(so.preempted_req_ids)
+        stats = sched.make_stats()
+        queries += stats.prefix_cache_queries
+        hits += stats.prefix_cache_hits
+        for o in outs:
+            rt = times[o.request_id]
+            if o.new_token_ids:
+                if rt.first_token is None:
+                    rt.first_token = now
+                else:
+                    rt.gaps.append(now - rt.last_token)  # type: ignore[operator]
+                rt.last_token = now
+                rt.num_tokens += len(o.new_token_ids)
+            if o.finish_reason is not None:
+                rt.finished = now
+    for rid, rt in times.items():
+        if rt.finished is None:
+            raise AssertionError(f"simulation lost request {rid!r}")
+    for rid, req in reqs.items():
+        times[rid].num_preemptions = req.num_preemptions
+    return SimResult(policy, times, steps, preemptions, now, hits / queries if queries else 0.0)
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _pcts(
+    values: list[float], name: str, qs: tuple[int, ...] = (50, 90, 99)
+) -> dict[str, float | None]:
+    return {f"{name}_p{q}": (round(percentile(values, q), 4) if values else None) for q in qs}
+
+
+def _summary(rts: list[RequestTimes], start: float) -> dict[str, Any]:
+    tokens = sum(r.num_tokens for r in rts)
+    end = max(r.finished for r in rts)  # type: ignore[type-var]
+    return {
+        "requests": len(rts),
+        "output_tokens": tokens,
+        "throughput_tok_s": round(tokens / max(end - start, 1e-9), 3),
+        **_pcts([r.first_token - r.arrival for r in rts], "ttft_s"),  # type: ignore[operator]
+        **_pcts([g for r in rts for g in r.gaps], "itl_s"),
+        **_pcts([r.finished - r.arrival for r in rts], "e2e_s"),  # type: ignore[operator]
+        **_pcts([r.first_scheduled - r.arrival for r in rts], "queue_s", (50, 99)),  # type: ignore[operator]
+        "queue_s_max": round(max(r.first_scheduled - r.arrival for r in rts), 4),  # type: ignore[operator]
+        "preempted_requests": sum(1 for r in rts if r.num_preemptions),
+    }
+
+
+def figures(result: SimResult) -> dict[str, Any]:
+    """TTFT / ITL / e2e / queue percentiles, throughput and preemptions; overall and per tenant."""
+    rts = list(result.requests.values())
+    start = min(r.arrival for r in rts)
+    out = _summary(rts, start)
+    out.update(
+        steps=result.steps,
+        preemptions=result.num_preemptions,
+        duration_s=round(result.duration_s - start, 3),
+        prefix_cache_hit_rate=round(result.prefix_cache_hit_rate, 4),
+    )
+    tenants = sorted({r.user for r in rts})
+    if len(tenants) > 1 or tenants != [_NO_TENANT]:
+        out["per_tenant"] = {t: _summary([r for r in rts if r.user == t], start) for t in tenants}
+    return out
+
+
+#: (row label, key) of the side-by-side table.
+ROWS = (
+    ("requests", "requests"),
+    ("output tokens", "output_tokens"),
+    ("throughput tok/s", "throughput_tok_s"),
+    ("duration s", "duration_s"),
+    ("TTFT p50 s", "ttft_s_p50"),
+    ("TTFT p90 s", "ttft_s_p90"),
+    ("TTFT p99 s", "ttft_s_p99"),
+    ("ITL p50 s", "itl_s_p50"),
+    ("ITL p99 s", "itl_s_p99"),
+    ("e2e p50 s", "e2e_s_p50"),
+    ("e2e p99 s", "e2e_s_p99"),
+    ("queue max s", "queue_s_max"),
+    ("preemptions", "preemptions"),
+    ("steps", "steps"),
+    ("prefix hit rate", "prefix_cache_hit_rate"),
+)
+TENANT_ROWS = (
+    ("requests", "requests"),
+    ("tok/s", "throughput_tok_s"),
+    ("TTFT p50 s", "ttft_s_p50"),
+    ("TTFT p99 s", "ttft_s_p99"),
+    ("e2e p50 s", "e2e_s_p50"),
+    ("e2e p99 s", "e2e_s_p99"),
+    ("queue max s", "queue_s_max"),
+)
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """Policies side by side: one column each, overall rows then per-tenant rows."""
+    names = list(results)
+    width = max(12, *(len(n) + 2 for n in names))
+    lines = [f"{'':<26}" + "".join(f"{n:>{width}}" for n in names)]
+
+    def row(label: str, values: list[Any]) -> None:
+        cells = "".join(f"{_fmt(v):>{width}}" for v in values)
+        lines.append(f"{label:<26}{cells}")
+
+    for label, key in ROWS:
+        row(label, [results[n].get(key) for n in names])
+    tenants = sorted({t for n in names for t in results[n].get("per_tenant", {})})
+    for t in tenants:
+        lines.append(f"[{t}]")
+        for label, key in TENANT_ROWS:
+            row(f"  {label}", [results[n].get("per_tenant", {}).get(t, {}).get(key) for n in names])
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def sim_config(args: Any) -> BatonConfig:
+    """The engine config the simulator (and --calibrate) use: the config file, then the given flags."""
+    overrides: dict[str, Any] = {
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "model": getattr(args, "model", None),
+    }
+    if args.no_prefix_caching:
+        overrides["enable_prefix_caching"] = False
+    return BatonConfig.load(getattr(args, "config", None), **overrides)
+
+
+def load_or_generate(spec: str, seed: int) -> list[WorkloadRequest]:
+    from baton.bench.common import load_workload
+    from baton.bench.workloads import GENERATORS
+
+    if spec in GENERATORS:
+        return GENERATORS[spec](seed=seed).requests
+    return load_workload(spec).requests
+
+
+def enough_blocks(workload: list[WorkloadRequest], block_size: int) -> int:
+    return 1 + sum(-(-(len(w.prompt_token_ids) + w.max_new_tokens) // block_size) for w in workload)
+
+
+def main(args: Any) -> int:
+    import json
+
+    from baton.bench.cost_model import calibrate, load_cost_model, save_cost_model
+
+    config = sim_config(args)
+    if args.calibrate:
+        model = calibrate(config, seed=args.seed)
+        if args.cost_model_out:
+            save_cost_model(model, args.cost_model_out)
+        print(json.dumps(msgspec_builtins(model), indent=None if args.json else 2))
+        return 0
+    cost = load_cost_model(args.cost_model)
+    workload = load_or_generate(args.workload, args.seed)
+    if args.num_requests and args.num_requests < len(workload):
+        workload = sorted(workload, key=lambda w: w.arrival_time)[: args.num_requests]
+    if args.save_workload:
+        from baton.bench.common import Workload
+        from baton.bench.workloads import write_workload
+
+        write_workload(
+            Workload(format="chat-workload/v1", name=str(args.workload), requests=workload),
+            args.save_workload,
+        )
+    num_blocks = (
+        args.num_blocks or cost.num_blocks or enough_blocks(workload, config.cache.block_size)
+    )
+    policies = [p.strip() for p in (args.policy or config.scheduler.policy).split(",")]
+    results = {}
+    for name in policies:
+        sim = simulate(
+            workload,
+            config.replace(policy=name),
+            name,
+            cost,
+            num_blocks,
+            seed=args.seed,
+            noise=args.cost_noise,
+            check=not args.no_check,
+        )
+        results[name] = figures(sim)
+    out = {
+        "bench": "scheduler-simulator",
+        "workload": str(args.workload),
+        "seed": args.seed,
+        "num_blocks": num_blocks,
+        "config": {
+            "block_size": config.cache.block_size,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "prefix_caching": config.cache.enable_prefix_caching,
+            "cost_noise": args.cost_noise,
+        },
+        "cost_model": msgspec_builtins(cost),
+        "policies": results,
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        c = out["config"]
+        print(
+            f"scheduler simulator: {len(workload)} requests from {args.workload}, {num_blocks} KV blocks, "
+            f"block {c['block_size']}, max_num_seqs {c['max_num_seqs']}, budget {c['max_num_batched_tokens']}"
+        )
+        print(
+            f"cost model: overhead {cost.step_overhead_s:.4g} s + prefill {cost.prefill_s_per_token:.4g} s/tok "
+            f"+ decode {cost.decode_s_per_token:.4g} s/tok + attention {cost.attention_s_per_token_pair:.3g} s/pair"
+            f" ({cost.source})\n"
+        )
+        print(table(results))
+    return 0
+
+
+def msgspec_builtins(obj: Any) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(obj)
