@@ -1,0 +1,425 @@
+"""Transport ``zmq``: ROUTER/DEALER for the frontend's requests, PUSH/PULL for outputs.
+
+The frontend binds a ROUTER (input) and a PULL (output); engine ``i`` connects a
+DEALER whose identity is ``i`` and a PUSH. ipc:// sockets live in a fresh
+private (0700) temp dir; protocol "tcp" binds 127.0.0.1 on free ports.
+
+Start-up: each engine sends an empty frame on its DEALER (the ROUTER can route
+to it once that arrived) and a hello with its pid on its PUSH (the frontend then
+watches that pid). A client ``send`` to an engine that has not connected yet
+waits up to ``connect_timeout``. When every engine has connected, the ipc
+socket files are unlinked, so a crash later leaves nothing behind.
+
+Frames of ``copy_threshold`` bytes or more go out and come in without a copy
+(pyzmq keeps a sent buffer alive until ZeroMQ is done with it, so a sender must
+not change it after ``send``); smaller frames are copied, which is faster.
+
+Peer death: each end watches the other's pid (``baton.transport.peer``); a
+blocked ``recv`` wakes when the peer exits, delivers what the peer sent before
+(waiting up to ``_DEATH_GRACE`` for bytes still in flight), then raises
+TransportError. ``close()`` may come from any thread: it wakes a blocked
+``recv`` through a pipe in the same poll set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from baton.errors import TransportError
+from baton.interfaces import Frame
+from baton.transport.peer import POLL_SLICE, PeerWatch
+from zmq.utils.monitor import recv_monitor_message
+
+from baton_zmq.plugin import ZmqSettings
+
+log = logging.getLogger(__name__)
+
+#: First bytes of the hello an engine sends on its PUSH: then u16 index, u64 pid.
+HELLO = b"\xffbaton-zmq-hello:"
+_HELLO_TAIL = struct.Struct("<HQ")
+_IDENTITY = struct.Struct("<H")
+#: After a peer exits, how long recv still waits for messages it sent just before.
+_DEATH_GRACE = 0.25
+
+
+@dataclass(frozen=True)
+class ZmqAddress:
+    """What an engine needs to connect (picklable)."""
+
+    input: str
+    output: str
+    frontend_pid: int
+    num_engines: int
+
+
+def _nbytes(frame: Frame) -> int:
+    return frame.nbytes if type(frame) is memoryview else len(frame)
+
+
+def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], threshold: int) -> None:
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        # copy=False below the threshold would be copied by pyzmq anyway, only slower
+        sock.send(frame, zmq.SNDMORE if i < last else 0, copy=_nbytes(frame) < threshold)
+
+
+def _recv_frames(sock: zmq.Socket, threshold: int) -> list[Frame]:
+    frames: list[Frame] = [sock.recv(zmq.NOBLOCK)]
+    while sock.getsockopt(zmq.RCVMORE):
+        part = sock.recv(copy=False)
+        frames.append(part.bytes if len(part) < threshold else part.buffer)
+    return frames
+
+
+def _release(
+    ctx: zmq.Context, sockets: list[zmq.Socket], fds: list[int], watches: dict, tmpdir: str | None
+) -> None:
+    """Close everything a channel owns; runs once (close(), GC or interpreter exit)."""
+    for sock in sockets:
+        sock.close()  # LINGER (set at creation) bounds how long queued messages are kept
+    ctx.term()
+    for fd in fds:
+        os.close(fd)
+    for watch in list(watches.values()):
+        watch.close()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class _Channel:
+    """What both ends share: a context, a wake pipe, locks, peer watches, close()."""
+
+    def __init__(self, settings: ZmqSettings, tmpdir: str | None = None) -> None:
+        self._settings = settings
+        self._threshold = settings.copy_threshold
+        self._ctx = zmq.Context(io_threads=1)
+        self._sockets: list[zmq.Socket] = []
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        # pidfd (or a negative key where there are no pidfds) -> watch
+        self._watches: dict[int, PeerWatch] = {}
+        self._gone: str | None = None  # why recv must raise once nothing is pending
+        self._grace_until = 0.0
+        self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self._tmpdir = tmpdir
+        self._monitor: zmq.Socket | None = None  # tells the engine its frontend disconnected
+        self._finalizer = weakref.finalize(
+            self,
+            _release,
+            self._ctx,
+            self._sockets,
+            [self._wake_r, self._wake_w],
+            self._watches,
+            tmpdir,
+        )
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, int(self._settings.linger * 1000))
+        sock.setsockopt(zmq.SNDHWM, self._settings.hwm)
+        sock.setsockopt(zmq.RCVHWM, self._settings.hwm)
+        sock.setsockopt(
+            zmq.SNDTIMEO, int(self._settings.send_timeout * 1000) if self._settings.hwm else -1
+        )
+        self._sockets.append(sock)
+        return sock
+
+    def _watch(self, watch: PeerWatch) -> None:
+        fd = watch.fileno()
+        key = fd if fd is not None else -1 - len(self._watches)
+        self._watches[key] = watch
+        if fd is not None:
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _peer_exited(self, key: int) -> None:
+        watch = self._watches[key]
+        if key >= 0:
+            self._poller.unregister(key)
+        if self._gone is None:
+            self._gone = str(watch.error())
+            self._grace_until = time.monotonic() + _DEATH_GRACE
+
+    def _recv(self, timeout: float | None) -> list[Frame] | None:
+        """Wait on the input socket, the wake pipe and the peers' pidfds; the caller holds the recv lock."""
+        if self._closed:
+            raise TransportError(f"{self._what} channel is closed")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            msg = self._take()
+            if msg is not None:
+                return msg
+            now = time.monotonic()
+            if self._gone is not None:  # deliver what the peer sent before it died, then raise
+                if now >= self._grace_until:
+                    raise TransportError(self._gone)
+                wait: float | None = self._grace_until - now
+            elif deadline is None:
+                wait = None
+            else:
+                wait = deadline - now
+                if wait <= 0:
+                    return None
+            if any(key < 0 for key in self._watches):  # no pidfds: re-check the peers now and then
+                wait = POLL_SLICE if wait is None else min(wait, POLL_SLICE)
+                for key, watch in list(self._watches.items()):
+                    if key < 0 and not watch.alive():
+                        self._peer_exited(key)
+            for item, _ in self._poller.poll(None if wait is None else int(wait * 1000) + 1):
+                if item == self._wake_r:
+                    raise TransportError(f"{self._what} channel was closed while receiving")
+                if type(item) is int and item in self._watches:
+                    self._peer_exited(item)
+                elif item is self._monitor:
+                    self._on_monitor_event()
+
+    def _on_monitor_event(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED and self._gone is None:
+                self._gone = "the frontend closed the zmq channel"
+                self._grace_until = time.monotonic() + _DEATH_GRACE
+
+    def _take(self) -> list[Frame] | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release sockets and files; idempotent, safe from any thread and after the peer died."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"\0")  # wakes a recv blocked in another thread
+        got_recv = self._recv_lock.acquire(timeout=5.0)
+        got_send = self._send_lock.acquire(timeout=self._settings.send_timeout + 5.0)
+        try:
+            if got_recv and got_send:
+                self._finalizer()
+            else:  # a thread is stuck in a socket call: closing under it could crash
+                log.warning(
+                    "%s: a send/recv did not return; leaving its sockets to interpreter exit",
+                    self._what,
+                )
+        finally:
+            if got_recv:
+                self._recv_lock.release()
+            if got_send:
+                self._send_lock.release()
+
+
+class ZmqClientChannel(_Channel):
+    """The frontend's end: a ROUTER to the engines, a PULL from all of them."""
+
+    _what = "zmq client"
+
+    def __init__(self, settings: ZmqSettings, num_engines: int) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        ipc = settings.protocol == "ipc"
+        super().__init__(
+            settings, tempfile.mkdtemp(prefix=f"baton_zmq_{os.getpid()}_") if ipc else None
+        )
+        self.num_engines = num_engines
+        self._routable: set[int] = set()
+        self._hellos: set[int] = set()
+        self._identities = [_IDENTITY.pack(i) for i in range(num_engines)]
+        self._in = self._socket(zmq.ROUTER)
+        # an unroutable send raises instead of vanishing
+        self._in.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._out = self._socket(zmq.PULL)
+        self._poller.register(self._out, zmq.POLLIN)
+        if ipc:
+            endpoints = [f"ipc://{self._tmpdir}/in", f"ipc://{self._tmpdir}/out"]
+        else:
+            endpoints = [f"tcp://{settings.host}:*"] * 2
+        try:
+            for sock, endpoint in zip((self._in, self._out), endpoints, strict=True):
+                sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self._finalizer()
+            raise TransportError(f"zmq client could not bind {endpoints}: {e}") from e
+        self.address = ZmqAddress(
+            input=self._in.getsockopt_string(zmq.LAST_ENDPOINT),
+            output=self._out.getsockopt_string(zmq.LAST_ENDPOINT),
+            frontend_pid=os.getpid(),
+            num_engines=num_engines,
+        )
+
+    def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
+        if not frames:
+            raise TransportError("cannot send an empty message: a message needs at least one frame")
+        if not 0 <= engine_index < self.num_engines:
+            raise ValueError(
+                f"engine_index {engine_index} out of range (num_engines={self.num_engines})"
+            )
+        with self._send_lock:
+            if self._closed:
+                raise TransportError("zmq client channel is closed")
+            if engine_index not in self._routable:
+                self._await_engine(engine_index)
+            try:
+                self._in.send(self._identities[engine_index], zmq.SNDMORE)
+                _send_frames(self._in, frames, self._threshold)
+            except zmq.Again:
+                raise TransportError(
+                    f"engine {engine_index} took no message for {self._settings.send_timeout}s "
+                    f"(hwm {self._settings.hwm} reached): raise [transport.zmq] hwm or send_timeout"
+                ) from None
+            except zmq.ZMQError as e:
+                if e.errno == errno.EHOSTUNREACH:
+                    raise TransportError(
+                        f"engine {engine_index} is not connected (it exited or closed)"
+                    ) from e
+                raise TransportError(f"zmq send to engine {engine_index} failed: {e}") from e
+
+    def _await_engine(self, engine_index: int) -> None:
+        """Read DEALER hellos on the ROUTER until ``engine_index`` can be routed to."""
+        deadline = time.monotonic() + self._settings.connect_timeout
+        while engine_index not in self._routable:
+            if self._closed:
+                raise TransportError("zmq client channel is closed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(
+                    f"engine {engine_index} did not connect within {self._settings.connect_timeout}s "
+                    "([transport.zmq] connect_timeout); did its process start?"
+                )
+            if self._in.poll(int(min(remaining, 0.1) * 1000) + 1):
+                identity, *_ = self._in.recv_multipart()
+                self._routable.add(_IDENTITY.unpack(identity)[0])
+        if len(self._routable) == self.num_engines:
+            self._unlink("in")
+
+    def recv(self, timeout: float | None = None) -> list[Frame] | None:
+        with self._recv_lock:
+            return self._recv(timeout)
+
+    def _take(self) -> list[Frame] | None:
+        while True:
+            try:
+                frames = _recv_frames(self._out, self._threshold)
+            except zmq.Again:
+                return None
+            if len(frames) == 1 and frames[0][: len(HELLO)] == HELLO:
+                self._on_hello(frames[0])
+                continue
+            return frames
+
+    def _on_hello(self, hello: bytes) -> None:
+        index, pid = _HELLO_TAIL.unpack(hello[len(HELLO) :])
+        if index in self._hellos:
+            return
+        self._hellos.add(index)
+        self._watch(PeerWatch(pid, f"engine {index}"))
+        if len(self._hellos) == self.num_engines:
+            self._unlink("out")
+
+    def _unlink(self, name: str) -> None:
+        # every engine is connected: the socket file is no longer needed, and a crash leaves none behind
+        if self._tmpdir is None:
+            return
+        try:
+            os.unlink(os.path.join(self._tmpdir, name))
+            os.rmdir(self._tmpdir)
+        except OSError:
+            pass  # the other socket file is still there: whoever unlinks it last removes the dir
+
+
+class ZmqEngineChannel(_Channel):
+    """An engine's end: a DEALER (identity = engine index) in, a PUSH out."""
+
+    _what = "zmq engine"
+
+    def __init__(self, settings: ZmqSettings, address: ZmqAddress, engine_index: int) -> None:
+        if not 0 <= engine_index < address.num_engines:
+            raise ValueError(
+                f"engine_index {engine_index} out of range (num_engines={address.num_engines})"
+            )
+        super().__init__(settings)
+        self._what = f"zmq engine {engine_index}"
+        self._in = self._socket(zmq.DEALER)
+        self._in.setsockopt(zmq.IDENTITY, _IDENTITY.pack(engine_index))
+        self._out = self._socket(zmq.PUSH)
+        self._poller.register(self._in, zmq.POLLIN)
+        try:
+            self._in.connect(address.input)
+            self._out.connect(address.output)
+            self._in.send(b"")  # lets the ROUTER route to us
+            self._out.send(HELLO + _HELLO_TAIL.pack(engine_index, os.getpid()))
+        except zmq.ZMQError as e:
+            self._finalizer()
+            raise TransportError(
+                f"zmq engine {engine_index} could not connect to {address}: {e}"
+            ) from e
+        self._watch(PeerWatch(address.frontend_pid, "the frontend"))
+        # the frontend closing its sockets (without exiting) disconnects the DEALER
+        self._monitor = self._in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.append(self._monitor)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def recv(self, timeout: float | None = None) -> list[Frame] | None:
+        with self._recv_lock:
+            return self._recv(timeout)
+
+    def _take(self) -> list[Frame] | None:
+        try:
+            return _recv_frames(self._in, self._threshold)
+        except zmq.Again:
+            return None
+
+    def send(self, frames: Sequence[Frame]) -> None:
+        if not frames:
+            raise TransportError("cannot send an empty message: a message needs at least one frame")
+        with self._send_lock:
+            if self._closed:
+                raise TransportError(f"{self._what} channel is closed")
+            if self._gone is not None:
+                raise TransportError(self._gone)
+            try:
+                _send_frames(self._out, frames, self._threshold)
+            except zmq.Again:
+                raise TransportError(
+                    f"the frontend took no output for {self._settings.send_timeout}s "
+                    f"(hwm {self._settings.hwm} reached): raise [transport.zmq] hwm or send_timeout"
+                ) from None
+            except zmq.ZMQError as e:
+                raise TransportError(f"{self._what}: send failed: {e}") from e
+
+
+class ZmqTransport:
+    """Makes zmq channels; picklable (it holds only its settings)."""
+
+    multiprocess = True
+
+    def __init__(self, settings: ZmqSettings | None = None) -> None:
+        self.settings = settings or ZmqSettings()
+
+    def create_client(self, num_engines: int = 1) -> ZmqClientChannel:
+        return ZmqClientChannel(self.settings, num_engines)
+
+    def connect_engine(self, address: Any, engine_index: int = 0) -> ZmqEngineChannel:
+        if not isinstance(address, ZmqAddress):
+            raise TransportError(f"zmq transport got an address it did not make: {address!r}")
+        return ZmqEngineChannel(self.settings, address, engine_index)
+
+    def __repr__(self) -> str:
+        return f"ZmqTransport({self.settings!r})"
