@@ -1,0 +1,42 @@
+"""Fixtures for end-to-end tests: leak checks for engine processes and shared memory."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+
+def _shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("baton")}
+    except FileNotFoundError:
+        return set()
+
+
+def _children() -> list[psutil.Process]:
+    """Live descendants, except multiprocessing's resource tracker (it lives as long as we do)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def no_leaks():
+    """Fail if a test leaves child processes or baton /dev/shm segments behind."""
+    before = _shm_segments()
+    yield
+    deadline = time.monotonic() + 10
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stray = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in _children()]
+    assert not stray, f"stray processes after the test: {stray}"
+    leaked = _shm_segments() - before
+    assert not leaked, f"leaked /dev/shm segments: {sorted(leaked)}"
