@@ -20,10 +20,9 @@ from baton.protocol import (
     SchedulerOutput,
 )
 from baton.sampling_params import SamplingParams
+from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
 from baton.worker.model_runner import ModelRunner
-
-from .runner_driver import Driver
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

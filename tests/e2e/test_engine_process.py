@@ -177,7 +177,7 @@ def failing_executor_plugin(tmp_path, monkeypatch):
 @pytest.mark.parametrize("transport", MP_TRANSPORTS)
 def test_executor_failure_mid_step_is_engine_dead_with_the_cause(transport, model_dir, failing_executor_plugin, no_leaks):
     with LLM(model=model_dir, max_model_len=256, transport=transport, executor="failing",
-             executor_settings=None, **{"executor.failing": {"fail_at_step": 5, "fail_mode": "die"}}) as llm:
+             **{"executor.failing": {"fail_at_step": 5, "fail_mode": "die"}}) as llm:
         with pytest.raises(EngineDeadError, match="ExecutorError"):
             llm.generate("boom", SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
 
