@@ -130,6 +130,19 @@ def test_hooks_md_example_runs(name):
         product.record(None, None)
 
 
+def test_every_extension_point_has_a_conformance_suite():
+    import baton.testing.conformance as conformance
+
+    for suite in (
+        "SchedulerPolicyConformance",
+        "ExecutorConformance",
+        "TransportConformance",
+        "StructuredOutputConformance",
+    ):
+        cls = getattr(conformance, suite)
+        assert inspect.isclass(cls) and any(n.startswith("test_") for n in dir(cls)), suite
+
+
 # --------------------------------------------------------------------------- the tutorial
 
 

@@ -214,3 +214,28 @@ def test_overhead_bench_compares_policies(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out["policies"]) == {"fcfs", "priority"}
     assert out["policies"]["priority"]["default"]["policy"] == "priority"
+
+
+def test_compare_real_reports_the_error(capsys, tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text(json.dumps({"ttft_s": {"p50": 2.0}, "tok_per_s": {"median": 50.0}}))
+    args = _args(
+        "--policy",
+        "fcfs",
+        "--workload",
+        "bursty-two-tenant",
+        "--num-requests",
+        "20",
+        "--cost-model",
+        "overhead=0.05,prefill=0.001,decode=0.002",
+        "--compare-real",
+        str(real),
+        "--json",
+    )
+    assert bench.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    sim, cmp = out["policies"]["fcfs"], out["comparison"]
+    assert cmp["ttft_s_p50"]["real"] == 2.0 and cmp["ttft_s_p50"]["simulated"] == sim["ttft_s_p50"]
+    assert cmp["throughput_tok_s"]["error_pct"] == pytest.approx(
+        100 * (sim["throughput_tok_s"] - 50) / 50, abs=0.01
+    )

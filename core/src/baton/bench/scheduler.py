@@ -220,15 +220,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate", action="store_true", help="measure the cost model with the real model")
     g.add_argument("--cost-model-out", metavar="FILE", help="where --calibrate writes the cost model JSON")
     g.add_argument("--model", help="the model --calibrate runs (default: the config's)")
+    g.add_argument("--compare-real", metavar="FILE",
+                   help="a `baton bench throughput --json` result on the same workload: report the error")
     # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
     p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.calibrate or args.workload:
-        from baton.bench import simulator
+        from baton.bench import simulator_cli
 
-        return simulator.main(args)
+        return simulator_cli.main(args)
     config = BatonConfig.load(
         getattr(args, "config", None),
         block_size=args.block_size or 16,
