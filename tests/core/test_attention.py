@@ -45,7 +45,8 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
     max_len = max(p + n for p, n in reqs) + 1
     batch = InputBatch(len(reqs), max_len, block_size)
     builder = StepInputBuilder(batch, sum(n for _, n in reqs), torch.device("cpu"))
-    cache = torch.full((1, 2, kv_heads, num_blocks * block_size, D), float("nan"))
+    # finite garbage where nothing was written: gathered with whole blocks, it must be masked out
+    cache = torch.randn(1, 2, kv_heads, num_blocks * block_size, D, generator=g) * 100
     builder.set_kv_caches([cache[0]])
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)

@@ -16,8 +16,12 @@ each request attends over its own blocks:
 GQA is never expanded in memory: decode folds the query heads of one KV head
 into a matrix; prefill uses SDPA's ``enable_gqa``.
 
-Cache layout per layer: ``[2, num_kv_heads, num_slots, head_dim]`` so that a
-gather by slot gives each KV head's keys contiguously.
+Cache layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
+(stored flat over slots for the writes). Reads gather whole blocks: 3x faster
+than gathering slots, and the result is already ``[kv_heads, keys, head_dim]``.
+A gathered block may hold slots past a request's context; they are masked out,
+and the cache is zero-initialised so that they are always finite (0 * NaN
+would poison the output).
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ class DecodeGroup:
 
     start: int
     n: int
-    max_len: int
-    slots: torch.Tensor  # [n * max_len] int64: the keys' slots, padding repeats a valid slot
+    max_len: int  # keys per request after the gather: blocks_per_req * block_size
+    blocks: torch.Tensor  # [n * blocks_per_req] int64: each request's blocks, padded with its last one
     ctx_lens: torch.Tensor  # [n] int64: number of keys of each request (position + 1)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -51,7 +55,7 @@ class DecodeGroup:
         """Additive mask [n, 1, max_len]: 0 where a key is visible, -inf elsewhere."""
         m = self._masks.get(window)
         if m is None:
-            pos = torch.arange(self.max_len, device=self.slots.device)
+            pos = torch.arange(self.max_len, device=self.blocks.device)
             ok = pos[None, :] < self.ctx_lens[:, None]
             if window is not None:  # transformers: key visible iff q - k < window
                 ok &= pos[None, :] > (self.ctx_lens[:, None] - 1 - window)
@@ -69,8 +73,8 @@ class PrefillSeq:
     start: int
     q_len: int
     prefix_len: int
-    #: Slots of all ``prefix_len + q_len`` keys; None when prefix_len == 0 (the fresh keys suffice).
-    slots: torch.Tensor | None
+    #: The blocks holding all ``prefix_len + q_len`` keys; None when prefix_len == 0 (the fresh keys suffice).
+    blocks: torch.Tensor | None
     _masks: dict[tuple[int | None, bool], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -79,7 +83,7 @@ class PrefillSeq:
         if key in self._masks:
             return self._masks[key]
         s = self.prefix_len + self.q_len
-        device = self.slots.device if self.slots is not None else None
+        device = self.blocks.device if self.blocks is not None else None
         if causal and window is None and self.prefix_len == 0:
             m = None  # SDPA's is_causal
         else:
@@ -96,10 +100,11 @@ class PrefillSeq:
 class AttentionMetadata:
     """What every layer needs for one step; built once per step by the model runner."""
 
-    #: Per layer index: the layer's cache [2, kv_heads, num_slots, head_dim], or None (no cache:
-    #: a profiling run of one causal sequence).
+    #: Per layer index: the layer's cache [2, kv_heads, num_blocks * block_size, head_dim], or None
+    #: (no cache: a profiling run of one causal sequence).
     kv_caches: list[torch.Tensor | None] | None
     slot_mapping: torch.Tensor | None  # [num_tokens] int64
+    block_size: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
     num_tokens: int
@@ -137,47 +142,47 @@ def paged_attention(
         out[0] = o[0].transpose(0, 1)
         return out, None
 
-    k_cache, v_cache = cache[0], cache[1]
-    k_cache.index_copy_(1, meta.slot_mapping, key[0])
-    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    cache[0].index_copy_(1, meta.slot_mapping, key[0])
+    cache[1].index_copy_(1, meta.slot_mapping, value[0])
+    # [2 * kv_heads, num_blocks, block_size, head_dim]: K and V gathered in one call
+    paged = cache.view(2 * num_kv_heads, -1, meta.block_size, head_dim)
 
     group = num_heads // num_kv_heads
     for g in meta.decode_groups:
-        _decode(query, k_cache, v_cache, g, window, scale, group, num_kv_heads, out)
+        _decode(query, paged, g, window, scale, group, num_kv_heads, out)
     for p in meta.prefills:
-        _prefill(query, key, value, k_cache, v_cache, p, window, causal, scale, out)
+        _prefill(query, key, value, paged, p, window, causal, scale, out)
     return out, None
 
 
 def _decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
-    window: int | None, scale: float, group: int, num_kv_heads: int, out: torch.Tensor,
+    query: torch.Tensor, paged: torch.Tensor, g: DecodeGroup, window: int | None, scale: float,
+    group: int, num_kv_heads: int, out: torch.Tensor,
 ) -> None:
     head_dim = query.shape[-1]
     # [H, n, D] -> [KVH, n, G, D]: the G query heads sharing a KV head form one matrix.
     q = query[0, :, g.start : g.start + g.n].reshape(num_kv_heads, group, g.n, head_dim).transpose(1, 2)
-    k = k_cache.index_select(1, g.slots).view(num_kv_heads, g.n, g.max_len, head_dim)
-    v = v_cache.index_select(1, g.slots).view(num_kv_heads, g.n, g.max_len, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [KVH, n, G, L]
-    scores.mul_(scale).add_(g.mask(window))
+    kv = paged.index_select(1, g.blocks).view(2, num_kv_heads, g.n, g.max_len, head_dim)
+    scores = torch.matmul(q * scale, kv[0].transpose(-1, -2))  # [KVH, n, G, L]
+    scores.add_(g.mask(window))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v)  # [KVH, n, G, D]
+    o = torch.matmul(probs, kv[1])  # [KVH, n, G, D]
     out[0, g.start : g.start + g.n] = o.permute(1, 0, 2, 3).reshape(g.n, num_kv_heads * group, head_dim)
 
 
 def _prefill(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, p: PrefillSeq, window: int | None, causal: bool, scale: float,
-    out: torch.Tensor,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, paged: torch.Tensor, p: PrefillSeq,
+    window: int | None, causal: bool, scale: float, out: torch.Tensor,
 ) -> None:
     end = p.start + p.q_len
     q = query[:, :, p.start : end]
-    if p.slots is None:
+    if p.blocks is None:
         k = key[:, :, p.start : end]
         v = value[:, :, p.start : end]
     else:
-        k = k_cache.index_select(1, p.slots).unsqueeze(0)
-        v = v_cache.index_select(1, p.slots).unsqueeze(0)
+        kvh, d = key.shape[1], key.shape[-1]
+        kv = paged.index_select(1, p.blocks).view(2, 1, kvh, -1, d)[..., : p.prefix_len + p.q_len, :]
+        k, v = kv[0], kv[1]
     mask = p.mask(window, causal)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale, enable_gqa=True

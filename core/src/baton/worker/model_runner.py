@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from baton.config import BatonConfig
@@ -35,6 +36,20 @@ GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 2 * GiB
 #: Fraction of device memory on CUDA when neither kv_cache_memory nor memory_utilization is set.
 CUDA_DEFAULT_UTILIZATION = 0.9
+
+
+def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU from calloc, so its pages cost memory only once written.
+
+    Attention reads whole blocks, including slots no request wrote yet: zeros
+    keep them finite. torch.zeros would touch (and make resident) every page.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}.get(dtype)
+    if np_dtype is None:  # bfloat16: same size as int16, zero bits are 0.0
+        return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(dtype)
+    return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
 
 
 class TransposedLMHead(torch.nn.Module):
@@ -143,7 +158,7 @@ class ModelRunner:
         n = min(self.max_num_tokens, self.max_model_len)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)[None]
-        meta = AttentionMetadata(None, None, [], [], n)
+        meta = AttentionMetadata(None, None, self.block_size, [], [], n)
         keep = torch.tensor([n - 1], device=self.device)
         self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{META_KWARG: meta})
 
@@ -154,10 +169,9 @@ class ModelRunner:
         if config.num_blocks <= 0:
             raise ExecutorError(f"KV cache needs at least one block, got num_blocks={config.num_blocks}")
         num_slots = config.num_blocks * self.block_size
-        # [layers, K/V, kv_heads, slots, head_dim]: a gather by slot is contiguous per KV head.
-        # torch.empty is safe: a slot is always written before any request reads it.
-        cache = torch.empty(
-            self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim, dtype=self.dtype, device=self.device
+        # [layers, K/V, kv_heads, slots, head_dim]: a gather by block is contiguous per KV head.
+        cache = zeros_lazy(
+            (self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim), self.dtype, self.device
         )
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = config.num_blocks
@@ -175,11 +189,14 @@ class ModelRunner:
         t0 = time.monotonic()
         n = min(self.block_size * self.num_blocks, 8, self.max_num_tokens)
         slots = torch.arange(n, device=self.device)
+        nb = -(-n // self.block_size)
+        blocks = torch.arange(nb, device=self.device)
+        ctx = torch.tensor([n], device=self.device)
         for meta, ids, pos in (
-            (AttentionMetadata(self.kv_caches, slots, [], [PrefillSeq(0, n, 0, None)], n),
+            (AttentionMetadata(self.kv_caches, slots, self.block_size, [], [PrefillSeq(0, n, 0, None)], n),
              torch.zeros(1, n, dtype=torch.long, device=self.device), slots[None]),
-            (AttentionMetadata(self.kv_caches, slots[n - 1 :],
-                               [DecodeGroup(0, 1, n, slots, torch.tensor([n], device=self.device))], [], 1),
+            (AttentionMetadata(self.kv_caches, slots[n - 1 :], self.block_size,
+                               [DecodeGroup(0, 1, nb * self.block_size, blocks, ctx)], [], 1),
              torch.zeros(1, 1, dtype=torch.long, device=self.device), slots[None, n - 1 :]),
         ):
             keep = torch.tensor([ids.shape[1] - 1], device=self.device)

@@ -107,13 +107,11 @@ class StepInputBuilder:
         prefills = []
         for i in range(nd, n):
             p_len = int(start_o[i])
-            slots = None
+            blocks = None
             if p_len > 0:
-                pos = self._arange[: int(end_o[i])]
-                slots = self._to_device(
-                    torch.from_numpy(b.block_table[rows_o[i], pos // bs] * bs + pos % bs)
-                )
-            prefills.append(PrefillSeq(int(q_start[i]), int(q_o[i]), p_len, slots))
+                nb = -(-int(end_o[i]) // bs)
+                blocks = self._to_device(torch.from_numpy(b.block_table[rows_o[i], :nb].copy()))
+            prefills.append(PrefillSeq(int(q_start[i]), int(q_o[i]), p_len, blocks))
 
         samples = end_o == num_tokens[order]
         sample_idx = np.nonzero(samples)[0]
@@ -121,6 +119,7 @@ class StepInputBuilder:
         attn = AttentionMetadata(
             kv_caches=self._kv_caches,
             slot_mapping=self._to_device(self._slots[:total]),
+            block_size=bs,
             decode_groups=groups,
             prefills=prefills,
             num_tokens=total,
@@ -147,15 +146,17 @@ class StepInputBuilder:
             j = i + 1
             while j < nd and (ctx[j] >= DECODE_GROUP_MIN_FILL * longest or nd - j < DECODE_GROUP_MIN_SIZE):
                 j += 1
-            # padding keys repeat the request's last key (always written), masked out later
-            pos = np.minimum(self._arange[:longest][None, :], ctx[i:j, None] - 1)
-            slots = b.block_table[rows[i:j, None], pos // bs] * bs + pos % bs
+            nb = -(-longest // bs)
+            # each request's blocks, padded with its own last block (masked out, always finite)
+            last = (ctx[i:j] - 1) // bs
+            idx = np.minimum(self._arange[:nb][None, :], last[:, None])
+            blocks = b.block_table[rows[i:j, None], idx]
             groups.append(
                 DecodeGroup(
                     start=i,
                     n=j - i,
-                    max_len=longest,
-                    slots=self._to_device(torch.from_numpy(slots.reshape(-1))),
+                    max_len=nb * bs,
+                    blocks=self._to_device(torch.from_numpy(blocks.reshape(-1))),
                     ctx_lens=self._to_device(torch.from_numpy(ctx[i:j].copy())),
                 )
             )
