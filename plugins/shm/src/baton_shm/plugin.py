@@ -23,6 +23,9 @@ class ShmSettings(BaseModel):
     """Bytes per slot. A message starts at a slot; a longer one runs on through the next slots."""
     slot_count: int = Field(2048, ge=2)
     """Slots per ring. Each engine has two rings of slot_size * slot_count bytes (default 16 MiB each)."""
+    spin_us: float = Field(50.0, ge=0, le=10_000)
+    """Microseconds a reader keeps polling an empty ring before it sleeps: a stream's next message
+    usually comes sooner than a sleep and a wake-up would take. 0: sleep at once."""
     send_timeout: float = Field(30.0, gt=0)
     """Seconds a send waits on a full ring (or a recv on a half-written message) before TransportError."""
 

@@ -1,9 +1,9 @@
 """A single-producer single-consumer ring of fixed slots in shared memory.
 
-Layout of one ring: a control block (four int64 counters, each on its own
-cache line) and ``slot_count * slot_size`` data bytes. ``tail`` (slots
-published, written only by the writer) and ``head`` (slots consumed, written
-only by the reader) only grow; the ring holds ``tail - head`` slots.
+Layout of one ring: a control block (four int64 words, each on its own cache
+line) and ``slot_count * slot_size`` data bytes. ``tail`` (slots published,
+written only by the writer) and ``head`` (slots consumed, written only by the
+reader) only grow; the ring holds ``tail - head`` slots.
 
 A message starts at a slot boundary: a header (u64 total bytes, u32 frame
 count, u64 length per frame) followed by the frames' bytes back to back. A
@@ -11,12 +11,19 @@ message longer than one slot runs on through the following slots; one longer
 than the whole ring is streamed, the reader freeing slots while the writer
 fills them, in steps of at most ``_STEP_BYTES`` so both copy at once.
 
+Wake-ups: a side that must wait stores in its "waiting" word the counter value
+it waits for (reader: "wake me when tail reaches T"; writer: "when head reaches
+H") and sleeps on a FIFO; the other side, after moving its counter, writes a
+byte to the FIFO only when the counter reached that value. So a busy stream
+makes no system calls, and a long message wakes its writer once per quarter
+ring rather than once per slot.
+
 Memory ordering: the writer stores the payload, then publishes ``tail``; the
 reader loads ``tail``, then the payload (x86 keeps stores in order and loads in
-order; elsewhere ``fence()`` is called around the publish). Whether to wake
-the other side is a flag protocol (set "waiting", fence, re-check / publish,
-fence, read "waiting"), which needs a full barrier: ``fence()`` takes and
-releases a lock, whose atomic instruction is one.
+order; elsewhere ``fence()`` is called around the publish). The waiting
+protocol (store "waiting", fence, re-check the counter / store the counter,
+fence, load "waiting") needs a full barrier: ``fence()`` takes and releases a
+lock, whose atomic instruction is one.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ CONTROL_BYTES = 256
 
 _HEADER = struct.Struct("<QI4x")
 _LENGTHS: dict[int, struct.Struct] = {}
+_MESSAGE_HEADERS: dict[int, struct.Struct] = {}
+_EMPTY = np.empty(0, np.uint8)
 #: Frames this large come back as a memoryview over a fresh numpy buffer (no zeroing); smaller as bytes.
 _BIG_FRAME = 65536
 #: A long message moves in steps of at most this many bytes, so writer and reader overlap.
@@ -53,19 +62,43 @@ def _lengths(n: int) -> struct.Struct:
     return s
 
 
+def _message_header(n: int) -> struct.Struct:
+    """Header and lengths of an n-frame message, packed in one call."""
+    s = _MESSAGE_HEADERS.get(n)
+    if s is None:
+        s = _MESSAGE_HEADERS[n] = struct.Struct(f"<QI4x{n}Q")
+    return s
+
+
+def _byte_view(frame: Frame) -> memoryview:
+    """A flat byte view of any buffer (a copy only for a non-contiguous one)."""
+    view = memoryview(frame)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    try:
+        return view.cast("B")
+    except TypeError:  # not C-contiguous
+        return memoryview(view.tobytes())
+
+
 def signal(fd: int) -> None:
     """Wake the other side through its FIFO; a full FIFO means it is awake already."""
     with contextlib.suppress(BlockingIOError):
         os.write(fd, b"\0")
 
 
-def data_bytes(slot_size: int, slot_count: int) -> int:
-    return slot_size * slot_count
-
-
 class _Ring:
+    """One end of a ring. ``block(ring)`` sleeps until woken (the channel's: it knows the
+    FIFO, the peer and the timeout, and raises TransportError when waiting is hopeless)."""
+
     def __init__(
-        self, control: memoryview, data: memoryview, slot_size: int, slot_count: int
+        self,
+        control: memoryview,
+        data: memoryview,
+        slot_size: int,
+        slot_count: int,
+        wake_fd: int,
+        block: Callable[[_Ring], None],
     ) -> None:
         self.ctl = control.cast("q")
         self.data = data
@@ -73,12 +106,28 @@ class _Ring:
         self.slot_size = slot_size
         self.slot_count = slot_count
         self.max_frames = (slot_size - _HEADER.size) // 8
+        self._wake_fd = wake_fd  # the other side's FIFO
+        self._block = block
         self._fence_lock = threading.Lock()
+        self._tail = self.ctl[TAIL]
+        self._head = self.ctl[HEAD]
 
     def fence(self) -> None:
         """A full memory barrier (the lock's atomic instruction), as seen from Python."""
         self._fence_lock.acquire()
         self._fence_lock.release()
+
+    def _await(self, flag: int, target: int, enough: Callable[[], bool]) -> None:
+        """Sleep until ``enough()``; the other side wakes us once its counter reaches ``target``."""
+        while not enough():
+            self.ctl[flag] = target
+            self.fence()  # our word before re-checking; the other side: its counter before our word
+            try:
+                if enough():
+                    return
+                self._block(self)
+            finally:
+                self.ctl[flag] = 0
 
     def release(self) -> None:
         """Drop every view into the mapping, so it can be unmapped."""
@@ -88,76 +137,66 @@ class _Ring:
 
 
 class RingWriter(_Ring):
-    """The writing end. ``wait_space(ring)`` is called when the ring is full: it returns when
-    space may have appeared, or raises TransportError (timeout, reader gone, channel closed)."""
-
-    def __init__(
-        self,
-        control: memoryview,
-        data: memoryview,
-        slot_size: int,
-        slot_count: int,
-        wake_fd: int,
-        wait_space: Callable[[RingWriter], None],
-    ) -> None:
-        super().__init__(control, data, slot_size, slot_count)
-        self._wake_fd = wake_fd  # the reader's data FIFO
-        self._wait_space = wait_space
-        self._tail = self.ctl[TAIL]
-        self._head = self.ctl[HEAD]
+    """The writing end."""
 
     def free_slots(self) -> int:
         self._head = self.ctl[HEAD]
         return self.slot_count - (self._tail - self._head)
 
+    def _await_space(self, needed: int) -> None:
+        target = self._tail + needed - self.slot_count  # > head while we wait, so > 0
+        self._await(WRITER_WAITING, target, lambda: self.free_slots() >= needed)
+
     def write(self, frames: Sequence[Frame]) -> None:
         n = len(frames)
-        if not n:
-            raise TransportError("cannot send an empty message: a message needs at least one frame")
-        if n > self.max_frames:
+        if not 0 < n <= self.max_frames:
             raise TransportError(
-                f"a message of {n} frames exceeds the shm slot's {self.max_frames}: raise slot_size"
+                "cannot send an empty message: a message needs at least one frame"
+                if not n
+                else f"a message of {n} frames exceeds the shm slot's {self.max_frames}: raise slot_size"
             )
-        views = [
-            f.cast("B") if type(f) is memoryview and (f.ndim != 1 or f.format != "B") else f
-            for f in frames
-        ]
-        sizes = [v.nbytes if type(v) is memoryview else len(v) for v in views]
-        hlen = _HEADER.size + 8 * n
-        total = hlen + sum(sizes)
+        sizes = [f.nbytes if type(f) is memoryview else len(f) for f in frames]
+        header = _message_header(n)
+        total = header.size + sum(sizes)
         if total > self.slot_size:
-            self._write_long(views, sizes, hlen, total)
+            self._write_long(frames, sizes, header, total)
             return
-        while self.slot_count - (self._tail - self._head) < 1 and self.free_slots() < 1:
-            self._wait_space(self)
-        off = (self._tail % self.slot_count) * self.slot_size
+        tail = self._tail
+        if tail - self._head >= self.slot_count and self.free_slots() < 1:
+            self._await_space(1)
         data = self.data
-        _HEADER.pack_into(data, off, total, n)
-        _lengths(n).pack_into(data, off + _HEADER.size, *sizes)
-        p = off + hlen
-        for view, size in zip(views, sizes, strict=True):
-            data[p : p + size] = view
+        off = (tail % self.slot_count) * self.slot_size
+        header.pack_into(data, off, total, n, *sizes)
+        p = off + header.size
+        for frame, size in zip(frames, sizes, strict=True):
+            if type(frame) is memoryview and (frame.ndim != 1 or frame.format != "B"):
+                frame = _byte_view(frame)
+            data[p : p + size] = frame
             p += size
-        self._publish(self._tail + 1)
+        self._publish(tail + 1)
 
-    def _write_long(self, views: list, sizes: list[int], hlen: int, total: int) -> None:
-        header = bytearray(hlen)
-        _HEADER.pack_into(header, 0, total, len(views))
-        _lengths(len(views)).pack_into(header, _HEADER.size, *sizes)
-        sources = [np.frombuffer(header, np.uint8)] + [np.frombuffer(v, np.uint8) for v in views]
+    def _write_long(
+        self, frames: Sequence[Frame], sizes: list[int], header: struct.Struct, total: int
+    ) -> None:
+        sources = [np.frombuffer(header.pack(total, len(frames), *sizes), np.uint8)]
+        sources += [
+            np.frombuffer(_byte_view(f), np.uint8) if s else _EMPTY
+            for f, s in zip(frames, sizes, strict=True)
+        ]
         src, src_off = 0, 0
         ss, count = self.slot_size, self.slot_count
         step_slots = max(1, _STEP_BYTES // ss)
         pos = 0
         while pos < total:
-            free = self.slot_count - (self._tail - self._head)
+            left = -(-(total - pos) // ss)  # slots still to write
+            free = count - (self._tail - self._head)
             if free < 1:
                 free = self.free_slots()
                 if free < 1:
-                    self._wait_space(self)
+                    self._await_space(min(left, max(1, count // 4)))
                     continue
             slot = self._tail % count
-            nslots = min(free, count - slot, -(-(total - pos) // ss), step_slots)
+            nslots = min(free, count - slot, left, step_slots)
             nbytes = min(nslots * ss, total - pos)
             dst, dst_off, end = self.np, slot * ss, slot * ss + nbytes
             while dst_off < end:  # gather the sources into this run of slots
@@ -177,61 +216,55 @@ class RingWriter(_Ring):
         if not _TSO:
             self.fence()  # release: the payload before the counter
         self.ctl[TAIL] = self._tail = tail
-        self.fence()  # the counter before reading the reader's flag (store -> load)
-        if self.ctl[READER_WAITING]:
+        self.fence()  # the counter before reading the reader's word (store -> load)
+        waiting = self.ctl[READER_WAITING]
+        if waiting and tail >= waiting:
             signal(self._wake_fd)
 
 
 class RingReader(_Ring):
-    """The reading end. ``wait_more(ring)`` is called mid-message when the rest has not been
-    written yet: it returns when more may have arrived, or raises TransportError."""
+    """The reading end."""
 
-    def __init__(
-        self,
-        control: memoryview,
-        data: memoryview,
-        slot_size: int,
-        slot_count: int,
-        wake_fd: int,
-        wait_more: Callable[[RingReader], None],
-    ) -> None:
-        super().__init__(control, data, slot_size, slot_count)
-        self._wake_fd = wake_fd  # the writer's space FIFO
-        self._wait_more = wait_more
-        self._head = self.ctl[HEAD]
+    def available(self) -> int:
         self._tail = self.ctl[TAIL]
+        if not _TSO:
+            self.fence()  # acquire: the counter before the payload
+        return self._tail - self._head
 
     def ready(self) -> bool:
         """A message (or its start) is waiting."""
-        if self._tail == self._head:
-            self._tail = self.ctl[TAIL]
-            if not _TSO:
-                self.fence()  # acquire: the counter before the payload
-        return self._tail != self._head
+        return self._tail != self._head or self.available() > 0
+
+    def arm(self) -> None:
+        """Ask to be woken by the next message (the channel then re-checks and sleeps)."""
+        self.ctl[READER_WAITING] = self._head + 1
+
+    def disarm(self) -> None:
+        self.ctl[READER_WAITING] = 0
 
     def read(self) -> list[Frame] | None:
-        if not self.ready():
+        head = self._head
+        if self._tail == head and self.available() < 1:
             return None
-        ss = self.slot_size
-        off = (self._head % self.slot_count) * ss
-        total, n = _HEADER.unpack_from(self.data, off)
-        if n < 1 or n > self.max_frames:
-            raise TransportError(f"shm ring is corrupt: message header says {n} frames")
-        sizes = _lengths(n).unpack_from(self.data, off + _HEADER.size)
+        data = self.data
+        off = (head % self.slot_count) * self.slot_size
+        total, n = _HEADER.unpack_from(data, off)
+        if not 0 < n <= self.max_frames:
+            raise TransportError(f"shm ring is corrupt: a message header says {n} frames")
+        sizes = _lengths(n).unpack_from(data, off + _HEADER.size)
         hlen = _HEADER.size + 8 * n
         if total != hlen + sum(sizes):
             raise TransportError(
-                f"shm ring is corrupt: header says {total} bytes, frames add up to {hlen + sum(sizes)}"
+                f"shm ring is corrupt: a header says {total} bytes, its frames {hlen + sum(sizes)}"
             )
-        if total > ss:
+        if total > self.slot_size:
             return self._read_long(sizes, hlen, total)
-        data = self.data
         frames: list[Frame] = []
         p = off + hlen
         for size in sizes:
             frames.append(data[p : p + size].tobytes())
             p += size
-        self._release(self._head + 1)
+        self._release(head + 1)
         return frames
 
     def _read_long(self, sizes: tuple[int, ...], hlen: int, total: int) -> list[Frame]:
@@ -244,14 +277,19 @@ class RingReader(_Ring):
         step_slots = max(1, _STEP_BYTES // ss)
         pos, skip = 0, hlen
         while pos < total:
+            left = -(-(total - pos) // ss)  # slots still to read
             avail = self._tail - self._head
             if avail < 1:
-                if not self.ready():
-                    self._wait_more(self)
+                avail = self.available()
+                if avail < 1:
+                    # at most a quarter ring each way: a waiting writer then always has woken us
+                    needed = min(left, step_slots, max(1, count // 4))
+                    self._await(
+                        READER_WAITING, self._head + needed, lambda n=needed: self.available() >= n
+                    )
                     continue
-                avail = self._tail - self._head
             slot = self._head % count
-            nslots = min(avail, count - slot, -(-(total - pos) // ss), step_slots)
+            nslots = min(avail, count - slot, left, step_slots)
             nbytes = min(nslots * ss, total - pos)
             src, src_off, end = self.np, slot * ss + skip, slot * ss + nbytes
             while src_off < end:  # scatter this run of slots into the frames
@@ -271,6 +309,7 @@ class RingReader(_Ring):
 
     def _release(self, head: int) -> None:
         self.ctl[HEAD] = self._head = head
-        self.fence()  # the counter before reading the writer's flag (store -> load)
-        if self.ctl[WRITER_WAITING]:
+        self.fence()  # the counter before reading the writer's word (store -> load)
+        waiting = self.ctl[WRITER_WAITING]
+        if waiting and head >= waiting:
             signal(self._wake_fd)

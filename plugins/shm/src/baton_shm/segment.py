@@ -82,7 +82,7 @@ class Segment:
                     f"cannot reserve {size} bytes in {SHM_DIR} for {name} ({e.strerror}): free space there, "
                     "or lower [transport.shm] slot_size / slot_count"
                 ) from e
-            mm = mmap.mmap(fd, size)
+            mm = _map(fd, size)
         except BaseException:
             os.unlink(path)
             raise
@@ -118,7 +118,7 @@ class Segment:
                 f"{engine_index} attached, or another engine took this index"
             ) from None
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            mm = _map(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
         fifo_fds: dict[str, int] = {}
@@ -167,6 +167,12 @@ class Segment:
             BufferError
         ):  # a view still alive somewhere: unmapped when it goes
             self._mm.close()
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE: fault every page in now, not one by one in the first messages
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags)
 
 
 def unlink_files(name: str) -> None:

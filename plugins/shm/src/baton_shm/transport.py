@@ -2,15 +2,16 @@
 
 The frontend writes engine i's input ring and reads all output rings (``recv``
 takes from them in turn); engine i reads its input ring and writes its output
-ring. A side that finds its ring empty (or full) sets the ring's "waiting" flag
-and sleeps in ``poll`` on the matching FIFO, the channel's close pipe and the
-peer's pidfd; the other side writes one byte to the FIFO only when that flag is
-set, so a busy stream costs no system calls. See ring.py and segment.py.
+ring. A reader that finds nothing polls its rings for ``spin_us`` more
+microseconds, then sets the rings' "waiting" flag and sleeps in ``poll`` on
+the FIFOs, the channel's close pipe and the peers' pidfds; a writer writes a
+byte to the FIFO only when that flag is set, so a busy stream makes no system
+calls. A writer facing a full ring sleeps the same way. See ring.py, segment.py.
 
 Peer death: each side knows the other's pid from the segment header (an engine
 writes its own when it attaches). A peer that exits or closes its channel makes
-``recv`` raise TransportError once what it wrote before is read; ``send`` to it
-raises too. Writers wait on a full ring for at most ``send_timeout`` seconds.
+``recv`` raise TransportError once what it wrote before is read, and ``send``
+to it raise. A writer waits on a full ring at most ``send_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -19,20 +20,19 @@ import contextlib
 import functools
 import os
 import secrets
-import select
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from baton.errors import TransportError
 from baton.interfaces import Frame
-from baton.transport.peer import POLL_SLICE, PeerWatch
+from baton.transport.peer import PeerWatch
 
 from baton_shm.plugin import ShmSettings
-from baton_shm.ring import READER_WAITING, WRITER_WAITING, RingReader, RingWriter, signal
+from baton_shm.ring import RingReader, RingWriter, signal
 from baton_shm.segment import (
     ENGINE_CLOSED,
     ENGINE_PID,
@@ -43,6 +43,10 @@ from baton_shm.segment import (
     segment_name,
     unlink_files,
 )
+from baton_shm.sleeper import Sleeper
+
+#: With the spin adapted down to zero, try spinning again after this many sleeps.
+_REPROBE = 64
 
 
 @dataclass(frozen=True)
@@ -53,54 +57,8 @@ class ShmAddress:
     frontend_pid: int
 
 
-class _Sleeper:
-    """One thread's poll set: FIFOs to wake on, the channel's close pipe, peers' pidfds."""
-
-    def __init__(self, close_fd: int) -> None:
-        self._poll = select.poll()
-        self._close_fd = close_fd
-        self._poll.register(close_fd, select.POLLIN)
-        self._fifos: set[int] = set()
-        self._peers: dict[int, tuple[int, PeerWatch]] = {}  # fd -> (peer key, watch)
-        self._polled: list[tuple[int, PeerWatch]] = []  # peers without a pidfd
-        self._keys: set[int] = set()
-
-    def add_fifo(self, fd: int) -> None:
-        self._fifos.add(fd)
-        self._poll.register(fd, select.POLLIN)
-
-    def add_peer(self, key: int, watch: PeerWatch) -> None:
-        if key in self._keys:
-            return
-        self._keys.add(key)
-        fd = watch.fileno()
-        if fd is None:
-            self._polled.append((key, watch))
-        else:
-            self._peers[fd] = (key, watch)
-            self._poll.register(fd, select.POLLIN)
-
-    def sleep(self, seconds: float | None, what: str) -> tuple[bool, list[int]]:
-        """Block until a FIFO byte, a peer's exit or ``seconds``; -> (woken, keys of dead peers)."""
-        if self._polled:
-            seconds = POLL_SLICE if seconds is None else min(seconds, POLL_SLICE)
-        events = self._poll.poll(None if seconds is None else int(seconds * 1000) + 1)
-        dead = [key for key, watch in self._polled if not watch.alive()]
-        for fd, _ in events:
-            if fd == self._close_fd:
-                raise TransportError(f"{what} channel was closed while waiting")
-            if fd in self._fifos:
-                with contextlib.suppress(BlockingIOError):
-                    while len(os.read(fd, 4096)) == 4096:
-                        pass
-            elif fd in self._peers:
-                dead.append(self._peers.pop(fd)[0])
-                self._poll.unregister(fd)
-        return bool(events) or bool(dead), dead
-
-
 def _release(
-    rings: list, segments: list[Segment], fds: list[int], watches: list, names: list[str]
+    rings: list, segments: list[Segment], fds: list[int], watches: dict, names: list[str]
 ) -> None:
     """Free everything a channel holds; runs once (close(), GC or interpreter exit)."""
     for ring in rings:
@@ -109,59 +67,139 @@ def _release(
         seg.close()
     for fd in fds:
         os.close(fd)
-    for watch in watches:
-        if watch is not None:
-            watch.close()
+    for watch in watches.values():
+        watch.close()
     for name in names:  # engines that never attached leave their files to us
         unlink_files(name)
 
 
 class _Channel:
-    """What both ends share: locks, the close pipe, waiting on a ring, close()."""
+    """Both ends: the recv loop, waiting on a ring, peers, close(). Subclasses set the rings up."""
 
     _what = "shm"
+    #: rings recv reads (the client: every output ring; an engine: its input ring)
+    _readers: list[RingReader]
+    #: key -> why that peer is gone (the client: engine index; an engine: 0, the frontend)
+    _gone: dict[int, str]
+    _take: Callable[[], list[Frame] | None]
 
     def _setup(self, settings: ShmSettings, segments: list[Segment], names: list[str]) -> None:
         self._settings = settings
+        self._spin_max = settings.spin_us / 1e6
+        self._spin = self._spin_max  # adapted: see _recv_wait
+        self._sleeps = 0
         self._segments = segments
         self._close_r, self._close_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._recv_sleep = _Sleeper(self._close_r)
-        self._send_sleep = _Sleeper(self._close_r)
+        self._recv_sleep = Sleeper(self._close_r)
+        self._send_sleep = Sleeper(self._close_r)
         self._recv_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._watch_lock = threading.Lock()
         self._closed = False
+        self._gone = {}
         self._rings: list[Any] = []
-        self._watches: list[PeerWatch | None] = []
+        self._watches: dict[int, PeerWatch] = {}
+        fds = [self._close_r, self._close_w]
         self._finalizer = weakref.finalize(
-            self,
-            _release,
-            self._rings,
-            segments,
-            [self._close_r, self._close_w],
-            self._watches,
-            names,
+            self, _release, self._rings, segments, fds, self._watches, names
         )
 
-    def _wait(self, ring: Any, flag: int, sleeper: _Sleeper, key: int, has_room) -> None:
-        """Sleep until ``ring`` may have what we need, raising if the peer is gone or we time out."""
+    # ------------------------------------------------------------------ recv
+
+    def recv(self, timeout: float | None = None) -> list[Frame] | None:
+        with self._recv_lock:
+            if self._closed:
+                raise TransportError(f"{self._what} channel is closed")
+            msg = self._take()
+            return msg if msg is not None else self._recv_wait(timeout)
+
+    def _recv_wait(self, timeout: float | None) -> list[Frame] | None:
+        """Spin a little, then sleep. The spin adapts: it doubles when a message came while
+        spinning and halves when we had to sleep anyway (on a busy machine spinning takes the
+        CPU the writer needs); from zero it is tried again every ``_REPROBE`` sleeps."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        spin_end = start + self._spin
+        readers = self._readers
+        slept = False
+        while True:
+            # a peer sets its closed flag after its last write: seeing the flag, we read on to the end
+            self._note_closed()
+            msg = self._take()
+            if msg is not None:
+                self._adapt_spin(slept)
+                return msg
+            if self._gone:
+                raise TransportError(next(iter(self._gone.values())))
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            if now < spin_end:
+                continue
+            self._watch_peers(self._recv_sleep)
+            for r in readers:
+                r.arm()
+            readers[
+                0
+            ].fence()  # our flag before re-checking; the writer: its counter before our flag
+            try:
+                if any(r.ready() for r in readers) or self._peer_closed():
+                    continue
+                slept = True
+                _, dead = self._recv_sleep.sleep(
+                    None if deadline is None else deadline - now, self._what
+                )
+            finally:
+                for r in readers:
+                    r.disarm()
+            for key in dead:
+                self._peer_died(key)
+
+    def _adapt_spin(self, slept: bool) -> None:
+        if not self._spin_max:
+            return
+        if not slept:
+            self._spin = min(self._spin_max, max(2 * self._spin, 2e-6))
+        elif self._spin:
+            self._spin = self._spin / 2 if self._spin > 2e-6 else 0.0
+        else:
+            self._sleeps += 1
+            if self._sleeps >= _REPROBE:
+                self._sleeps = 0
+                self._spin = self._spin_max / 4
+
+    # ------------------------------------------------------------------ waiting inside a ring
+
+    def _block(self, key: int, sleeper: Sleeper, ring: Any) -> None:
+        """A ring must wait (full, or a message half-written): sleep once, or raise if hopeless."""
         self._check_peer(key)
-        ring.ctl[flag] = 1
-        ring.fence()  # the flag before re-checking (the other side: its counter, then our flag)
-        try:
-            if has_room():
-                return
-            woken, dead = sleeper.sleep(self._settings.send_timeout, self._what)
-        finally:
-            ring.ctl[flag] = 0
+        self._watch_peers(sleeper)
+        woken, dead = sleeper.sleep(self._settings.send_timeout, self._what)
         for k in dead:
             self._peer_died(k)
         self._check_peer(key)
         if not woken:
             raise TransportError(
-                f"{self._what}: the {self._peer_name(key)} made no progress for {self._settings.send_timeout}s "
+                f"{self._what}: {self._peer_name(key)} made no progress for {self._settings.send_timeout}s "
                 "while a ring was full or a message half-written ([transport.shm] send_timeout)"
             )
+
+    # ------------------------------------------------------------------ peers (per side)
+
+    def _note_closed(self) -> None: ...
+    def _peer_closed(self) -> bool: ...
+    def _watch_peers(self, sleeper: Sleeper) -> None: ...
+    def _peer_name(self, key: int) -> str: ...
+    def _check_peer(self, key: int) -> None: ...
+    def _announce_close(self) -> None: ...
+
+    def _peer_died(self, key: int) -> None:
+        watch = self._watches.get(key)
+        self._gone.setdefault(
+            key, str(watch.error()) if watch else f"{self._peer_name(key)} exited"
+        )
+
+    # ------------------------------------------------------------------ close
 
     def close(self) -> None:
         """Tell the peer, wake our own blocked threads, free the segments; idempotent, any thread."""
@@ -182,10 +220,6 @@ class _Channel:
             if got_send:
                 self._send_lock.release()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError(f"{self._what} channel is closed")
-
 
 class ShmClientChannel(_Channel):
     """The frontend's end: writes engine i's input ring, reads every output ring."""
@@ -196,8 +230,7 @@ class ShmClientChannel(_Channel):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.num_engines = num_engines
-        token = secrets.token_hex(4)
-        names = [segment_name(os.getpid(), token, i) for i in range(num_engines)]
+        names = [segment_name(os.getpid(), secrets.token_hex(4), i) for i in range(num_engines)]
         segments: list[Segment] = []
         try:
             for i, name in enumerate(names):
@@ -210,36 +243,23 @@ class ShmClientChannel(_Channel):
             raise
         self._setup(settings, segments, names)
         ss, sc = settings.slot_size, settings.slot_count
-        self._writers = [
-            RingWriter(
-                *seg.ring_views(INPUT),
-                ss,
-                sc,
-                seg.fifos["in_data"],
-                functools.partial(self._wait_space, i),
+        self._writers = []
+        self._readers = []
+        for i, seg in enumerate(segments):
+            space = functools.partial(self._block, i, self._send_sleep)
+            more = functools.partial(self._block, i, self._recv_sleep)
+            self._writers.append(
+                RingWriter(*seg.ring_views(INPUT), ss, sc, seg.fifos["in_data"], space)
             )
-            for i, seg in enumerate(segments)
-        ]
-        self._readers = [
-            RingReader(
-                *seg.ring_views(OUTPUT),
-                ss,
-                sc,
-                seg.fifos["out_space"],
-                functools.partial(self._wait_more, i),
+            self._readers.append(
+                RingReader(*seg.ring_views(OUTPUT), ss, sc, seg.fifos["out_space"], more)
             )
-            for i, seg in enumerate(segments)
-        ]
-        self._rings.extend(self._writers + self._readers)
-        self._watches.extend([None] * num_engines)
-        for seg in segments:
             self._recv_sleep.add_fifo(seg.fifos["out_data"])
             self._send_sleep.add_fifo(seg.fifos["in_space"])
-        self._gone: dict[int, str] = {}
+        self._rings.extend(self._writers + self._readers)
         self._next = 0
+        self._take = self._readers[0].read if num_engines == 1 else self._take_round_robin
         self.address = ShmAddress(tuple(names), os.getpid())
-
-    # ------------------------------------------------------------------ send
 
     def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
         if not 0 <= engine_index < self.num_engines:
@@ -247,49 +267,15 @@ class ShmClientChannel(_Channel):
                 f"engine_index {engine_index} out of range (num_engines={self.num_engines})"
             )
         with self._send_lock:
-            self._check_open()
+            if self._closed:
+                raise TransportError("shm client channel is closed")
             self._check_peer(engine_index)
             self._writers[engine_index].write(frames)
 
-    def _wait_space(self, i: int, ring: RingWriter) -> None:
-        self._watch_engine(i, self._send_sleep)
-        self._wait(ring, WRITER_WAITING, self._send_sleep, i, lambda: ring.free_slots() > 0)
-
-    # ------------------------------------------------------------------ recv
-
-    def recv(self, timeout: float | None = None) -> list[Frame] | None:
-        with self._recv_lock:
-            self._check_open()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            readers = self._readers
-            while True:
-                self._note_closed()  # before reading: what a closed engine wrote is read first
-                msg = self._take()
-                if msg is not None:
-                    return msg
-                if self._gone:
-                    raise TransportError(next(iter(self._gone.values())))
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    return None
-                for i in range(self.num_engines):
-                    self._watch_engine(i, self._recv_sleep)
-                    readers[i].ctl[READER_WAITING] = 1
-                readers[0].fence()
-                try:
-                    if any(r.ready() for r in readers) or self._any_closed():
-                        continue
-                    _, dead = self._recv_sleep.sleep(wait, self._what)
-                finally:
-                    for r in readers:
-                        r.ctl[READER_WAITING] = 0
-                for i in dead:
-                    self._peer_died(i)
-
-    def _take(self) -> list[Frame] | None:
+    def _take_round_robin(self) -> list[Frame] | None:
         readers = self._readers
         n = len(readers)
-        for k in range(n):  # round robin: one busy engine cannot starve the others
+        for k in range(n):  # one busy engine cannot starve the others
             i = (self._next + k) % n
             msg = readers[i].read()
             if msg is not None:
@@ -297,44 +283,35 @@ class ShmClientChannel(_Channel):
                 return msg
         return None
 
-    def _wait_more(self, i: int, ring: RingReader) -> None:
-        self._watch_engine(i, self._recv_sleep)
-        self._wait(ring, READER_WAITING, self._recv_sleep, i, ring.ready)
-
-    # ------------------------------------------------------------------ peers
-
-    def _watch_engine(self, i: int, sleeper: _Sleeper) -> None:
-        watch = self._watches[i]
-        if watch is None:
-            pid = self._segments[i].header[ENGINE_PID]
-            if not pid:
-                return  # not attached yet: nothing to watch
-            with self._watch_lock:
-                if self._watches[i] is None:
-                    self._watches[i] = PeerWatch(pid, f"engine {i}")
-                watch = self._watches[i]
-        sleeper.add_peer(i, watch)
-
-    def _any_closed(self) -> bool:
-        return any(seg.header[ENGINE_CLOSED] for seg in self._segments)
+    def _watch_peers(self, sleeper: Sleeper) -> None:
+        for i, seg in enumerate(self._segments):
+            watch = self._watches.get(i)
+            if watch is None:
+                pid = seg.header[ENGINE_PID]
+                if not pid:
+                    continue  # not attached yet: nothing to watch
+                with self._watch_lock:  # recv and send threads may both get here first
+                    watch = self._watches.get(i)
+                    if watch is None:
+                        watch = self._watches[i] = PeerWatch(pid, f"engine {i}")
+            sleeper.add_peer(i, watch)
 
     def _note_closed(self) -> None:
         for i, seg in enumerate(self._segments):
             if seg.header[ENGINE_CLOSED] and i not in self._gone:
                 self._gone[i] = f"engine {i} closed its shm channel"
 
-    def _peer_died(self, i: int) -> None:
-        watch = self._watches[i]
-        self._gone.setdefault(i, str(watch.error()) if watch else f"engine {i} exited")
+    def _peer_closed(self) -> bool:
+        return any(seg.header[ENGINE_CLOSED] for seg in self._segments)
 
-    def _peer_name(self, i: int) -> str:
-        return f"engine {i}"
+    def _peer_name(self, key: int) -> str:
+        return f"engine {key}"
 
-    def _check_peer(self, i: int) -> None:
-        if i in self._gone:
-            raise TransportError(self._gone[i])
-        if self._segments[i].header[ENGINE_CLOSED]:
-            raise TransportError(f"engine {i} closed its shm channel")
+    def _check_peer(self, key: int) -> None:
+        if key not in self._gone and self._segments[key].header[ENGINE_CLOSED]:
+            self._gone[key] = f"engine {key} closed its shm channel"
+        if key in self._gone:
+            raise TransportError(self._gone[key])
 
     def _announce_close(self) -> None:
         for seg in self._segments:
@@ -355,83 +332,49 @@ class ShmEngineChannel(_Channel):
             )
         self._what = f"shm engine {engine_index}"
         seg = Segment.attach(address.segments[engine_index], engine_index)
-        # the segment's own geometry wins: the frontend made it
         self._setup(settings, [seg], [])
         self._seg = seg
-        self._reader = RingReader(
-            *seg.ring_views(INPUT),
-            seg.slot_size,
-            seg.slot_count,
-            seg.fifos["in_space"],
-            self._wait_more,
-        )
-        self._writer = RingWriter(
-            *seg.ring_views(OUTPUT),
-            seg.slot_size,
-            seg.slot_count,
-            seg.fifos["out_data"],
-            self._wait_space,
-        )
+        # the segment's own geometry: the frontend made it
+        ss, sc = seg.slot_size, seg.slot_count
+        more = functools.partial(self._block, 0, self._recv_sleep)
+        space = functools.partial(self._block, 0, self._send_sleep)
+        self._reader = RingReader(*seg.ring_views(INPUT), ss, sc, seg.fifos["in_space"], more)
+        self._writer = RingWriter(*seg.ring_views(OUTPUT), ss, sc, seg.fifos["out_data"], space)
+        self._readers = [self._reader]
         self._rings.extend([self._reader, self._writer])
-        watch = PeerWatch(address.frontend_pid, "the frontend")
-        self._watches.append(watch)
+        self._take = self._reader.read
+        watch = self._watches[0] = PeerWatch(address.frontend_pid, "the frontend")
         self._recv_sleep.add_fifo(seg.fifos["in_data"])
-        self._recv_sleep.add_peer(0, watch)
         self._send_sleep.add_fifo(seg.fifos["out_space"])
-        self._send_sleep.add_peer(0, watch)
-        self._gone: str | None = None if watch.alive() else str(watch.error())
-
-    def recv(self, timeout: float | None = None) -> list[Frame] | None:
-        with self._recv_lock:
-            self._check_open()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            reader, header = self._reader, self._seg.header
-            while True:
-                if header[FRONTEND_CLOSED] and self._gone is None:
-                    self._gone = "the frontend closed the shm channel"
-                msg = reader.read()
-                if msg is not None:
-                    return msg
-                if self._gone is not None:
-                    raise TransportError(self._gone)
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    return None
-                reader.ctl[READER_WAITING] = 1
-                reader.fence()
-                try:
-                    if reader.ready() or header[FRONTEND_CLOSED]:
-                        continue
-                    _, dead = self._recv_sleep.sleep(wait, self._what)
-                finally:
-                    reader.ctl[READER_WAITING] = 0
-                if dead:
-                    self._peer_died(0)
+        for sleeper in (self._recv_sleep, self._send_sleep):
+            sleeper.add_peer(0, watch)
+        if not watch.alive():
+            self._peer_died(0)
 
     def send(self, frames: Sequence[Frame]) -> None:
         with self._send_lock:
-            self._check_open()
+            if self._closed:
+                raise TransportError(f"{self._what} channel is closed")
             self._check_peer(0)
             self._writer.write(frames)
 
-    def _wait_space(self, ring: RingWriter) -> None:
-        self._wait(ring, WRITER_WAITING, self._send_sleep, 0, lambda: ring.free_slots() > 0)
+    def _watch_peers(self, sleeper: Sleeper) -> None:
+        pass  # the frontend is watched from the start
 
-    def _wait_more(self, ring: RingReader) -> None:
-        self._wait(ring, READER_WAITING, self._recv_sleep, 0, ring.ready)
+    def _note_closed(self) -> None:
+        if self._seg.header[FRONTEND_CLOSED] and not self._gone:
+            self._gone[0] = "the frontend closed the shm channel"
 
-    def _peer_died(self, key: int) -> None:
-        if self._gone is None:
-            self._gone = str(self._watches[0].error())
+    def _peer_closed(self) -> bool:
+        return bool(self._seg.header[FRONTEND_CLOSED])
 
     def _peer_name(self, key: int) -> str:
-        return "frontend"
+        return "the frontend"
 
     def _check_peer(self, key: int) -> None:
-        if self._gone is None and self._seg.header[FRONTEND_CLOSED]:
-            self._gone = "the frontend closed the shm channel"
-        if self._gone is not None:
-            raise TransportError(self._gone)
+        self._note_closed()
+        if self._gone:
+            raise TransportError(self._gone[0])
 
     def _announce_close(self) -> None:
         self._seg.header[ENGINE_CLOSED] = 1

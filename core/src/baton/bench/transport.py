@@ -1,0 +1,232 @@
+"""Transport benchmark: latency and throughput of every installed transport.
+
+For each transport (multiprocess ones with a real engine-side echo process,
+started with "spawn" as baton starts engine cores; inproc with a thread):
+
+- round trip of a small message ([type byte, 128-byte body]) to the echo and
+  back: p50 / p99 over ``--round-trips``, in microseconds;
+- small-message throughput, engine -> frontend (the output direction): the
+  engine sends ``--messages`` 128-byte messages unprompted, messages/s;
+- tensor throughput, engine -> frontend: a float32 torch tensor of
+  ``--tensor-mib`` MiB through the codec (encoded in the engine, decoded in the
+  frontend), GB/s; next to a plain memcpy of the same size on this machine
+  (``np.copyto`` into a kept buffer, and ``ndarray.copy()``).
+
+Transports are measured in turns within each of ``--runs`` runs; the figures
+are the medians (with min and max) over runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+from typing import Any
+
+import numpy as np
+
+from baton.bench.common import CpuMonitor, emit, percentile, summarize
+from baton.config import BatonConfig
+from baton.errors import TransportError
+from baton.plugins import get_registry
+from baton.testing import echo
+
+_BODY = bytes(range(128))
+_GB = 1e9
+
+
+def make_transport(config: BatonConfig, name: str) -> Any:
+    entry = get_registry().get("transport", name)
+    return entry.create(config, config.plugin_settings("transport", name, entry.settings_model))
+
+
+class _Link:
+    """A client channel with one echo engine, ready."""
+
+    def __init__(self, transport: Any) -> None:
+        self.client = transport.create_client(1)
+        try:
+            self.engine = echo.EchoEngine(transport, self.client.address, 0)
+            msg = self.client.recv(timeout=120.0)
+            if msg is None or echo.parse_ready(msg[0]) is None:
+                raise TransportError(f"echo engine did not get ready: {msg!r}")
+        except BaseException:
+            self.client.close()
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(TransportError):
+            self.client.send([echo.STOP], 0)
+        self.engine.stop()
+        self.client.close()
+
+
+def round_trips(link: _Link, n: int, warmup: int = 200) -> dict[str, float]:
+    client = link.client
+    message = [b"\x00", _BODY]
+    for _ in range(warmup):
+        client.send(message, 0)
+        client.recv(timeout=10.0)
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        client.send(message, 0)
+        if client.recv(timeout=10.0) is None:
+            raise TransportError("round trip timed out")
+        samples.append((clock() - t0) / 1000.0)
+    return {"p50_us": percentile(samples, 50), "p99_us": percentile(samples, 99)}
+
+
+def small_throughput(link: _Link, n: int) -> float:
+    """Messages/s from the engine to the frontend."""
+    client = link.client
+    t0 = time.perf_counter()
+    client.send([echo.emit(n, len(_BODY))], 0)
+    for _ in range(n):
+        if client.recv(timeout=30.0) is None:
+            raise TransportError("small-message stream stalled")
+    return n / (time.perf_counter() - t0)
+
+
+def tensor_throughput(link: _Link, nbytes: int, count: int) -> float:
+    """GB/s of tensors from the engine to the frontend, encoded and decoded by the codec."""
+    from baton.serial import MsgpackDecoder
+
+    decoder = MsgpackDecoder()
+    client = link.client
+    t0 = time.perf_counter()
+    client.send([echo.emit_tensors(count, nbytes)], 0)
+    for _ in range(count):
+        frames = client.recv(timeout=60.0)
+        if frames is None:
+            raise TransportError("tensor stream stalled")
+        (tensor,) = decoder.decode(frames)
+        if tensor.numel() * 4 != nbytes:
+            raise TransportError(f"tensor of {tensor.numel() * 4} bytes arrived, {nbytes} sent")
+    return count * nbytes / (time.perf_counter() - t0) / _GB
+
+
+def memcpy_gbps(nbytes: int, reps: int = 20) -> dict[str, float]:
+    src = np.arange(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    into = reps * nbytes / (time.perf_counter() - t0) / _GB
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        src.copy()
+    fresh = reps * nbytes / (time.perf_counter() - t0) / _GB
+    return {"copyto": into, "copy": fresh}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    config = BatonConfig.load(getattr(args, "config", None))
+    names = args.transports.split(",") if args.transports else get_registry().names("transport")
+    nbytes = args.tensor_mib * (1 << 20)
+    links: dict[str, _Link] = {}
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    memcpy: dict[str, list[float]] = {"copyto": [], "copy": []}
+    try:
+        for name in names:
+            links[name] = _Link(make_transport(config, name))
+            tensor_throughput(links[name], nbytes, 1)  # warm-up: imports torch in the engine
+        with CpuMonitor() as cpu:
+            for _ in range(args.runs):
+                for name, link in links.items():
+                    gc.collect()
+                    figures = round_trips(link, args.round_trips)
+                    figures["small_msgs_per_s"] = small_throughput(link, args.messages)
+                    figures["tensor_gbps"] = tensor_throughput(link, nbytes, args.tensor_count)
+                    for key, value in figures.items():
+                        samples[name].setdefault(key, []).append(value)
+                for key, value in memcpy_gbps(nbytes).items():
+                    memcpy[key].append(value)
+    finally:
+        for link in links.values():
+            link.close()
+    result: dict[str, Any] = {
+        "bench": "transport",
+        "runs": args.runs,
+        "round_trips": args.round_trips,
+        "messages": args.messages,
+        "tensor_bytes": nbytes,
+        "tensor_count": args.tensor_count,
+        "memcpy_gbps": {k: summarize(v) for k, v in memcpy.items()},
+        "transports": {n: {k: summarize(v) for k, v in s.items()} for n, s in samples.items()},
+        "cpu": cpu.result,
+    }
+    result["targets"] = _targets(result)
+    return result
+
+
+def _targets(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets: shm p50 <= zmq p50 / 2; tensors within 3x of a memcpy."""
+    t = result["transports"]
+    out: dict[str, Any] = {}
+    if "shm" in t and "zmq" in t:
+        ratio = t["shm"]["p50_us"]["median"] / t["zmq"]["p50_us"]["median"]
+        out["shm_p50_over_zmq_p50"] = round(ratio, 3)
+        out["shm_p50_at_most_half_of_zmq"] = ratio <= 0.5
+    memcpy = result["memcpy_gbps"]["copyto"]["median"]
+    for name, figures in t.items():
+        slowdown = memcpy / figures["tensor_gbps"]["median"]
+        out[f"{name}_memcpy_over_tensor"] = round(slowdown, 3)
+        out[f"{name}_tensor_within_3x_memcpy"] = slowdown <= 3.0
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--transports", default=None, help="comma-separated names (default: every installed one)"
+    )
+    p.add_argument("--runs", type=int, default=5, help="runs; figures are medians over runs")
+    p.add_argument(
+        "--round-trips", type=int, default=2000, help="small-message round trips per run"
+    )
+    p.add_argument("--messages", type=int, default=20000, help="small messages per throughput run")
+    p.add_argument("--tensor-mib", type=int, default=16, help="size of each tensor")
+    p.add_argument("--tensor-count", type=int, default=8, help="tensors per throughput run")
+    # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
+    p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    if args.json:
+        emit(result, True)
+        return 0
+    mc = result["memcpy_gbps"]
+    print(
+        f"transport bench: {result['runs']} runs (medians; [min-max]); tensors of "
+        f"{result['tensor_bytes'] >> 20} MiB; memcpy {mc['copyto']['median']:.2f} GB/s "
+        f"(into a kept buffer), {mc['copy']['median']:.2f} GB/s (ndarray.copy)"
+    )
+    print(
+        f"{'transport':<10} {'rtt p50 us':>16} {'rtt p99 us':>16} {'small msg/s':>22} {'tensor GB/s':>18}"
+    )
+    for name, f in result["transports"].items():
+        cells = [
+            _cell(f["p50_us"], "{:.1f}"),
+            _cell(f["p99_us"], "{:.1f}"),
+            _cell(f["small_msgs_per_s"], "{:,.0f}"),
+            _cell(f["tensor_gbps"], "{:.2f}"),
+        ]
+        print(f"{name:<10} {cells[0]:>16} {cells[1]:>16} {cells[2]:>22} {cells[3]:>18}")
+    print(f"targets: {result['targets']}")
+    print(f"cpu: {result['cpu']}")
+    return 0
+
+
+def _cell(s: dict[str, float], fmt: str) -> str:
+    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m baton.bench.transport", description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
