@@ -142,29 +142,46 @@ class ClientChannel(Protocol):
     address: Any
 
     def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
-        """Queue a multipart message for one engine. Never blocks indefinitely."""
+        """Queue a multipart message (one frame or more) for one engine. Never blocks indefinitely.
+
+        Raises TransportError when that engine is gone or the link stays full, ValueError for an
+        ``engine_index`` out of range. Buffers may leave after ``send`` returns (zero-copy):
+        do not change them afterwards.
+        """
 
     def recv(self, timeout: float | None = None) -> list[Frame] | None:
-        """The next multipart message from any engine, or None after ``timeout`` seconds."""
+        """The next multipart message from any engine, or None after ``timeout`` seconds.
+
+        Frames arrive as sent (bytes-like; never decoded). Once an engine exited or closed its
+        end, what it sent before is delivered, then recv raises TransportError; it also raises
+        when the channel is closed, including by ``close()`` from another thread while blocked.
+        """
 
     def close(self) -> None:
-        """Release sockets / segments; idempotent, also after the peer died."""
+        """Release sockets / segments; idempotent, safe from any thread, also after the peer died."""
 
 
 @runtime_checkable
 class EngineChannel(Protocol):
     """The engine's end: receives the frontend's messages, sends outputs."""
 
-    def recv(self, timeout: float | None = None) -> list[Frame] | None: ...
+    def recv(self, timeout: float | None = None) -> list[Frame] | None:
+        """The next message from the frontend, or None after ``timeout`` seconds;
+        TransportError once the frontend exited or closed its end."""
 
-    def send(self, frames: Sequence[Frame]) -> None: ...
+    def send(self, frames: Sequence[Frame]) -> None:
+        """Queue an output message; TransportError if the frontend is gone (buffers: as the client's)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release; idempotent, safe from any thread. Messages already sent are still delivered."""
 
 
 @runtime_checkable
 class Transport(Protocol):
-    """Makes the two ends of a frontend <-> engine link."""
+    """Makes the two ends of a frontend <-> engine link.
+
+    A multiprocess transport object must pickle: the testing kit hands it to a spawned process.
+    """
 
     #: False: the engine runs in the frontend's process (inproc); no process is spawned.
     multiprocess: bool
