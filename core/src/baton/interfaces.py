@@ -158,7 +158,7 @@ class ClientChannel(Protocol):
         """
 
     def close(self) -> None:
-        """Release sockets / segments; idempotent, safe from any thread, also after the peer died."""
+        """Release sockets / segments; idempotent, from any thread, also after the peer died."""
 
 
 @runtime_checkable
@@ -170,7 +170,7 @@ class EngineChannel(Protocol):
         TransportError once the frontend exited or closed its end."""
 
     def send(self, frames: Sequence[Frame]) -> None:
-        """Queue an output message; TransportError if the frontend is gone (buffers: as the client's)."""
+        """Queue an output message; TransportError if the frontend is gone (buffers: as above)."""
 
     def close(self) -> None:
         """Release; idempotent, safe from any thread. Messages already sent are still delivered."""
