@@ -45,21 +45,19 @@ class _Link:
     """A client channel with one echo engine, ready."""
 
     def __init__(self, transport: Any) -> None:
+        self._stack = contextlib.ExitStack()
         self.client = transport.create_client(1)
+        self._stack.callback(self.client.close)
         try:
-            self.engine = echo.EchoEngine(transport, self.client.address, 0)
-            msg = self.client.recv(timeout=120.0)
-            if msg is None or echo.parse_ready(msg[0]) is None:
-                raise TransportError(f"echo engine did not get ready: {msg!r}")
+            self._stack.enter_context(
+                echo.echo_engines(transport, self.client, ready_timeout=120.0)
+            )
         except BaseException:
-            self.client.close()
+            self._stack.close()
             raise
 
     def close(self) -> None:
-        with contextlib.suppress(TransportError):
-            self.client.send([echo.STOP], 0)
-        self.engine.stop()
-        self.client.close()
+        self._stack.close()
 
 
 def round_trips(link: _Link, n: int, warmup: int = 200) -> dict[str, float]:
@@ -112,7 +110,9 @@ def memcpy_gbps(nbytes: int, reps: int = 16) -> dict[str, float]:
     """A plain copy of ``nbytes``: ``hot`` repeats one copy (source and destination may sit in
     the CPU's last-level cache), ``cold`` rotates over 4 pairs (128 MiB for 16 MiB: more than a
     cache holds, like a transport's source, ring and destination), ``copy`` is ``ndarray.copy()``."""
-    pairs = [(np.full(nbytes // 4, i, np.float32), np.empty(nbytes // 4, np.float32)) for i in range(4)]
+    pairs = [
+        (np.full(nbytes // 4, i, np.float32), np.empty(nbytes // 4, np.float32)) for i in range(4)
+    ]
     for src, dst in pairs:
         np.copyto(dst, src)  # fault every page in before timing
 

@@ -6,17 +6,20 @@ multiprocess (as baton starts engine cores), else on a thread. The server
 connects with ``transport.connect_engine(address, index)``, sends one
 ``READY`` frame (``READY`` + u16 index + u64 pid), then answers every message
 with the same frames (prefixed by a frame holding its index when ``tag``) until
-``STOP``. Control messages are single frames starting with ``CONTROL``; build
+``STOP``. ``echo_engines(transport, client, n)`` starts ``n`` of them and waits
+for their READY. Control messages are single frames starting with ``CONTROL``; build
 them with ``emit(...)`` / ``emit_tensors(...)`` or use ``STOP`` / ``DIE``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import struct
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from baton.errors import TransportError
@@ -172,3 +175,31 @@ class EchoEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def echo_engines(
+    transport: Any, client: Any, n: int = 1, tag: bool = False, ready_timeout: float = 60.0
+) -> Iterator[list[EchoEngine]]:
+    """Start ``n`` echo engines for ``client``, wait for each one's READY; STOP them at the end."""
+    engines: list[EchoEngine] = []
+    try:
+        for i in range(n):
+            engines.append(EchoEngine(transport, client.address, i, tag=tag))
+        pids: dict[int, int] = {}
+        while len(pids) < n:
+            msg = client.recv(timeout=ready_timeout)
+            ready = parse_ready(msg[0]) if msg is not None and len(msg) == 1 else None
+            if ready is None:
+                raise TransportError(f"expected READY from the echo engines, got {msg!r:.200}")
+            pids[ready[0]] = ready[1]
+        if any(pids[e.engine_index] != e.pid for e in engines):
+            raise TransportError(f"READY from the wrong processes: {pids}")
+        yield engines
+    finally:
+        for e in engines:
+            if e.is_alive():
+                with contextlib.suppress(TransportError, ValueError):
+                    client.send([STOP], e.engine_index)
+        for e in engines:
+            e.stop()

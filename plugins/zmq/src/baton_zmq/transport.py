@@ -14,25 +14,17 @@ Frames of ``copy_threshold`` bytes or more go out and come in without a copy
 (pyzmq keeps a sent buffer alive until ZeroMQ is done with it, so a sender must
 not change it after ``send``); smaller frames are copied, which is faster.
 
-Peer death: each end watches the other's pid (``baton.transport.peer``); a
-blocked ``recv`` wakes when the peer exits, delivers what the peer sent before
-(waiting up to ``_DEATH_GRACE`` for bytes still in flight), then raises
-TransportError. ``close()`` may come from any thread: it wakes a blocked
-``recv`` through a pipe in the same poll set.
+Peer death: each end watches the other's pid (``baton.transport.peer``), and an
+engine also sees its DEALER disconnect when the frontend closes; see channel.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import logging
 import os
-import shutil
 import struct
 import tempfile
-import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,19 +32,15 @@ from typing import Any
 import zmq
 from baton.errors import TransportError
 from baton.interfaces import Frame
-from baton.transport.peer import POLL_SLICE, PeerWatch
-from zmq.utils.monitor import recv_monitor_message
+from baton.transport.peer import PeerWatch
 
+from baton_zmq.channel import Channel, recv_frames, send_frames
 from baton_zmq.plugin import ZmqSettings
-
-log = logging.getLogger(__name__)
 
 #: First bytes of the hello an engine sends on its PUSH: then u16 index, u64 pid.
 HELLO = b"\xffbaton-zmq-hello:"
 _HELLO_TAIL = struct.Struct("<HQ")
 _IDENTITY = struct.Struct("<H")
-#: After a peer exits, how long recv still waits for messages it sent just before.
-_DEATH_GRACE = 0.25
 
 
 @dataclass(frozen=True)
@@ -65,168 +53,7 @@ class ZmqAddress:
     num_engines: int
 
 
-def _nbytes(frame: Frame) -> int:
-    return frame.nbytes if type(frame) is memoryview else len(frame)
-
-
-def _send_frames(sock: zmq.Socket, frames: Sequence[Frame], threshold: int) -> None:
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        # copy=False below the threshold would be copied by pyzmq anyway, only slower
-        sock.send(frame, zmq.SNDMORE if i < last else 0, copy=_nbytes(frame) < threshold)
-
-
-def _recv_frames(sock: zmq.Socket, threshold: int) -> list[Frame]:
-    frames: list[Frame] = [sock.recv(zmq.NOBLOCK)]
-    while sock.getsockopt(zmq.RCVMORE):
-        part = sock.recv(copy=False)
-        frames.append(part.bytes if len(part) < threshold else part.buffer)
-    return frames
-
-
-def _release(
-    ctx: zmq.Context, sockets: list[zmq.Socket], fds: list[int], watches: dict, tmpdir: str | None
-) -> None:
-    """Close everything a channel owns; runs once (close(), GC or interpreter exit)."""
-    for sock in sockets:
-        sock.close()  # LINGER (set at creation) bounds how long queued messages are kept
-    ctx.term()
-    for fd in fds:
-        os.close(fd)
-    for watch in list(watches.values()):
-        watch.close()
-    if tmpdir is not None:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-class _Channel:
-    """What both ends share: a context, a wake pipe, locks, peer watches, close()."""
-
-    def __init__(self, settings: ZmqSettings, tmpdir: str | None = None) -> None:
-        self._settings = settings
-        self._threshold = settings.copy_threshold
-        self._ctx = zmq.Context(io_threads=1)
-        self._sockets: list[zmq.Socket] = []
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        # pidfd (or a negative key where there are no pidfds) -> watch
-        self._watches: dict[int, PeerWatch] = {}
-        self._gone: str | None = None  # why recv must raise once nothing is pending
-        self._grace_until = 0.0
-        self._recv_lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._closed = False
-        self._tmpdir = tmpdir
-        self._monitor: zmq.Socket | None = None  # tells the engine its frontend disconnected
-        self._finalizer = weakref.finalize(
-            self,
-            _release,
-            self._ctx,
-            self._sockets,
-            [self._wake_r, self._wake_w],
-            self._watches,
-            tmpdir,
-        )
-
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, int(self._settings.linger * 1000))
-        sock.setsockopt(zmq.SNDHWM, self._settings.hwm)
-        sock.setsockopt(zmq.RCVHWM, self._settings.hwm)
-        sock.setsockopt(
-            zmq.SNDTIMEO, int(self._settings.send_timeout * 1000) if self._settings.hwm else -1
-        )
-        self._sockets.append(sock)
-        return sock
-
-    def _watch(self, watch: PeerWatch) -> None:
-        fd = watch.fileno()
-        key = fd if fd is not None else -1 - len(self._watches)
-        self._watches[key] = watch
-        if fd is not None:
-            self._poller.register(fd, zmq.POLLIN)
-
-    def _peer_exited(self, key: int) -> None:
-        watch = self._watches[key]
-        if key >= 0:
-            self._poller.unregister(key)
-        if self._gone is None:
-            self._gone = str(watch.error())
-            self._grace_until = time.monotonic() + _DEATH_GRACE
-
-    def _recv(self, timeout: float | None) -> list[Frame] | None:
-        """Wait on the input socket, the wake pipe and the peers' pidfds; the caller holds the recv lock."""
-        if self._closed:
-            raise TransportError(f"{self._what} channel is closed")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            msg = self._take()
-            if msg is not None:
-                return msg
-            now = time.monotonic()
-            if self._gone is not None:  # deliver what the peer sent before it died, then raise
-                if now >= self._grace_until:
-                    raise TransportError(self._gone)
-                wait: float | None = self._grace_until - now
-            elif deadline is None:
-                wait = None
-            else:
-                wait = deadline - now
-                if wait <= 0:
-                    return None
-            if any(key < 0 for key in self._watches):  # no pidfds: re-check the peers now and then
-                wait = POLL_SLICE if wait is None else min(wait, POLL_SLICE)
-                for key, watch in list(self._watches.items()):
-                    if key < 0 and not watch.alive():
-                        self._peer_exited(key)
-            for item, _ in self._poller.poll(None if wait is None else int(wait * 1000) + 1):
-                if item == self._wake_r:
-                    raise TransportError(f"{self._what} channel was closed while receiving")
-                if type(item) is int and item in self._watches:
-                    self._peer_exited(item)
-                elif item is self._monitor:
-                    self._on_monitor_event()
-
-    def _on_monitor_event(self) -> None:
-        assert self._monitor is not None
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_DISCONNECTED and self._gone is None:
-                self._gone = "the frontend closed the zmq channel"
-                self._grace_until = time.monotonic() + _DEATH_GRACE
-
-    def _take(self) -> list[Frame] | None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release sockets and files; idempotent, safe from any thread and after the peer died."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"\0")  # wakes a recv blocked in another thread
-        got_recv = self._recv_lock.acquire(timeout=5.0)
-        got_send = self._send_lock.acquire(timeout=self._settings.send_timeout + 5.0)
-        try:
-            if got_recv and got_send:
-                self._finalizer()
-            else:  # a thread is stuck in a socket call: closing under it could crash
-                log.warning(
-                    "%s: a send/recv did not return; leaving its sockets to interpreter exit",
-                    self._what,
-                )
-        finally:
-            if got_recv:
-                self._recv_lock.release()
-            if got_send:
-                self._send_lock.release()
-
-
-class ZmqClientChannel(_Channel):
+class ZmqClientChannel(Channel):
     """The frontend's end: a ROUTER to the engines, a PULL from all of them."""
 
     _what = "zmq client"
@@ -278,7 +105,7 @@ class ZmqClientChannel(_Channel):
                 self._await_engine(engine_index)
             try:
                 self._in.send(self._identities[engine_index], zmq.SNDMORE)
-                _send_frames(self._in, frames, self._threshold)
+                send_frames(self._in, frames, self._threshold)
             except zmq.Again:
                 raise TransportError(
                     f"engine {engine_index} took no message for {self._settings.send_timeout}s "
@@ -316,7 +143,7 @@ class ZmqClientChannel(_Channel):
     def _take(self) -> list[Frame] | None:
         while True:
             try:
-                frames = _recv_frames(self._out, self._threshold)
+                frames = recv_frames(self._out, self._threshold)
             except zmq.Again:
                 return None
             if len(frames) == 1 and frames[0][: len(HELLO)] == HELLO:
@@ -344,7 +171,7 @@ class ZmqClientChannel(_Channel):
             pass  # the other socket file is still there: whoever unlinks it last removes the dir
 
 
-class ZmqEngineChannel(_Channel):
+class ZmqEngineChannel(Channel):
     """An engine's end: a DEALER (identity = engine index) in, a PUSH out."""
 
     _what = "zmq engine"
@@ -382,7 +209,7 @@ class ZmqEngineChannel(_Channel):
 
     def _take(self) -> list[Frame] | None:
         try:
-            return _recv_frames(self._in, self._threshold)
+            return recv_frames(self._in, self._threshold)
         except zmq.Again:
             return None
 
@@ -395,7 +222,7 @@ class ZmqEngineChannel(_Channel):
             if self._gone is not None:
                 raise TransportError(self._gone)
             try:
-                _send_frames(self._out, frames, self._threshold)
+                send_frames(self._out, frames, self._threshold)
             except zmq.Again:
                 raise TransportError(
                     f"the frontend took no output for {self._settings.send_timeout}s "

@@ -38,6 +38,7 @@ import pytest
 from baton.errors import TransportError
 from baton.interfaces import ClientChannel, EngineChannel, Transport
 from baton.testing import echo
+from baton.testing.echo import echo_engines
 
 #: Generous bounds: the machine may be slow and shared; they only catch hangs.
 RECV_TIMEOUT = 20.0
@@ -66,33 +67,6 @@ def recv_ok(client: Any, timeout: float = RECV_TIMEOUT) -> list[Any]:
 
 def as_bytes(frames: list[Any]) -> list[bytes]:
     return [bytes(f) for f in frames]
-
-
-@contextlib.contextmanager
-def echo_engines(
-    transport: Any, client: Any, n: int = 1, tag: bool = False
-) -> Iterator[list[echo.EchoEngine]]:
-    """Start ``n`` echo engines, wait for each one's READY, and stop them all at the end."""
-    engines: list[echo.EchoEngine] = []
-    try:
-        for i in range(n):
-            engines.append(echo.EchoEngine(transport, client.address, i, tag=tag))
-        ready: dict[int, int] = {}
-        while len(ready) < n:
-            msg = recv_ok(client)
-            parsed = echo.parse_ready(msg[0]) if len(msg) == 1 else None
-            assert parsed is not None, f"expected READY, got {as_bytes(msg)[:3]}"
-            ready[parsed[0]] = parsed[1]
-        for e in engines:
-            assert ready[e.engine_index] == e.pid
-        yield engines
-    finally:
-        for e in engines:
-            if e.is_alive():
-                with contextlib.suppress(TransportError, ValueError):
-                    client.send([echo.STOP], e.engine_index)
-        for e in engines:
-            e.stop()
 
 
 def exchange(
