@@ -30,14 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.plugins.xgrammar.test_model import PERSON_SCHEMA  # noqa: E402  the test schema
+from baton.config import BatonConfig
+from baton.engine.core import EngineCore
+from baton.frontend.tokenizer import load_tokenizer
+from baton.protocol import EngineCoreRequest
+from baton.sampling_params import SamplingParams, StructuredOutputSpec
+from baton.worker import model_runner
 
-from baton.config import BatonConfig  # noqa: E402
-from baton.engine.core import EngineCore  # noqa: E402
-from baton.frontend.tokenizer import load_tokenizer  # noqa: E402
-from baton.protocol import EngineCoreRequest  # noqa: E402
-from baton.sampling_params import SamplingParams, StructuredOutputSpec  # noqa: E402
-from baton.worker import model_runner  # noqa: E402
+from tests.plugins.xgrammar.test_model import PERSON_SCHEMA
 
 BATCH = 64
 CONSTRAINED = 32

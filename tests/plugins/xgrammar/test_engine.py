@@ -15,7 +15,6 @@ import time
 import jsonschema
 import msgspec
 import pytest
-
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo

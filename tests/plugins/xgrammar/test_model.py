@@ -13,7 +13,6 @@ import re
 
 import jsonschema
 import pytest
-
 from baton import LLM, SamplingParams, StructuredOutputSpec
 from baton.errors import StructuredOutputError
 

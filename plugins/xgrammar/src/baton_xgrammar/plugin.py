@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from baton.hookspecs import hookimpl
+from pydantic import BaseModel, ConfigDict, Field
 
 BATON_PLUGIN_API = 1
 
@@ -35,7 +34,8 @@ class XGrammarSettings(BaseModel):
 
 def create_backend(config: Any, settings: XGrammarSettings | None, tokenizer: Any, vocab_size: int) -> Any:
     """The registered factory: ``factory(config, settings, tokenizer, vocab_size)``."""
-    from baton_xgrammar.backend import XGrammarBackend  # xgrammar loads only when a request needs it
+    # imported here: xgrammar (and torch) load only when a request needs them
+    from baton_xgrammar.backend import XGrammarBackend
 
     return XGrammarBackend(tokenizer, vocab_size, settings or XGrammarSettings())
 
