@@ -101,6 +101,11 @@ class Channel:
         sock.setsockopt(
             zmq.SNDTIMEO, int(self._settings.send_timeout * 1000) if self._settings.hwm else -1
         )
+        if (
+            self._settings.socket_buffer
+        ):  # fewer, larger kernel transfers; capped by net.core.*mem_max
+            sock.setsockopt(zmq.SNDBUF, self._settings.socket_buffer)
+            sock.setsockopt(zmq.RCVBUF, self._settings.socket_buffer)
         self._sockets.append(sock)
         return sock
 

@@ -31,6 +31,9 @@ class ZmqSettings(BaseModel):
     """Seconds a client send waits for an engine that has not connected yet."""
     linger: float = Field(0.5, ge=0)
     """Seconds close() keeps trying to deliver queued messages (e.g. a final ENGINE_CORE_DEAD)."""
+    socket_buffer: int = Field(1 << 20, ge=0)
+    """Kernel send/receive buffer per socket, bytes (the OS caps it at net.core.wmem_max / rmem_max);
+    larger means fewer hand-offs for big tensors. 0 keeps the OS default."""
     copy_threshold: int = Field(65536, ge=0)
     """Frames at least this large are sent and received without a copy; smaller ones are copied (faster)."""
 
