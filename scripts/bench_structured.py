@@ -64,12 +64,14 @@ class Side:
 
     def __init__(self, name: str, model: str) -> None:
         self.name = name
-        config = BatonConfig.load(model=model, max_num_seqs=BATCH, enable_prefix_caching=False,
-                                  kv_cache_memory="1GiB")
+        config = BatonConfig.load(
+            model=model, max_num_seqs=BATCH, enable_prefix_caching=False, kv_cache_memory="1GiB"
+        )
         self.core = EngineCore(config)
         tok = load_tokenizer(config, self.core.info)
-        text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                       tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
+        )
         self.prompt = tok.encode(text, add_special_tokens=False)
         self.eos = self.core.info.eos_token_ids[0]
         so = self.core.structured_output
@@ -83,10 +85,20 @@ class Side:
         self.samples: list[float] = []
         self.applies: list[float] = []
         for i in range(BATCH):
-            so = spec if constrained and i % 2 == 0 else None  # constrained rows interleaved with free ones
-            params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=so)
-            self.core.add_request(EngineCoreRequest(request_id=f"{tag}-{i}", prompt_token_ids=self.prompt,
-                                                    sampling_params=params, eos_token_id=self.eos))
+            so = (
+                spec if constrained and i % 2 == 0 else None
+            )  # constrained rows interleaved with free ones
+            params = SamplingParams(
+                temperature=1.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=so
+            )
+            self.core.add_request(
+                EngineCoreRequest(
+                    request_id=f"{tag}-{i}",
+                    prompt_token_ids=self.prompt,
+                    sampling_params=params,
+                    eos_token_id=self.eos,
+                )
+            )
 
     def step(self, apply: Timed) -> bool:
         """One engine step; records it when all BATCH requests decoded. False when the run is over."""
@@ -131,24 +143,32 @@ def bench_steps(model: str, runs: int, steps: int) -> dict[str, Any]:
         res = {
             "unconstrained_step_ms": 1e3 * statistics.median(free.steps[:m]),
             "constrained_step_ms": 1e3 * statistics.median(constrained.steps[:m]),
-            "overhead_pct": 100 * (statistics.median(run_ratios) - 1), "steps": m,
+            "overhead_pct": 100 * (statistics.median(run_ratios) - 1),
+            "steps": m,
             "fill_ms": 1e3 * statistics.median(constrained.fills),
             "sample_tokens_ms": 1e3 * statistics.median(constrained.samples),
             "apply_bitmask_ms": 1e3 * statistics.median(constrained.applies),
         }
         per_run.append(res)
-        print(f"run {r}: step {res['constrained_step_ms']:.1f} (constrained) vs {res['unconstrained_step_ms']:.1f} ms "
-              f"over {m} paired steps, overhead {res['overhead_pct']:+.1f}%; fill {res['fill_ms']:.2f} ms, "
-              f"sample_tokens {res['sample_tokens_ms']:.2f} ms (bitmask applied in {res['apply_bitmask_ms']:.2f} ms)",
-              file=sys.stderr)
+        print(
+            f"run {r}: step {res['constrained_step_ms']:.1f} (constrained) vs {res['unconstrained_step_ms']:.1f} ms "
+            f"over {m} paired steps, overhead {res['overhead_pct']:+.1f}%; fill {res['fill_ms']:.2f} ms, "
+            f"sample_tokens {res['sample_tokens_ms']:.2f} ms (bitmask applied in {res['apply_bitmask_ms']:.2f} ms)",
+            file=sys.stderr,
+        )
     free.core.shutdown()
     constrained.core.shutdown()
     model_runner.apply_bitmask = apply.fn  # type: ignore[attr-defined]
     q = statistics.quantiles(ratios, n=4)
     return {
-        "batch": BATCH, "constrained_requests": CONSTRAINED, "runs": runs, "steps_per_run": steps,
+        "batch": BATCH,
+        "constrained_requests": CONSTRAINED,
+        "runs": runs,
+        "steps_per_run": steps,
         "runs_detail": per_run,
-        "unconstrained_step_ms_median": statistics.median(r["unconstrained_step_ms"] for r in per_run),
+        "unconstrained_step_ms_median": statistics.median(
+            r["unconstrained_step_ms"] for r in per_run
+        ),
         "constrained_step_ms_median": statistics.median(r["constrained_step_ms"] for r in per_run),
         "overhead_pct_median": 100 * (statistics.median(ratios) - 1),
         "overhead_pct_iqr": [100 * (q[0] - 1), 100 * (q[2] - 1)],
@@ -181,9 +201,14 @@ def bench_compile(model: str, repeats: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         backend.compile(spec)
         warm.append(time.perf_counter() - t0)
-    return {"backend_build_ms": 1e3 * build, "compile_cold_ms_median": 1e3 * statistics.median(cold),
-            "compile_cold_ms_min": 1e3 * min(cold), "compile_cold_ms_max": 1e3 * max(cold),
-            "compile_cached_ms_median": 1e3 * statistics.median(warm), "repeats": repeats}
+    return {
+        "backend_build_ms": 1e3 * build,
+        "compile_cold_ms_median": 1e3 * statistics.median(cold),
+        "compile_cold_ms_min": 1e3 * min(cold),
+        "compile_cold_ms_max": 1e3 * max(cold),
+        "compile_cached_ms_median": 1e3 * statistics.median(warm),
+        "repeats": repeats,
+    }
 
 
 def main() -> int:
@@ -194,21 +219,27 @@ def main() -> int:
     p.add_argument("--compile-repeats", type=int, default=20)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    result = {"compile": bench_compile(args.model, args.compile_repeats),
-              "step": bench_steps(args.model, args.runs, args.steps)}
+    result = {
+        "compile": bench_compile(args.model, args.compile_repeats),
+        "step": bench_steps(args.model, args.runs, args.steps),
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         c, s = result["compile"], result["step"]
-        print(f"xgrammar backend build: {c['backend_build_ms']:.0f} ms; test schema compile: cold median "
-              f"{c['compile_cold_ms_median']:.1f} ms (min {c['compile_cold_ms_min']:.1f}, max "
-              f"{c['compile_cold_ms_max']:.1f}), cached {c['compile_cached_ms_median']:.3f} ms")
-        print(f"step, {s['batch']} requests decoding, {s['constrained_requests']} of them constrained vs none: "
-              f"{s['constrained_step_ms_median']:.1f} vs {s['unconstrained_step_ms_median']:.1f} ms; overhead "
-              f"(median of paired-step ratios) {s['overhead_pct_median']:+.1f}%, IQR "
-              f"[{s['overhead_pct_iqr'][0]:+.1f}%, {s['overhead_pct_iqr'][1]:+.1f}%], per run {s['overhead_pct_runs']}; "
-              f"bitmask fill {s['fill_ms_median']:.2f} ms (overlaps the forward), sample_tokens "
-              f"{s['sample_tokens_ms_median']:.2f} ms, of which applying the bitmask {s['apply_bitmask_ms_median']:.2f} ms")
+        print(
+            f"xgrammar backend build: {c['backend_build_ms']:.0f} ms; test schema compile: cold median "
+            f"{c['compile_cold_ms_median']:.1f} ms (min {c['compile_cold_ms_min']:.1f}, max "
+            f"{c['compile_cold_ms_max']:.1f}), cached {c['compile_cached_ms_median']:.3f} ms"
+        )
+        print(
+            f"step, {s['batch']} requests decoding, {s['constrained_requests']} of them constrained vs none: "
+            f"{s['constrained_step_ms_median']:.1f} vs {s['unconstrained_step_ms_median']:.1f} ms; overhead "
+            f"(median of paired-step ratios) {s['overhead_pct_median']:+.1f}%, IQR "
+            f"[{s['overhead_pct_iqr'][0]:+.1f}%, {s['overhead_pct_iqr'][1]:+.1f}%], per run {s['overhead_pct_runs']}; "
+            f"bitmask fill {s['fill_ms_median']:.2f} ms (overlaps the forward), sample_tokens "
+            f"{s['sample_tokens_ms_median']:.2f} ms, of which applying the bitmask {s['apply_bitmask_ms_median']:.2f} ms"
+        )
     return 0
 
 

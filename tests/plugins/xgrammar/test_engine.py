@@ -39,28 +39,51 @@ SCHEMA = {
 
 @pytest.fixture
 def info(default_model_dir) -> ModelInfo:
-    return ModelInfo(path=str(default_model_dir), architecture="Fake", vocab_size=VOCAB, max_model_len=1024,
-                     eos_token_ids=[EOS])
+    return ModelInfo(
+        path=str(default_model_dir),
+        architecture="Fake",
+        vocab_size=VOCAB,
+        max_model_len=1024,
+        eos_token_ids=[EOS],
+    )
 
 
-def make_core(info: ModelInfo, max_concurrent_batches: int = 1, num_blocks: int = 1024, **overrides) -> EngineCore:
-    overrides.setdefault("structured_output", {"backend": "xgrammar", "xgrammar": {"max_whitespace_cnt": 2}})
+def make_core(
+    info: ModelInfo, max_concurrent_batches: int = 1, num_blocks: int = 1024, **overrides
+) -> EngineCore:
+    overrides.setdefault(
+        "structured_output", {"backend": "xgrammar", "xgrammar": {"max_whitespace_cnt": 2}}
+    )
     config = BatonConfig.load(max_model_len=1024, **overrides)
-    fake = FakeExecutor(block_size=config.cache.block_size, vocab_size=VOCAB, eos_token_id=EOS, num_blocks=num_blocks,
-                        max_concurrent_batches=max_concurrent_batches,
-                        latency_s=0.001 if max_concurrent_batches > 1 else 0.0)
+    fake = FakeExecutor(
+        block_size=config.cache.block_size,
+        vocab_size=VOCAB,
+        eos_token_id=EOS,
+        num_blocks=num_blocks,
+        max_concurrent_batches=max_concurrent_batches,
+        latency_s=0.001 if max_concurrent_batches > 1 else 0.0,
+    )
     return EngineCore(config, executor=fake, info=info)
 
 
-def req(rid: str, spec: StructuredOutputSpec | None = None, n_prompt: int = 12, max_tokens: int = 40) -> EngineCoreRequest:
+def req(
+    rid: str, spec: StructuredOutputSpec | None = None, n_prompt: int = 12, max_tokens: int = 40
+) -> EngineCoreRequest:
     return EngineCoreRequest(
-        request_id=rid, prompt_token_ids=[(97 * i + 13 * len(rid) + ord(rid[-1])) % 40000 + 100 for i in range(n_prompt)],
-        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec),
+        request_id=rid,
+        prompt_token_ids=[
+            (97 * i + 13 * len(rid) + ord(rid[-1])) % 40000 + 100 for i in range(n_prompt)
+        ],
+        sampling_params=SamplingParams(
+            temperature=0, max_tokens=max_tokens, structured_outputs=spec
+        ),
         eos_token_id=EOS,
     )
 
 
-def run(core: EngineCore, timeout: float = 60.0) -> dict[str, tuple[list[int], FinishReason, str | None]]:
+def run(
+    core: EngineCore, timeout: float = 60.0
+) -> dict[str, tuple[list[int], FinishReason, str | None]]:
     tokens: dict[str, list[int]] = {}
     done: dict[str, tuple[list[int], FinishReason, str | None]] = {}
     deadline = time.monotonic() + timeout
@@ -94,7 +117,12 @@ def test_constrained_outputs_match_their_specs(info, tokenizer, batch_queue):
     done = run(core)
     assert len(done) == 12
     for rid, (ids, reason, error) in done.items():
-        assert reason == FinishReason.STOP and error is None, (rid, reason, error, text_of(tokenizer, ids))
+        assert reason == FinishReason.STOP and error is None, (
+            rid,
+            reason,
+            error,
+            text_of(tokenizer, ids),
+        )
         assert ids[-1] == EOS
         text = text_of(tokenizer, ids)
         if rid.startswith("regex"):
@@ -169,9 +197,13 @@ def test_preemption_and_recompute_keep_the_grammar_in_step(info, tokenizer):
     small = msgspec.structs.replace(info, max_model_len=128)
 
     def go(num_blocks: int) -> tuple[dict, int]:
-        core = make_core(small, num_blocks=num_blocks, max_num_seqs=8, observability={"log_stats": False})
+        core = make_core(
+            small, num_blocks=num_blocks, max_num_seqs=8, observability={"log_stats": False}
+        )
         for i in range(8):
-            core.add_request(req(f"r{i}", StructuredOutputSpec(json=SCHEMA), n_prompt=6 + i, max_tokens=100))
+            core.add_request(
+                req(f"r{i}", StructuredOutputSpec(json=SCHEMA), n_prompt=6 + i, max_tokens=100)
+            )
         out = run(core)
         return out, core.scheduler.make_stats().num_preemptions
 
@@ -194,8 +226,13 @@ def test_abort_while_the_grammar_compiles(info):
 
 
 def test_a_backend_that_cannot_start_fails_each_request_clearly(info):
-    broken = ModelInfo(path="/nonexistent/model", architecture="Fake", vocab_size=VOCAB, max_model_len=1024,
-                       eos_token_ids=[EOS])
+    broken = ModelInfo(
+        path="/nonexistent/model",
+        architecture="Fake",
+        vocab_size=VOCAB,
+        max_model_len=1024,
+        eos_token_ids=[EOS],
+    )
     core = make_core(broken)
     core.add_request(req("x", StructuredOutputSpec(regex=REGEX)))
     core.add_request(req("y", StructuredOutputSpec(choice=CHOICES)))

@@ -92,7 +92,9 @@ class StructuredOutputManager:
 
         assert self.backend_name is not None
         entry = self.registry.get("structured_output", self.backend_name)
-        settings = self.config.plugin_settings("structured_output", entry.name, entry.settings_model)
+        settings = self.config.plugin_settings(
+            "structured_output", entry.name, entry.settings_model
+        )
         tokenizer = load_tokenizer(self.config, self.info)
         log.info("structured output: backend %r, vocabulary %d", entry.name, self.info.vocab_size)
         # the model's vocabulary size (the logits' width), which may exceed the tokenizer's
@@ -135,10 +137,16 @@ class StructuredOutputManager:
             request.grammar = self.backend.matcher(future.result())
         except Exception as e:  # reported on this request only; the engine serves the others
             message = str(e) if isinstance(e, StructuredOutputError) else f"{type(e).__name__}: {e}"
-            log.warning("request %s: structured-output spec failed to compile: %s", request.request_id, message)
+            log.warning(
+                "request %s: structured-output spec failed to compile: %s",
+                request.request_id,
+                message,
+            )
             with self._lock:
                 self._failed.append((request, f"StructuredOutputError: {message}"))
-                if self._compiled.get(key) is future:  # not cached: the same spec compiles afresh next time
+                if (
+                    self._compiled.get(key) is future
+                ):  # not cached: the same spec compiles afresh next time
                     del self._compiled[key]
 
     def take_failed(self) -> list[tuple[Request, str]]:
@@ -151,7 +159,9 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ each step
 
-    def grammar_bitmask(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+    def grammar_bitmask(
+        self, scheduler: Scheduler, scheduler_output: SchedulerOutput
+    ) -> GrammarOutput | None:
         """Fill the bitmask rows of this step's constrained requests (runs while the forward does)."""
         req_ids = scheduler_output.structured_output_req_ids
         if not req_ids:

@@ -68,7 +68,9 @@ class XGrammarBackend:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         threads = settings.max_threads or min(8, os.cpu_count() or 1)
         self.compiler = xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=threads, cache_enabled=True,
+            self.tokenizer_info,
+            max_threads=threads,
+            cache_enabled=True,
             cache_limit_bytes=settings.cache_limit_bytes,
         )
 
@@ -86,13 +88,19 @@ class XGrammarBackend:
             if kind == "grammar":
                 return self.compiler.compile_grammar(spec.grammar)  # type: ignore[arg-type]
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports bad input as these
-            raise StructuredOutputError(f"xgrammar cannot compile the {kind} spec: {_clean(e)}") from e
-        raise StructuredOutputError(f"the xgrammar backend does not support structured-output kind {kind!r}")
+            raise StructuredOutputError(
+                f"xgrammar cannot compile the {kind} spec: {_clean(e)}"
+            ) from e
+        raise StructuredOutputError(
+            f"the xgrammar backend does not support structured-output kind {kind!r}"
+        )
 
     def _compile_json(self, schema: str) -> xgr.CompiledGrammar:
         s = self.settings
         return self.compiler.compile_json_schema(
-            schema, any_whitespace=s.any_whitespace, max_whitespace_cnt=s.max_whitespace_cnt,
+            schema,
+            any_whitespace=s.any_whitespace,
+            max_whitespace_cnt=s.max_whitespace_cnt,
             strict_mode=s.strict_mode,
         )
 

@@ -32,7 +32,9 @@ class XGrammarSettings(BaseModel):
     """Memory for xgrammar's compiled-grammar cache; -1: unlimited."""
 
 
-def create_backend(config: Any, settings: XGrammarSettings | None, tokenizer: Any, vocab_size: int) -> Any:
+def create_backend(
+    config: Any, settings: XGrammarSettings | None, tokenizer: Any, vocab_size: int
+) -> Any:
     """The registered factory: ``factory(config, settings, tokenizer, vocab_size)``."""
     # imported here: xgrammar (and torch) load only when a request needs them
     from baton_xgrammar.backend import XGrammarBackend

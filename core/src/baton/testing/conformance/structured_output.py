@@ -43,14 +43,22 @@ NESTED_SCHEMA: dict[str, Any] = {
         "age": {"type": "integer", "minimum": 0},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
         },
         "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}},
     },
     "required": ["name", "age", "address", "tags"],
 }
-VALID_DOC = {"name": "Ada", "age": 36, "address": {"city": "London", "zip": "01234"}, "tags": ["b", "a"]}
+VALID_DOC = {
+    "name": "Ada",
+    "age": 36,
+    "address": {"city": "London", "zip": "01234"},
+    "tags": ["b", "a"],
+}
 CHOICES = ["yes", "no", "maybe so"]
 #: Finite languages, so random walks over the allowed tokens end.
 FINITE_REGEXES = [r"(cat|dog)s? [0-9]{2}", r"[A-C]{1,3}-(x|yz)"]
@@ -113,7 +121,9 @@ class StructuredOutputConformance:
     @pytest.fixture(scope="class")
     def texts(self, tokenizer: Any) -> list[str]:
         """The text of every token of the tokenizer, alone."""
-        return tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+        return tokenizer.batch_decode(
+            [[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False
+        )
 
     @pytest.fixture(scope="class")
     def eos(self, tokenizer: Any) -> int:
@@ -159,7 +169,9 @@ class StructuredOutputConformance:
         ],
         ids=["regex", "grammar-undefined-rule", "grammar-syntax", "json-schema"],
     )
-    def test_invalid_spec_raises_structured_output_error(self, backend: Any, spec: StructuredOutputSpec) -> None:
+    def test_invalid_spec_raises_structured_output_error(
+        self, backend: Any, spec: StructuredOutputSpec
+    ) -> None:
         with pytest.raises(StructuredOutputError) as info:
             backend.compile(spec)
         assert str(info.value), "the error must say what is wrong"
@@ -190,11 +202,15 @@ class StructuredOutputConformance:
 
     # ------------------------------------------------------------------ the bitmask
 
-    def test_bitmask_shape_follows_the_model_vocabulary(self, backend: Any, vocab_size: int) -> None:
+    def test_bitmask_shape_follows_the_model_vocabulary(
+        self, backend: Any, vocab_size: int
+    ) -> None:
         bitmask = backend.allocate_bitmask(5)
         assert isinstance(bitmask, torch.Tensor) and bitmask.dtype == torch.int32
         assert tuple(bitmask.shape) == (5, -(-vocab_size // 32))
-        assert allowed_ids(bitmask, 4, vocab_size) == set(range(vocab_size)), "a fresh bitmask allows everything"
+        assert allowed_ids(bitmask, 4, vocab_size) == set(range(vocab_size)), (
+            "a fresh bitmask allows everything"
+        )
 
     def test_fill_writes_its_row_only(self, backend: Any, vocab_size: int) -> None:
         bitmask = backend.allocate_bitmask(3)
@@ -203,7 +219,9 @@ class StructuredOutputConformance:
         assert torch.equal(bitmask[0], before[0]) and torch.equal(bitmask[2], before[2])
         assert not torch.equal(bitmask[1], before[1])
 
-    def test_choice_bitmask_is_exact(self, backend: Any, tokenizer: Any, texts: list[str], vocab_size: int, eos: int) -> None:
+    def test_choice_bitmask_is_exact(
+        self, backend: Any, tokenizer: Any, texts: list[str], vocab_size: int, eos: int
+    ) -> None:
         m = self.fresh(backend, StructuredOutputSpec(choice=CHOICES))
 
         def prefix(s: str) -> bool:
@@ -215,7 +233,9 @@ class StructuredOutputConformance:
         assert m.accept_tokens(self.encode(tokenizer, "ybe so"))
         assert self.allowed(backend, m, vocab_size) == {eos}, "a complete output allows only EOS"
 
-    def test_regex_bitmask_is_exact(self, backend: Any, tokenizer: Any, texts: list[str], vocab_size: int, eos: int) -> None:
+    def test_regex_bitmask_is_exact(
+        self, backend: Any, tokenizer: Any, texts: list[str], vocab_size: int, eos: int
+    ) -> None:
         m = self.fresh(backend, StructuredOutputSpec(regex="[0-9]{2,3}"))
 
         def prefix(s: str) -> bool:
@@ -231,18 +251,26 @@ class StructuredOutputConformance:
     ) -> None:
         padding = set(range(len(tokenizer), vocab_size))
         for spec in spec_of_every_kind().values():
-            assert not self.allowed(backend, self.fresh(backend, spec), vocab_size) & padding, spec.kind
+            assert not self.allowed(backend, self.fresh(backend, spec), vocab_size) & padding, (
+                spec.kind
+            )
 
     # ------------------------------------------------------------------ matching
 
-    def test_json_schema_accepts_a_valid_document_then_eos(self, backend: Any, tokenizer: Any, eos: int) -> None:
+    def test_json_schema_accepts_a_valid_document_then_eos(
+        self, backend: Any, tokenizer: Any, eos: int
+    ) -> None:
         m = self.fresh(backend, spec_of_every_kind()["json"])
         assert m.accept_tokens(self.encode(tokenizer, json.dumps(VALID_DOC)))
         assert not m.is_terminated(), "terminated only once EOS is accepted"
         assert m.accept_tokens([eos]) and m.is_terminated()
-        assert not m.accept_tokens(self.encode(tokenizer, " ")), "nothing is accepted after termination"
+        assert not m.accept_tokens(self.encode(tokenizer, " ")), (
+            "nothing is accepted after termination"
+        )
 
-    def test_rejection_leaves_the_matcher_unchanged(self, backend: Any, tokenizer: Any, vocab_size: int) -> None:
+    def test_rejection_leaves_the_matcher_unchanged(
+        self, backend: Any, tokenizer: Any, vocab_size: int
+    ) -> None:
         m = self.fresh(backend, spec_of_every_kind()["json"])
         assert m.accept_tokens(self.encode(tokenizer, '{"name": "Ada", '))
         before = self.allowed(backend, m, vocab_size)
@@ -251,20 +279,26 @@ class StructuredOutputConformance:
         assert self.allowed(backend, m, vocab_size) == before
         assert m.accept_tokens(self.encode(tokenizer, '"age": 30'))
 
-    def test_out_of_vocabulary_and_eos_too_early_are_rejected(self, backend: Any, vocab_size: int, eos: int) -> None:
+    def test_out_of_vocabulary_and_eos_too_early_are_rejected(
+        self, backend: Any, vocab_size: int, eos: int
+    ) -> None:
         m = self.fresh(backend, StructuredOutputSpec(choice=CHOICES))
         assert not m.accept_tokens([vocab_size - 1])
         assert not m.accept_tokens([eos]), "EOS before the output is complete"
         assert not m.is_terminated()
 
-    def test_matchers_of_one_grammar_are_independent(self, backend: Any, tokenizer: Any, vocab_size: int) -> None:
+    def test_matchers_of_one_grammar_are_independent(
+        self, backend: Any, tokenizer: Any, vocab_size: int
+    ) -> None:
         compiled = backend.compile(StructuredOutputSpec(choice=CHOICES))
         a, b = backend.matcher(compiled), backend.matcher(compiled)
         start = self.allowed(backend, b, vocab_size)
         assert a.accept_tokens(self.encode(tokenizer, "no"))
         assert self.allowed(backend, b, vocab_size) == start
 
-    def test_rollback_restores_earlier_states(self, backend: Any, tokenizer: Any, vocab_size: int, eos: int) -> None:
+    def test_rollback_restores_earlier_states(
+        self, backend: Any, tokenizer: Any, vocab_size: int, eos: int
+    ) -> None:
         m = self.fresh(backend, spec_of_every_kind()["json"])
         tokens = self.encode(tokenizer, json.dumps(VALID_DOC))
         k = len(tokens) // 2
@@ -288,7 +322,12 @@ class StructuredOutputConformance:
         if kind == "regex":
             specs = [(StructuredOutputSpec(regex=r), re.compile(r)) for r in FINITE_REGEXES]
         elif kind == "choice":
-            specs = [(StructuredOutputSpec(choice=CHOICES), re.compile("|".join(map(re.escape, CHOICES))))]
+            specs = [
+                (
+                    StructuredOutputSpec(choice=CHOICES),
+                    re.compile("|".join(map(re.escape, CHOICES))),
+                )
+            ]
         else:
             specs = [(StructuredOutputSpec(grammar=EBNF), re.compile(r"\([0-9][0-9]?\)|none"))]
         rng = random.Random(1234)
@@ -303,11 +342,17 @@ class StructuredOutputConformance:
                     allowed = sorted(allowed_ids(bitmask, 0, vocab_size))
                     assert allowed, f"{spec.kind}: no token allowed after {tokenizer.decode(out)!r}"
                     tok = rng.choice(allowed)
-                    assert m.accept_tokens([tok]), f"allowed token {tok} rejected after {tokenizer.decode(out)!r}"
+                    assert m.accept_tokens([tok]), (
+                        f"allowed token {tok} rejected after {tokenizer.decode(out)!r}"
+                    )
                     if m.is_terminated():
                         assert tok == eos
                         break
                     out.append(tok)
-                assert m.is_terminated(), f"{spec.kind}: walk did not end: {tokenizer.decode(out)!r}"
+                assert m.is_terminated(), (
+                    f"{spec.kind}: walk did not end: {tokenizer.decode(out)!r}"
+                )
                 text = tokenizer.decode(out)
-                assert pattern.fullmatch(text), f"{spec.kind}: {text!r} does not match {pattern.pattern!r}"
+                assert pattern.fullmatch(text), (
+                    f"{spec.kind}: {text!r} does not match {pattern.pattern!r}"
+                )
