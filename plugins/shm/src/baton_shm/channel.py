@@ -78,6 +78,10 @@ class Channel:
 
     # ------------------------------------------------------------------ recv
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self._what} channel is closed")
+
     def recv(self, timeout: float | None = None) -> list[Frame] | None:
         with self._recv_lock:
             if self._closed:

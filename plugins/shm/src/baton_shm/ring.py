@@ -168,7 +168,7 @@ class RingWriter(_Ring):
         off = (tail % self.slot_count) * self.slot_size
         header.pack_into(data, off, total, n, *sizes)
         p = off + header.size
-        for frame, size in zip(frames, sizes, strict=True):
+        for frame, size in zip(frames, sizes):  # noqa: B905 (same length; a keyword costs 0.4 us here)
             if type(frame) is memoryview and (frame.ndim != 1 or frame.format != "B"):
                 frame = _byte_view(frame)
             data[p : p + size] = frame

@@ -95,9 +95,9 @@ class ShmClientChannel(Channel):
                 f"engine_index {engine_index} out of range (num_engines={self.num_engines})"
             )
         with self._send_lock:
-            if self._closed:
-                raise TransportError("shm client channel is closed")
-            self._check_peer(engine_index)
+            if self._closed or self._gone or self._segments[engine_index].header[ENGINE_CLOSED]:
+                self._check_open()
+                self._check_peer(engine_index)
             self._writers[engine_index].write(frames)
 
     def _take_round_robin(self) -> list[Frame] | None:
@@ -181,9 +181,9 @@ class ShmEngineChannel(Channel):
 
     def send(self, frames: Sequence[Frame]) -> None:
         with self._send_lock:
-            if self._closed:
-                raise TransportError(f"{self._what} channel is closed")
-            self._check_peer(0)
+            if self._closed or self._gone or self._seg.header[FRONTEND_CLOSED]:
+                self._check_open()
+                self._check_peer(0)
             self._writer.write(frames)
 
     def _watch_peers(self, sleeper: Sleeper) -> None:
