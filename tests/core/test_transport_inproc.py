@@ -32,3 +32,16 @@ def test_frames_pass_by_reference():
     finally:
         engine.close()
         client.close()
+
+
+def test_a_dropped_client_leaves_no_table_entry():
+    import gc
+
+    from baton.transport import inproc
+
+    client = InprocTransport().create_client(1)
+    address = client.address
+    assert address in inproc._links
+    del client
+    gc.collect()
+    assert address not in inproc._links

@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,11 @@ _links_lock = threading.Lock()
 _counter = itertools.count()
 
 
+def _forget(address: str) -> None:
+    with _links_lock:
+        _links.pop(address, None)
+
+
 def _check_frames(frames: Sequence[Frame]) -> list[Frame]:
     if not frames:
         raise TransportError("cannot send an empty message: a message needs at least one frame")
@@ -72,6 +78,8 @@ class InprocClientChannel:
         self._closed = False
         with _links_lock:
             _links[self.address] = self._link
+        # a client dropped without close() must not keep its queues in the table
+        weakref.finalize(self, _forget, self.address)
 
     def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
         if self._closed:
@@ -132,8 +140,7 @@ class InprocClientChannel:
         self._link.client_closed = True
         for q in (*self._link.inputs, self._link.outputs):  # wakes every blocked recv, ours too
             q.put(_CLIENT_CLOSED)
-        with _links_lock:
-            _links.pop(self.address, None)
+        _forget(self.address)
 
 
 class InprocEngineChannel:
