@@ -118,15 +118,18 @@ class EngineCoreProc:
         core = self.core
         try:
             self.output_queue.put(self._ready_frames())
+            was_busy = False
             while True:
                 if self.shutdown_requested.is_set() and self._shutdown_step():
                     return
                 self._drain_input(block=not core.has_work())
                 outputs, _ = core.step_fn()
-                if outputs is not None and (outputs.outputs or outputs.utility_output):
+                busy = core.has_work()
+                if outputs is not None and (outputs.outputs or outputs.utility_output or busy or was_busy):
+                    # stats while busy, and once more on going idle (e.g. after an abort), so
+                    # the frontend's gauges (running, KV usage) do not stay at their last busy value
                     self.output_queue.put(outputs)
-                elif outputs is not None and core.has_work():
-                    self.output_queue.put(outputs)  # stats while busy
+                was_busy = busy
         except BaseException as e:
             self.fatal = e
             self._send_dead(e)

@@ -12,7 +12,12 @@ from typing import Any
 
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
-from baton.errors import EngineDeadError, error_from_message
+from baton.errors import (
+    EngineDeadError,
+    EngineShuttingDownError,
+    InvalidRequestError,
+    error_from_message,
+)
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.stat_loggers import StatLoggers
@@ -30,6 +35,8 @@ class AsyncLLM:
 
     Build it with ``await AsyncLLM.create(model=..., config=..., **overrides)``
     (the engine starts off the event loop). ``generate`` is an async iterator.
+    The output handler runs from the start, so a dead engine is noticed (``errored``,
+    ``wait_until_dead``) even while no request is in flight.
     """
 
     def __init__(self, config: BatonConfig, engine: EngineCoreClient, tokenizer: Any) -> None:
@@ -44,6 +51,7 @@ class AsyncLLM:
         self._handler: asyncio.Task[None] | None = None
         self._logger_task: asyncio.Task[None] | None = None
         self.dead_error: BaseException | None = None
+        self._dead = asyncio.Event()
 
     @classmethod
     async def create(
@@ -58,7 +66,9 @@ class AsyncLLM:
             return make_client(cfg, asyncio_mode=True, loop=loop, info=info), tokenizer
 
         engine, tokenizer = await loop.run_in_executor(None, start)
-        return cls(cfg, engine, tokenizer)
+        llm = cls(cfg, engine, tokenizer)
+        llm._ensure_handler()
+        return llm
 
     # ------------------------------------------------------------------ requests
 
@@ -88,6 +98,9 @@ class AsyncLLM:
         text, ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
+        if self.output_processor.is_live(rid):
+            # a second request under a live id would take over the first one's outputs
+            raise InvalidRequestError(f"request id {rid!r} is already in flight; request ids must be unique")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._ensure_handler()
         arrival = time.monotonic()
@@ -110,13 +123,20 @@ class AsyncLLM:
                     return
         finally:
             # finished requests are already gone from the processor: this only aborts live ones
-            engine_ids = self.output_processor.abort_requests([rid])
-            if engine_ids and self.dead_error is None:
-                await self.engine.abort_requests_async(engine_ids)
+            await self._abort([rid])
 
     async def abort(self, request_id: str) -> None:
-        engine_ids = self.output_processor.abort_requests([request_id])
-        if engine_ids:
+        """Abort a request (and its n > 1 children); unknown or finished ids are no-ops."""
+        await self._abort([request_id])
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        stats = IterationStats(timestamp=time.monotonic()) if self.stat_loggers.loggers else None
+        engine_ids = self.output_processor.abort_requests(request_ids, stats)
+        if not engine_ids:
+            return
+        if stats is not None:
+            self.stat_loggers.record(None, stats)  # client aborts count as finished with reason "abort"
+        if self.dead_error is None:
             await self.engine.abort_requests_async(engine_ids)
 
     # ------------------------------------------------------------------ output handling
@@ -142,12 +162,21 @@ class AsyncLLM:
             log.exception("the output handler failed")
             self._fail_all(EngineDeadError(f"the output handler failed: {type(e).__name__}: {e}"))
 
-    def _fail_all(self, error: BaseException) -> None:
-        self.dead_error = error
+    def _fail_all(self, error: BaseException, dead: bool = True) -> None:
+        if dead:
+            self.dead_error = error
+            self._dead.set()
         for state in list(self.output_processor.states.values()):
             if state.sink is not None:
                 state.sink(error)  # type: ignore[arg-type]
         self.output_processor.states.clear()
+        self.output_processor.parents.clear()
+
+    async def wait_until_dead(self) -> BaseException:
+        """Return the engine's fatal error once it has died (waits forever on a healthy engine)."""
+        await self._dead.wait()
+        assert self.dead_error is not None
+        return self.dead_error
 
     async def _log_loop(self) -> None:
         while True:
@@ -168,7 +197,10 @@ class AsyncLLM:
         await self.engine.call_utility_async("check_health")
 
     def shutdown(self) -> None:
+        """Stop the engine. Requests still in flight end with EngineShuttingDownError, not a hang."""
         for task in (self._handler, self._logger_task):
             if task is not None:
                 task.cancel()
+        if self.output_processor.states:
+            self._fail_all(EngineShuttingDownError("the AsyncLLM was shut down"), dead=False)
         self.engine.shutdown()

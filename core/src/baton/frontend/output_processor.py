@@ -116,16 +116,31 @@ class OutputProcessor:
     def num_unfinished_requests(self) -> int:
         return len(self.states)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Forget requests (user aborts); returns the engine request ids to abort (children included)."""
+    def abort_requests(
+        self, request_ids: Iterable[str], iteration_stats: IterationStats | None = None
+    ) -> list[str]:
+        """Forget requests (user aborts); returns the engine request ids to abort (children included).
+
+        With ``iteration_stats``, each live request aborted here is counted as a finished
+        request with finish reason ``abort`` (so the stat loggers see client aborts).
+        """
         engine_ids = []
+        now = time.monotonic()
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             ids = [parent.child_id(i) for i in range(len(parent.children))] if parent else [rid]
             for eid in ids:
-                if self.states.pop(eid, None) is not None:
+                state = self.states.pop(eid, None)
+                if state is not None:
                     engine_ids.append(eid)
+                    if iteration_stats is not None:
+                        state.metrics.finished_time = now
+                        iteration_stats.finished_requests.append(self._finished_stats(state, FinishReason.ABORT))
         return engine_ids
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether a user request id (or a child of it) is still being served."""
+        return request_id in self.states or request_id in self.parents
 
     def process_outputs(
         self, outputs: Iterable[EngineCoreOutput], iteration_stats: IterationStats | None = None
@@ -203,7 +218,7 @@ class OutputProcessor:
             m.num_generation_tokens += n_new
             if stats is not None:
                 stats.num_generation_tokens += n_new
-        if out.finish_reason is not None or state.detokenizer is not None and state.detokenizer.stop_reason:
+        if out.finish_reason is not None or (state.detokenizer is not None and state.detokenizer.stop_reason):
             m.finished_time = now
 
     def _finished_stats(self, state: RequestState, reason: FinishReason) -> FinishedRequestStats:

@@ -1,0 +1,79 @@
+"""The FastAPI app: /v1 routes (behind the optional API key), /health, /metrics, /version."""
+
+from __future__ import annotations
+
+import asyncio
+
+from baton import AsyncLLM, __version__
+from baton.config import BatonConfig
+from baton.errors import BatonError
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+
+from baton_openai import __version__ as plugin_version
+from baton_openai.chat import router as chat_router
+from baton_openai.completions import router as completions_router
+from baton_openai.context import ServerContext, check_api_key
+from baton_openai.errors import OpenAIError, install_error_handlers
+from baton_openai.protocol import ModelCard, ModelList
+
+#: /health gives up on a busy or wedged engine after this long (503).
+HEALTH_TIMEOUT_S = 10.0
+
+models_router = APIRouter()
+ops_router = APIRouter()
+
+
+@models_router.get("/v1/models")
+async def list_models(raw: Request) -> ModelList:
+    ctx = ServerContext.of(raw)
+    card = ModelCard(id=ctx.model_name, root=ctx.engine.config.model.name, max_model_len=ctx.max_model_len)
+    return ModelList(data=[card])
+
+
+@ops_router.get("/health")
+async def health(raw: Request) -> Response:
+    engine = ServerContext.of(raw).engine
+    try:
+        await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
+    except (BatonError, TimeoutError) as e:
+        raise OpenAIError(f"unhealthy: {type(e).__name__}: {e}", 503, code="engine_unavailable") from None
+    return Response(status_code=200)
+
+
+@ops_router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__, "baton_plugin_openai": plugin_version}
+
+
+@ops_router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    logger = ServerContext.of(raw).metrics
+    body = generate_latest(logger.registry) if logger is not None else b""
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def find_prometheus_logger(engine: AsyncLLM) -> object | None:
+    from baton_openai.metrics import PrometheusStatLogger
+
+    return next((lg for lg in engine.stat_loggers.loggers if isinstance(lg, PrometheusStatLogger)), None)
+
+
+def build_app(engine: AsyncLLM, config: BatonConfig | None = None) -> FastAPI:
+    """The app around a running AsyncLLM (``config`` defaults to the engine's)."""
+    cfg = config or engine.config
+    app = FastAPI(title="baton", version=__version__, docs_url=None, redoc_url=None)
+    app.state.baton = ServerContext(
+        engine=engine,
+        model_name=cfg.server.served_model_name or cfg.model.name,
+        max_model_len=engine.info.max_model_len,
+        api_key=cfg.server.api_key,
+        metrics=find_prometheus_logger(engine),
+    )
+    install_error_handlers(app)
+    auth = [Depends(check_api_key)]
+    for router in (models_router, chat_router, completions_router):
+        app.include_router(router, dependencies=auth)
+    app.include_router(ops_router)
+    return app

@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: chat template, then one AsyncLLM request with n choices."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from baton.errors import BatonError, InvalidRequestError
+from fastapi import APIRouter, Request, Response
+
+from baton_openai.context import ServerContext
+from baton_openai.errors import OpenAIError
+from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
+from baton_openai.logprobs import chat_logprobs
+from baton_openai.params import BuiltParams, build_params
+from baton_openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+)
+from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
+
+router = APIRouter()
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> what a chat template reads (text parts joined; other parts refused)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIError(
+                        f"messages[{i}].content: only text parts are supported, got {part.get('type')!r}",
+                        param="messages", code="invalid_value",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        msg = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response | ChatCompletionResponse:
+    ctx = ServerContext.of(raw)
+    ctx.check_request(req)
+    if req.tools and req.tool_choice != "none":
+        raise OpenAIError("tool calling is not supported by baton", param="tools", code="unsupported_parameter")
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    try:
+        ids = ctx.engine.render_chat(
+            template_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
+            **(req.chat_template_kwargs or {}),
+        )
+    except InvalidRequestError as e:
+        raise OpenAIError(str(e), param="messages", code="invalid_value") from None
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    built = build_params(
+        req, prompt_len=len(ids), max_model_len=ctx.max_model_len, max_tokens=max_tokens,
+        max_tokens_param=max_param, prompt_param="messages", logprobs=top, logprobs_param="top_logprobs",
+    )
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = merge([ctx.engine.generate({"prompt_token_ids": ids}, built.params, request_id,
+                                        priority=req.priority, user=req.user)])
+    acc = Accumulator([len(ids)], req.n)
+    if not req.stream:
+        done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
+        if done is DISCONNECTED:
+            return Response(status_code=499)
+        return _response(request_id, ctx.model_name, acc, top)
+    first = await cancel_on_disconnect(raw, first_output(stream, built))
+    if first is DISCONNECTED:
+        return Response(status_code=499)
+    return SSEResponse(_chunks(request_id, ctx.model_name, req, stream, first, acc, built, top))
+
+
+def _response(request_id: str, model: str, acc: Accumulator, top: int | None) -> ChatCompletionResponse:
+    choices = []
+    for index in sorted(acc.choices):
+        c = acc.choices[index]
+        logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
+        choices.append(ChatChoice(
+            index=index, message=ChatResponseMessage(content="".join(c.text)), logprobs=logprobs,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        ))
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=acc.usage())
+
+
+async def _chunks(
+    request_id: str, model: str, req: ChatCompletionRequest, stream: AsyncIterator[Item], first: Item | None,
+    acc: Accumulator, built: BuiltParams, top: int | None,
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+
+    def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
+        c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        return sse(c.model_dump_json(exclude_none=True))
+
+    try:
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(req.n)])
+        item = first
+        while item is not None:
+            p, out = item
+            acc.add(p, out, keep=False)
+            choices = [_delta(acc.index(p, c), c, top) for c in out.outputs]
+            choices = [c for c in choices if c is not None]
+            if choices:
+                yield chunk(choices, acc.usage() if continuous else None)
+            item = await anext(stream, None)
+        if include_usage:
+            yield chunk([], acc.usage())
+        yield DONE
+    except BatonError as e:  # e.g. the engine died mid-stream: tell the client, end without [DONE]
+        yield sse(json.dumps(to_openai_error(e, built).body()))
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _delta(index: int, c: Any, top: int | None) -> ChatChunkChoice | None:
+    if not c.text and c.finish_reason is None and not (top is not None and c.logprobs):
+        return None
+    logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None and c.logprobs else None
+    return ChatChunkChoice(
+        index=index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+    )
+

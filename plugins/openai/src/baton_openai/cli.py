@@ -1,0 +1,53 @@
+"""``baton serve``: the flags, the config, the run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from baton.cli.main import add_engine_arguments, engine_overrides
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server (overrides [server] of the config)")
+    g.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="port to bind (default 8000; 0 = a free one)")
+    g.add_argument("--served-model-name", help="the model name clients send (default: model.name)")
+    g.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
+    g.add_argument("--shutdown-timeout", type=float,
+                   help="seconds to drain in-flight requests on SIGTERM (default 30; 0 aborts them)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_arguments(p)
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = engine_overrides(args)
+    for flag, key in (("host", "server.host"), ("port", "server.port"),
+                      ("served_model_name", "server.served_model_name"), ("api_key", "server.api_key"),
+                      ("shutdown_timeout", "server.shutdown_timeout")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[key] = value
+    return overrides
+
+
+def _show_server_logs() -> None:
+    # the CLI's default level is WARNING; a server should still say where it listens and how it is doing
+    level = min(logging.getLogger().getEffectiveLevel(), logging.INFO)
+    for name in ("baton_openai", "baton.stats", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).setLevel(level)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from baton.config import BatonConfig
+
+    from baton_openai.server import OpenAIServer
+
+    config = BatonConfig.load(args.config, **serve_overrides(args))
+    _show_server_logs()
+    if args.access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    server = OpenAIServer(config, access_log=args.access_log)
+    return asyncio.run(server.run())

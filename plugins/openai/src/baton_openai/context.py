@@ -1,0 +1,55 @@
+"""What every handler needs: the engine, the served model's name and limits, the checks they share."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from baton import AsyncLLM
+from fastapi import Request
+
+from baton_openai.errors import OpenAIError
+from baton_openai.protocol import SamplingFields
+
+log = logging.getLogger("baton_openai")
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncLLM
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    #: The prometheus stat logger the engine feeds (None when stats are off).
+    metrics: Any = None
+
+    @classmethod
+    def of(cls, request: Request) -> ServerContext:
+        return request.app.state.baton  # type: ignore[no-any-return]
+
+    def check_request(self, req: SamplingFields) -> None:
+        """The checks before any work: the engine is alive and the model is ours."""
+        if self.engine.errored:
+            raise OpenAIError(f"the engine is dead: {self.engine.dead_error}", 503, code="engine_unavailable")
+        if req.model is not None and req.model != self.model_name:
+            raise OpenAIError(
+                f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                404, param="model", code="model_not_found",
+            )
+        ignored = req.ignored_fields()
+        if ignored:
+            log.warning("ignoring unsupported request fields: %s", ", ".join(ignored))
+
+
+async def check_api_key(request: Request) -> None:
+    """A FastAPI dependency on /v1 routes: ``Authorization: Bearer <server.api_key>`` when one is set."""
+    key = ServerContext.of(request).api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
+                          code="invalid_api_key")

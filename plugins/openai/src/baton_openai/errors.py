@@ -1,0 +1,104 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+Request validation (pydantic) and baton's typed errors both become 400s naming
+the parameter; a dead or stopping engine is a 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+from typing import Any
+
+from baton.errors import (
+    BatonError,
+    EngineDeadError,
+    EngineShuttingDownError,
+    InvalidRequestError,
+    StructuredOutputError,
+)
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+class OpenAIError(Exception):
+    """An error response; raise it anywhere in a handler."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.param, self.code)
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = _TYPES.get(status) or ("server_error" if status >= 500 else HTTPStatus(status).phrase.replace(" ", "_").lower())
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None) -> OpenAIError:
+    """Map a baton error to its response. ``param_names`` renames SamplingParams fields (max_tokens -> ...)."""
+    message = str(e)
+    if isinstance(e, EngineDeadError | EngineShuttingDownError):
+        return OpenAIError(message, 503, code="engine_unavailable")
+    if isinstance(e, StructuredOutputError):
+        return OpenAIError(message, 400, param="response_format", code="invalid_value")
+    if isinstance(e, InvalidRequestError):
+        m = _SAMPLING_FIELD.search(message)
+        param = m.group(1) if m else None
+        if param is not None and param_names:
+            param = param_names.get(param, param)
+        return OpenAIError(message, 400, param=param, code="invalid_value")
+    if isinstance(e, BatonError):
+        return OpenAIError(f"{type(e).__name__}: {message}", 500, code="internal_error")
+    return OpenAIError(f"internal error: {type(e).__name__}: {message}", 500, code="internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    lines, param = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        value = err.get("input")
+        shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
+        lines.append(f"{where}: {err.get('msg')}{shown}")
+    return OpenAIError("; ".join(lines) or "invalid request", 400, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(BatonError)
+    async def _baton(_: Request, exc: BatonError) -> JSONResponse:
+        err = from_baton_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error serving %s", request.url.path)
+        err = from_baton_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)

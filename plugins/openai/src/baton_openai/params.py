@@ -1,0 +1,117 @@
+"""From an OpenAI request to baton's SamplingParams: defaults, context length, structured output.
+
+Everything here raises OpenAIError naming the request parameter (as the client
+spelled it), so the 400 points at what to fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.errors import InvalidRequestError, StructuredOutputError
+from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
+
+from baton_openai.errors import OpenAIError, from_baton_error
+from baton_openai.protocol import SamplingFields
+
+
+@dataclass(frozen=True)
+class BuiltParams:
+    params: SamplingParams
+    #: The request field that carried the structured-output spec (for error messages), if any.
+    structured_param: str | None
+    #: SamplingParams field -> the request's name for it (max_tokens may be max_completion_tokens).
+    param_names: dict[str, str]
+    #: The request field holding the prompt ("messages" or "prompt").
+    prompt_param: str = "prompt"
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise OpenAIError("logit_bias is not supported by baton", param="logit_bias", code="unsupported_parameter")
+
+
+def structured_spec(req: SamplingFields) -> tuple[StructuredOutputSpec | None, str | None]:
+    """The one structured-output spec of a request (response_format or a guided_* field)."""
+    specs: list[tuple[str, dict[str, object]]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        specs.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise OpenAIError(
+                "response_format of type json_schema needs json_schema.schema (a JSON schema object)",
+                param="response_format", code="invalid_value",
+            )
+        specs.append(("response_format", {"json": rf.json_schema.json_schema}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            specs.append((name, {key: value}))
+    if not specs:
+        return None, None
+    if len(specs) > 1:
+        names = ", ".join(n for n, _ in specs)
+        raise OpenAIError(f"set only one structured-output constraint, got {names}", param=specs[1][0],
+                          code="invalid_value")
+    param, fields = specs[0]
+    try:
+        return StructuredOutputSpec(**fields), param  # type: ignore[arg-type]
+    except StructuredOutputError as e:
+        raise OpenAIError(str(e), param=param, code="invalid_value") from None
+
+
+def build_params(
+    req: SamplingFields,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    prompt_param: str,
+    logprobs: int | None,
+    logprobs_param: str = "logprobs",
+) -> BuiltParams:
+    """SamplingParams for one prompt of ``prompt_len`` tokens; output streams as deltas."""
+    check_unsupported(req)
+    if prompt_len >= max_model_len:
+        raise OpenAIError(
+            f"the prompt has {prompt_len} tokens but the model's context is {max_model_len} tokens "
+            "(prompt + output): shorten it",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if max_tokens is not None and max_tokens > room:
+        raise OpenAIError(
+            f"{max_tokens_param}={max_tokens} is too large: the prompt has {prompt_len} tokens and the "
+            f"model's context is {max_model_len}, so at most {room} tokens can be generated",
+            param=max_tokens_param, code="context_length_exceeded",
+        )
+    spec, structured_param = structured_spec(req)
+    names = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
+    try:
+        params = SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            max_tokens=room if max_tokens is None else max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop or None,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=spec,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except InvalidRequestError as e:
+        raise from_baton_error(e, names) from None
+    return BuiltParams(params, structured_param, names, prompt_param)

@@ -1,0 +1,39 @@
+"""Plugin module of baton-plugin-openai: registers command ``serve`` and stat logger ``prometheus``.
+
+Plugins load in every process baton spawns (engine cores too), so this module
+imports nothing heavy: FastAPI, uvicorn and prometheus-client load only when
+the command runs or the stat logger is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton.hookspecs import hookimpl
+
+BATON_PLUGIN_API = 1
+
+
+def serve_command(parser: Any) -> Any:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    from baton_openai.cli import add_serve_arguments, run_serve
+
+    add_serve_arguments(parser)
+    return run_serve
+
+
+def create_prometheus_logger(config: Any, settings: Any = None, engine_index: int = 0) -> Any:
+    """The registered factory: ``factory(config, settings, engine_index)``."""
+    from baton_openai.metrics import PrometheusStatLogger
+
+    return PrometheusStatLogger(config, settings, engine_index)
+
+
+@hookimpl
+def register_commands(register: Any) -> None:
+    register("serve", serve_command)
+
+
+@hookimpl
+def register_stat_loggers(register: Any) -> None:
+    register("prometheus", create_prometheus_logger)

@@ -1,0 +1,101 @@
+"""AsyncLLM behaviours the server relies on: unique live ids, aborts in the stats, death noticed while idle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from baton import AsyncLLM, SamplingParams
+from baton.errors import EngineDeadError, EngineShuttingDownError, InvalidRequestError
+from baton.testing.tiny_model import tiny_model
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(tiny_model("llama"))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+        self.last_running: int | None = None
+
+    def record(self, scheduler_stats, iteration_stats, engine_index=0) -> None:
+        if iteration_stats is not None:
+            self.finished += [f.finish_reason for f in iteration_stats.finished_requests]
+        if scheduler_stats is not None:
+            self.last_running = scheduler_stats.num_running_reqs
+
+    def log(self) -> None:
+        pass
+
+
+async def test_a_live_request_id_cannot_be_reused(model_dir):
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=512)
+    try:
+        first = llm.generate("hello", SamplingParams(max_tokens=30, ignore_eos=True), request_id="same")
+        out = await anext(first)
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            await anext(llm.generate("again", SamplingParams(max_tokens=3), request_id="same"))
+        async for out in first:
+            pass
+        assert out.finished and len(out.outputs[0].token_ids) == 30  # the first one is unharmed
+        async for out in llm.generate("reuse", SamplingParams(max_tokens=2), request_id="same"):
+            pass
+        assert out.finished  # and the id is free again once it finished
+    finally:
+        llm.shutdown()
+
+
+async def test_cancelled_consumer_is_counted_as_abort_and_engine_goes_idle(model_dir):
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=512, transport="zmq")
+    rec = Recorder()
+    llm.stat_loggers.loggers.append(rec)
+    try:
+        async def consume():
+            async for _ in llm.generate("story", LONG):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while rec.last_running != 1:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert rec.finished == ["abort"]
+        for _ in range(500):  # the engine reports once more when it goes idle
+            if rec.last_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert rec.last_running == 0
+        stats = await llm.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.shutdown()
+
+
+async def test_death_is_noticed_while_idle(model_dir):
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=512, transport="zmq")
+    try:
+        os.kill(llm.engine.resources.procs[0].pid, signal.SIGKILL)
+        err = await asyncio.wait_for(llm.wait_until_dead(), 10)
+        assert isinstance(err, EngineDeadError) and llm.errored
+        with pytest.raises(EngineDeadError):
+            await anext(llm.generate("x", SamplingParams(max_tokens=2)))
+    finally:
+        llm.shutdown()
+
+
+async def test_shutdown_ends_waiting_requests(model_dir):
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=512)
+    gen = llm.generate("story", LONG)
+    await anext(gen)
+    llm.shutdown()
+    with pytest.raises(EngineShuttingDownError):
+        async for _ in gen:
+            pass
