@@ -162,3 +162,42 @@ def test_no_resource_tracker_warnings():
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert leftover_files(int(done.stdout)) == []
+
+
+def _address(frame) -> int:
+    return np.frombuffer(frame, np.uint8).__array_interface__["data"][0]
+
+
+def test_big_frame_buffers_are_reused_only_once_released(pair):
+    """A held frame is never overwritten; a dropped one's buffer serves the next message."""
+    client, engine = pair
+    thread = _relay(engine, 3)
+    first = np.random.default_rng(1).bytes(100_000)
+    client.send([first], 0)
+    (held,) = client.recv(timeout=10)
+    client.send([bytes(100_000)], 0)  # same size while `held` is alive
+    (second,) = client.recv(timeout=10)
+    assert bytes(held) == first, "a frame still held was overwritten"
+    assert _address(second) != _address(held)
+    address = _address(held)
+    del held
+    client.send([first[::-1]], 0)
+    (third,) = client.recv(timeout=10)
+    thread.join(10)
+    assert bytes(third) == first[::-1]
+    assert _address(third) == address  # the released buffer came back
+
+
+def test_a_tensor_built_on_a_frame_keeps_its_buffer(pair):
+    import torch
+    from baton.serial import MsgpackDecoder, MsgpackEncoder
+
+    client, engine = pair
+    thread = _relay(engine, 2)
+    x = torch.arange(50_000, dtype=torch.float32)
+    client.send(MsgpackEncoder().encode((x,)), 0)
+    (got,) = MsgpackDecoder().decode(client.recv(timeout=10))  # the frames list is dropped here
+    client.send(MsgpackEncoder().encode((-x,)), 0)
+    (other,) = MsgpackDecoder().decode(client.recv(timeout=10))
+    thread.join(10)
+    assert torch.equal(got, x) and torch.equal(other, -x)

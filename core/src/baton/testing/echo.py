@@ -14,6 +14,7 @@ them with ``emit(...)`` / ``emit_tensors(...)`` or use ``STOP`` / ``DIE``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import signal
@@ -95,16 +96,22 @@ def _run_emit(chan: Any, command: bytes) -> None:
         for _ in range(count):
             chan.send([payload])
     elif command.startswith(_TENSORS):
-        import torch
-
         from baton.serial import MsgpackEncoder
 
-        tensor = torch.arange(size // 4, dtype=torch.float32)
         encoder = MsgpackEncoder()
+        tensor = _tensor(size)
         for _ in range(count):
             chan.send(encoder.encode((tensor,)))
     else:
         raise TransportError(f"echo server: unknown control message {command!r}")
+
+
+@functools.cache
+def _tensor(nbytes: int) -> Any:
+    """One tensor per size, made once: a benchmark then times the transport, not torch.arange."""
+    import torch
+
+    return torch.arange(nbytes // 4, dtype=torch.float32)
 
 
 def _child_main(

@@ -34,10 +34,13 @@ import platform
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from baton.errors import TransportError
 from baton.interfaces import Frame
+
+from baton_shm.pool import BufferPool
 
 # int64 indices into a ring's control block: one cache line (8 int64) each
 TAIL, WRITER_WAITING, HEAD, READER_WAITING = 0, 8, 16, 24
@@ -47,7 +50,7 @@ _HEADER = struct.Struct("<QI4x")
 _LENGTHS: dict[int, struct.Struct] = {}
 _MESSAGE_HEADERS: dict[int, struct.Struct] = {}
 _EMPTY = np.empty(0, np.uint8)
-#: Frames this large come back as a memoryview over a fresh numpy buffer (no zeroing); smaller as bytes.
+#: Frames this large come back as a memoryview over a pooled numpy buffer; smaller ones as bytes.
 _BIG_FRAME = 65536
 #: A long message moves in steps of at most this many bytes, so writer and reader overlap.
 _STEP_BYTES = 1 << 20
@@ -225,6 +228,10 @@ class RingWriter(_Ring):
 class RingReader(_Ring):
     """The reading end."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool = BufferPool()
+
     def available(self) -> int:
         self._tail = self.ctl[TAIL]
         if not _TSO:
@@ -268,7 +275,8 @@ class RingReader(_Ring):
         return frames
 
     def _read_long(self, sizes: tuple[int, ...], hlen: int, total: int) -> list[Frame]:
-        buffers = [np.empty(s, np.uint8) if s >= _BIG_FRAME else bytearray(s) for s in sizes]
+        pool = self._pool
+        buffers = [pool.take(s) if s >= _BIG_FRAME else bytearray(s) for s in sizes]
         dests = [b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8) for b in buffers]
         dst, dst_off = 0, 0
         while dst < len(dests) and dests[dst].size == 0:
