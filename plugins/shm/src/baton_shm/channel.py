@@ -25,8 +25,10 @@ from baton_shm.ring import RingReader
 from baton_shm.segment import Segment, unlink_files
 from baton_shm.sleeper import Sleeper
 
-#: With the spin adapted down to zero, try spinning again after this many sleeps.
-_REPROBE = 64
+#: A wait up to this many spin windows counts as short: spinning might have caught it.
+_SHORT_WAIT = 2.0
+#: Most short waits between two tries of spinning, once tries keep failing.
+_MAX_BACKOFF = 1024
 
 
 def _release(
@@ -59,7 +61,8 @@ class Channel:
         self._settings = settings
         self._spin_max = settings.spin_us / 1e6
         self._spin = self._spin_max  # adapted: see _recv_wait
-        self._sleeps = 0
+        self._backoff = 1  # short waits to sit out before trying to spin again
+        self._probe_in = 0
         self._segments = segments
         self._close_r, self._close_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._recv_sleep = Sleeper(self._close_r)
@@ -90,9 +93,7 @@ class Channel:
             return msg if msg is not None else self._recv_wait(timeout)
 
     def _recv_wait(self, timeout: float | None) -> list[Frame] | None:
-        """Spin a little, then sleep. The spin adapts: it doubles when a message came while
-        spinning and halves when we had to sleep anyway (on a busy machine spinning takes the
-        CPU the writer needs); from zero it is tried again every ``_REPROBE`` sleeps."""
+        """Spin a little, then sleep; see ``_adapt_spin`` for how long."""
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         spin_end = start + self._spin
@@ -103,7 +104,8 @@ class Channel:
             self._note_closed()
             msg = self._take()
             if msg is not None:
-                self._adapt_spin(slept)
+                if self._spin_max:
+                    self._adapt_spin(slept, time.monotonic() - start)
                 return msg
             if self._gone:
                 raise TransportError(next(iter(self._gone.values())))
@@ -130,18 +132,26 @@ class Channel:
             for key in dead:
                 self._peer_died(key)
 
-    def _adapt_spin(self, slept: bool) -> None:
-        if not self._spin_max:
-            return
+    def _adapt_spin(self, slept: bool, waited: float) -> None:
+        """Spin while spinning pays. A message caught while spinning: keep spinning. One that
+        came soon after we gave up and slept: the spin failed, typically because the machine
+        is busy and our spinning took the CPU the writer needed: stop, and try again only
+        after a backoff (doubling with each failure) of short waits. Long waits (an idle
+        link) say nothing either way."""
         if not slept:
-            self._spin = min(self._spin_max, max(2 * self._spin, 2e-6))
-        elif self._spin:
-            self._spin = self._spin / 2 if self._spin > 2e-6 else 0.0
+            if self._spin and waited > 0:
+                self._backoff = 1
+            return
+        if waited > _SHORT_WAIT * self._spin_max:
+            return
+        if self._spin:
+            self._spin = 0.0
+            self._backoff = min(2 * self._backoff, _MAX_BACKOFF)
+            self._probe_in = self._backoff
         else:
-            self._sleeps += 1
-            if self._sleeps >= _REPROBE:
-                self._sleeps = 0
-                self._spin = self._spin_max / 4
+            self._probe_in -= 1
+            if self._probe_in <= 0:
+                self._spin = self._spin_max
 
     # ------------------------------------------------------------------ waiting inside a ring
 
