@@ -87,8 +87,7 @@ class Channel:
 
     def recv(self, timeout: float | None = None) -> list[Frame] | None:
         with self._recv_lock:
-            if self._closed:
-                raise TransportError(f"{self._what} channel is closed")
+            self._check_open()
             msg = self._take()
             return msg if msg is not None else self._recv_wait(timeout)
 
@@ -139,7 +138,7 @@ class Channel:
         after a backoff (doubling with each failure) of short waits. Long waits (an idle
         link) say nothing either way."""
         if not slept:
-            if self._spin and waited > 0:
+            if self._spin:  # caught while spinning
                 self._backoff = 1
             return
         if waited > _SHORT_WAIT * self._spin_max:
