@@ -136,8 +136,7 @@ class ShmClientChannel(Channel):
         return f"engine {key}"
 
     def _check_peer(self, key: int) -> None:
-        if key not in self._gone and self._segments[key].header[ENGINE_CLOSED]:
-            self._gone[key] = f"engine {key} closed its shm channel"
+        self._note_closed()
         if key in self._gone:
             raise TransportError(self._gone[key])
 

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from baton.errors import TransportError
-from baton.interfaces import ClientChannel, EngineChannel, Transport
+from baton.interfaces import ClientChannel, Transport
 from baton.testing import echo
 from baton.testing.echo import echo_engines
 
@@ -122,14 +122,15 @@ class TransportConformance:
 
     @pytest.fixture(autouse=True)
     def _no_leaks(self) -> Iterator[None]:
-        before = set(leftover_files(os.getpid()))
+        files = set(leftover_files(os.getpid()))
+        children = {p.pid for p in multiprocessing.active_children()}
         yield
         gc.collect()
-        children = multiprocessing.active_children()
-        for child in children:
+        left = [p for p in multiprocessing.active_children() if p.pid not in children]
+        for child in left:
             child.kill()
-        assert not children, f"child processes left running: {children}"
-        assert set(leftover_files(os.getpid())) <= before, "transport files left behind"
+        assert not left, f"child processes left running: {left}"
+        assert set(leftover_files(os.getpid())) <= files, "transport files left behind"
 
     # ------------------------------------------------------------------ the contract
 
@@ -408,4 +409,4 @@ def _in_thread(fn: Any, timeout: float) -> str:
     return outcome[0] if outcome else "hung"
 
 
-__all__ = ["EngineChannel", "TransportConformance", "echo_engines", "exchange", "leftover_files"]
+__all__ = ["TransportConformance", "echo_engines", "exchange", "leftover_files"]
