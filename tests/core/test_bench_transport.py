@@ -10,7 +10,21 @@ def test_bench_transport_json(capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(
-        "--json --transports inproc --runs 1 --round-trips 20 --messages 50 --tensor-mib 1 --tensor-count 1".split()
+        [
+            "--json",
+            "--transports",
+            "inproc",
+            "--runs",
+            "1",
+            "--round-trips",
+            "20",
+            "--messages",
+            "50",
+            "--tensor-mib",
+            "1",
+            "--tensor-count",
+            "1",
+        ]
     )
     assert bench.main(args) == 0
     result = json.loads(capsys.readouterr().out)
