@@ -90,6 +90,31 @@ def signal(fd: int) -> None:
         os.write(fd, b"\0")
 
 
+class _Stream:
+    """Byte arrays (a message's header and frames) read or written as one stream."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self._i = 0  # the part the next byte is in, and where in it
+        self._off = 0
+
+    def copy(self, region: np.ndarray, into_region: bool) -> None:
+        """Copy the stream's next ``region.size`` bytes into ``region``, or ``region`` into them."""
+        pos, end = 0, region.size
+        while pos < end:
+            part = self.parts[self._i]
+            take = min(part.size - self._off, end - pos)
+            if into_region:
+                region[pos : pos + take] = part[self._off : self._off + take]
+            else:
+                part[self._off : self._off + take] = region[pos : pos + take]
+            pos += take
+            self._off += take
+            if self._off == part.size:  # also steps over empty frames
+                self._i += 1
+                self._off = 0
+
+
 class _Ring:
     """One end of a ring. ``block(ring)`` sleeps until woken (the channel's: it knows the
     FIFO, the peer and the timeout, and raises TransportError when waiting is hopeless)."""
@@ -181,12 +206,11 @@ class RingWriter(_Ring):
     def _write_long(
         self, frames: Sequence[Frame], sizes: list[int], header: struct.Struct, total: int
     ) -> None:
-        sources = [np.frombuffer(header.pack(total, len(frames), *sizes), np.uint8)]
-        sources += [
+        sources = _Stream([np.frombuffer(header.pack(total, len(frames), *sizes), np.uint8)])
+        sources.parts += [
             np.frombuffer(_byte_view(f), np.uint8) if s else _EMPTY
             for f, s in zip(frames, sizes, strict=True)
         ]
-        src, src_off = 0, 0
         ss, count = self.slot_size, self.slot_count
         step_slots = max(1, _STEP_BYTES // ss)
         pos = 0
@@ -201,17 +225,7 @@ class RingWriter(_Ring):
             slot = self._tail % count
             nslots = min(free, count - slot, left, step_slots)
             nbytes = min(nslots * ss, total - pos)
-            dst, dst_off, end = self.np, slot * ss, slot * ss + nbytes
-            while dst_off < end:  # gather the sources into this run of slots
-                source = sources[src]
-                take = min(source.size - src_off, end - dst_off)
-                dst[dst_off : dst_off + take] = source[src_off : src_off + take]
-                dst_off += take
-                src_off += take
-                if src_off == source.size:
-                    src, src_off = src + 1, 0
-                    while src < len(sources) and sources[src].size == 0:
-                        src += 1
+            sources.copy(self.np[slot * ss : slot * ss + nbytes], into_region=True)
             pos += nbytes
             self._publish(self._tail + nslots)
 
@@ -277,10 +291,9 @@ class RingReader(_Ring):
     def _read_long(self, sizes: tuple[int, ...], hlen: int, total: int) -> list[Frame]:
         pool = self._pool
         buffers = [pool.take(s) if s >= _BIG_FRAME else bytearray(s) for s in sizes]
-        dests = [b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8) for b in buffers]
-        dst, dst_off = 0, 0
-        while dst < len(dests) and dests[dst].size == 0:
-            dst += 1
+        dests = _Stream(
+            [b if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8) for b in buffers]
+        )
         ss, count = self.slot_size, self.slot_count
         step_slots = max(1, _STEP_BYTES // ss)
         pos, skip = 0, hlen
@@ -299,17 +312,7 @@ class RingReader(_Ring):
             slot = self._head % count
             nslots = min(avail, count - slot, left, step_slots)
             nbytes = min(nslots * ss, total - pos)
-            src, src_off, end = self.np, slot * ss + skip, slot * ss + nbytes
-            while src_off < end:  # scatter this run of slots into the frames
-                dest = dests[dst]
-                take = min(dest.size - dst_off, end - src_off)
-                dest[dst_off : dst_off + take] = src[src_off : src_off + take]
-                src_off += take
-                dst_off += take
-                if dst_off == dest.size:
-                    dst, dst_off = dst + 1, 0
-                    while dst < len(dests) and dests[dst].size == 0:
-                        dst += 1
+            dests.copy(self.np[slot * ss + skip : slot * ss + nbytes], into_region=False)
             pos += nbytes
             skip = 0
             self._release(self._head + nslots)
