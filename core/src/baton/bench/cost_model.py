@@ -57,13 +57,15 @@ class CostModel(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
-#: SmolLM2-135M-Instruct, float32, uniproc on this 2-core CPU, 2 torch threads, block 16, budget 2048.
+#: Measured with ``--calibrate`` on the 2-core development machine: SmolLM2-135M-Instruct, float32,
+#: uniproc, 1 torch thread, block 16, budget 2048 (fit: median relative error 7%, others_cpu_frac 0.39).
 #: Replace it with your own: ``baton bench scheduler --calibrate --cost-model-out cost.json``.
 DEFAULT = CostModel(
-    step_overhead_s=0.08,
-    prefill_s_per_token=0.003,
-    decode_s_per_token=0.004,
-    source="built-in default (rough figures for SmolLM2-135M fp32 on a 2-core CPU); calibrate your own",
+    step_overhead_s=0.0530,
+    prefill_s_per_token=0.00233,
+    decode_s_per_token=0.00393,
+    attention_s_per_token_pair=9.26e-6,
+    source="built-in default (SmolLM2-135M fp32, 1 thread, 2-core CPU); calibrate your own with --calibrate",
 )
 
 _SHORT = {
