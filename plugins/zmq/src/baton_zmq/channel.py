@@ -9,6 +9,7 @@ flight; then recv raises TransportError.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import threading
@@ -38,6 +39,11 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Frame], threshold: int) -> No
     for i, frame in enumerate(frames):
         # copy=False below the threshold would be copied by pyzmq anyway, only slower
         sock.send(frame, zmq.SNDMORE if i < last else 0, copy=_nbytes(frame) < threshold)
+
+
+def check_not_empty(frames: Sequence[Frame]) -> None:
+    if not frames:
+        raise TransportError("cannot send an empty message: a message needs at least one frame")
 
 
 def recv_frames(sock: zmq.Socket, threshold: int) -> list[Frame]:
@@ -170,6 +176,25 @@ class Channel:
 
     def _take(self) -> list[Frame] | None:
         raise NotImplementedError
+
+    def _send(
+        self, sock: zmq.Socket, frames: Sequence[Frame], peer: str, identity: bytes | None = None
+    ) -> None:
+        """Send one message (after ``identity``, for a ROUTER); ZeroMQ errors become TransportError."""
+        check_not_empty(frames)
+        try:
+            if identity is not None:
+                sock.send(identity, zmq.SNDMORE)
+            send_frames(sock, frames, self._threshold)
+        except zmq.Again:
+            raise TransportError(
+                f"{peer} took no message for {self._settings.send_timeout}s (hwm "
+                f"{self._settings.hwm} reached): raise [transport.zmq] hwm or send_timeout"
+            ) from None
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:  # ROUTER_MANDATORY: nobody with that identity
+                raise TransportError(f"{peer} is not connected (it exited or closed)") from e
+            raise TransportError(f"{self._what}: send to {peer} failed: {e}") from e
 
     def close(self) -> None:
         """Release sockets and files; idempotent, safe from any thread and after the peer died."""

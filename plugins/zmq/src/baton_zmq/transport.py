@@ -20,7 +20,6 @@ engine also sees its DEALER disconnect when the frontend closes; see channel.py.
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import tempfile
@@ -34,7 +33,7 @@ from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.peer import PeerWatch
 
-from baton_zmq.channel import Channel, recv_frames, send_frames
+from baton_zmq.channel import Channel, check_not_empty, recv_frames
 from baton_zmq.plugin import ZmqSettings
 
 #: First bytes of the hello an engine sends on its PUSH: then u16 index, u64 pid.
@@ -92,8 +91,7 @@ class ZmqClientChannel(Channel):
         )
 
     def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
-        if not frames:
-            raise TransportError("cannot send an empty message: a message needs at least one frame")
+        check_not_empty(frames)  # before waiting for the engine to connect
         if not 0 <= engine_index < self.num_engines:
             raise ValueError(
                 f"engine_index {engine_index} out of range (num_engines={self.num_engines})"
@@ -103,20 +101,7 @@ class ZmqClientChannel(Channel):
                 raise TransportError("zmq client channel is closed")
             if engine_index not in self._routable:
                 self._await_engine(engine_index)
-            try:
-                self._in.send(self._identities[engine_index], zmq.SNDMORE)
-                send_frames(self._in, frames, self._threshold)
-            except zmq.Again:
-                raise TransportError(
-                    f"engine {engine_index} took no message for {self._settings.send_timeout}s "
-                    f"(hwm {self._settings.hwm} reached): raise [transport.zmq] hwm or send_timeout"
-                ) from None
-            except zmq.ZMQError as e:
-                if e.errno == errno.EHOSTUNREACH:
-                    raise TransportError(
-                        f"engine {engine_index} is not connected (it exited or closed)"
-                    ) from e
-                raise TransportError(f"zmq send to engine {engine_index} failed: {e}") from e
+            self._send(self._in, frames, f"engine {engine_index}", self._identities[engine_index])
 
     def _await_engine(self, engine_index: int) -> None:
         """Read DEALER hellos on the ROUTER until ``engine_index`` can be routed to."""
@@ -214,22 +199,12 @@ class ZmqEngineChannel(Channel):
             return None
 
     def send(self, frames: Sequence[Frame]) -> None:
-        if not frames:
-            raise TransportError("cannot send an empty message: a message needs at least one frame")
         with self._send_lock:
             if self._closed:
                 raise TransportError(f"{self._what} channel is closed")
             if self._gone is not None:
                 raise TransportError(self._gone)
-            try:
-                send_frames(self._out, frames, self._threshold)
-            except zmq.Again:
-                raise TransportError(
-                    f"the frontend took no output for {self._settings.send_timeout}s "
-                    f"(hwm {self._settings.hwm} reached): raise [transport.zmq] hwm or send_timeout"
-                ) from None
-            except zmq.ZMQError as e:
-                raise TransportError(f"{self._what}: send failed: {e}") from e
+            self._send(self._out, frames, "the frontend")
 
 
 class ZmqTransport:
