@@ -23,7 +23,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-
 from baton.config import BatonConfig
 from baton.protocol import KVCacheConfig
 from baton.sampling_params import SamplingParams
@@ -114,9 +113,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--phases", default="prefill,decode1,decode16,decode64,workload")
+    ap.add_argument("--repeat", type=int, default=1, help="run each phase this many times (the machine is noisy)")
     ap.add_argument("--profile", default=None, help="a phase to run again under torch.profiler")
     args = ap.parse_args()
 
+    torch.set_num_threads(args.threads)  # what Worker.init_device does with executor.num_threads
     reqs = json.loads(args.workload.read_text())["requests"]
     num_blocks = 4096
     runner = make_runner(args, num_blocks)
@@ -128,7 +129,8 @@ def main() -> None:
         phases[f"decode{b}"] = lambda b=b: phase_decode(runner, reqs, args, num_blocks, b)
     print(json.dumps({"threads": torch.get_num_threads(), "model": args.model, "block_size": args.block_size}))
     for name in args.phases.split(","):
-        print(json.dumps(phases[name]()), flush=True)
+        for _ in range(args.repeat):
+            print(json.dumps({**phases[name](), "load1": os.getloadavg()[0]}), flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

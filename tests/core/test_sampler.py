@@ -205,3 +205,15 @@ def test_bitmask_then_sampling_picks_allowed_tokens():
         logits = rand_logits(1)
         apply_bitmask(logits, bitmask)
         assert int(sample([sp], logits).token_ids[0]) in (97, 99)
+
+
+def test_bitmask_layout_agrees_with_xgrammar():
+    xgr = pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(3)
+    words = -(-V // 32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(3, V, generator=g)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_bitmask(ours, bitmask)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=V)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))

@@ -175,7 +175,9 @@ class ModelRunner:
         )
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = config.num_blocks
-        self.inputs.set_kv_caches(self.kv_caches)
+        attn_out = torch.empty(self.max_num_tokens * self.num_heads * self.head_dim, dtype=self.dtype,
+                               device=self.device)
+        self.inputs.set_kv_caches(self.kv_caches, attn_out)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head dim %d, %s)",
             config.num_blocks, self.block_size, num_slots, cache.numel() * cache.element_size() / 2**20,

@@ -55,9 +55,12 @@ class StepInputBuilder:
         self._ids_np, self._pos_np, self._slots_np = self._ids.numpy(), self._pos.numpy(), self._slots.numpy()
         self._arange = np.arange(max(max_num_tokens, batch.max_model_len) + 1, dtype=np.int64)
         self._kv_caches: list[torch.Tensor | None] | None = None
+        self._attn_out: torch.Tensor | None = None
 
-    def set_kv_caches(self, kv_caches: list[torch.Tensor | None]) -> None:
+    def set_kv_caches(self, kv_caches: list[torch.Tensor | None], attn_out: torch.Tensor | None = None) -> None:
+        """The paged caches, and a buffer of max_num_tokens * heads * head_dim for attention outputs."""
         self._kv_caches = kv_caches
+        self._attn_out = attn_out
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
@@ -123,6 +126,7 @@ class StepInputBuilder:
             decode_groups=groups,
             prefills=prefills,
             num_tokens=total,
+            out=self._attn_out,
         )
         return StepInputs(
             input_ids=self._to_device(self._ids[:total]),
