@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 from baton.errors import TransportError
-from baton.testing.conformance.transport import leftover_files
+from baton.testing.leaks import leftover_files
 from baton_shm.plugin import ShmSettings
 from baton_shm.segment import leftover_files as shm_files
 from baton_shm.transport import ShmTransport

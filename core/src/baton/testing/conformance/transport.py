@@ -24,9 +24,7 @@ import gc
 import multiprocessing
 import os
 import pickle
-import re
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,24 +37,11 @@ from baton.errors import TransportError
 from baton.interfaces import ClientChannel, Transport
 from baton.testing import echo
 from baton.testing.echo import echo_engines
+from baton.testing.leaks import leftover_files, open_fds
 
 #: Generous bounds: the machine may be slow and shared; they only catch hangs.
 RECV_TIMEOUT = 20.0
 DEATH_NOTICE = 5.0
-
-
-def leftover_files(pid: int) -> list[str]:
-    """Transport files of process ``pid`` in /dev/shm and the temp dir."""
-    pattern = re.compile(rf"^baton_([a-z0-9]+_)?{pid}_")
-    found = []
-    for folder in ("/dev/shm", tempfile.gettempdir()):
-        with contextlib.suppress(FileNotFoundError):
-            found += [os.path.join(folder, n) for n in os.listdir(folder) if pattern.match(n)]
-    return sorted(found)
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def recv_ok(client: Any, timeout: float = RECV_TIMEOUT) -> list[Any]:
