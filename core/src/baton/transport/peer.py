@@ -45,7 +45,7 @@ class PeerWatch:
             readable, _, _ = select.select([self._fd], [], [], 0)
             self._dead = bool(readable)
         else:
-            self._dead = not _pid_running(self.pid)
+            self._dead = not pid_running(self.pid)
         return not self._dead
 
     def error(self, detail: str = "") -> TransportError:
@@ -62,7 +62,7 @@ class PeerWatch:
         return f"PeerWatch({self.what}, pid={self.pid})"
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     """True if ``pid`` runs and is not a zombie (a killed child before it is reaped)."""
     try:
         os.kill(pid, 0)

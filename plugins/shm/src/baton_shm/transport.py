@@ -24,6 +24,7 @@ from typing import Any
 from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.peer import PeerWatch
+from baton.transport.sweep import sweep_stale
 
 from baton_shm.channel import Channel
 from baton_shm.plugin import ShmSettings
@@ -34,6 +35,8 @@ from baton_shm.segment import (
     FRONTEND_CLOSED,
     INPUT,
     OUTPUT,
+    PREFIX,
+    SHM_DIR,
     Segment,
     segment_name,
     unlink_files,
@@ -58,6 +61,7 @@ class ShmClientChannel(Channel):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.num_engines = num_engines
+        sweep_stale(SHM_DIR, PREFIX)
         names = [segment_name(os.getpid(), secrets.token_hex(4), i) for i in range(num_engines)]
         segments: list[Segment] = []
         try:

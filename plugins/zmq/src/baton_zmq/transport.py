@@ -32,6 +32,7 @@ import zmq
 from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.peer import PeerWatch
+from baton.transport.sweep import sweep_stale
 
 from baton_zmq.channel import Channel, check_not_empty, recv_frames
 from baton_zmq.plugin import ZmqSettings
@@ -61,6 +62,8 @@ class ZmqClientChannel(Channel):
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         ipc = settings.protocol == "ipc"
+        if ipc:
+            sweep_stale(tempfile.gettempdir(), "baton_zmq_")
         super().__init__(
             settings, tempfile.mkdtemp(prefix=f"baton_zmq_{os.getpid()}_") if ipc else None
         )
