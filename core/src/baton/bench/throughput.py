@@ -46,7 +46,8 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
     latencies: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
         llm.reset_prefix_cache()
-        with CpuMonitor() as mon:
+        itl = _InterTokenLatencies(llm)
+        with CpuMonitor() as mon, itl:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t0
@@ -54,7 +55,7 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append({"wall_s": round(wall, 3), "output_tokens": n_out, "tok_per_s": round(n_out / wall, 2)})
         outputs = [o.outputs[0].token_ids for o in outs]
-        latencies = _latencies(outs)
+        latencies = {**_latencies(outs), **itl.percentiles()}
     assert outputs is not None
     tok_s = summarize(r["tok_per_s"] for r in runs)
     return {
@@ -74,6 +75,37 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
         **latencies,
         "_outputs": outputs,
     }
+
+
+class _InterTokenLatencies:
+    """A stat logger hooked onto the LLM for one run: every inter-token latency (seconds)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.loggers = getattr(getattr(llm, "stat_loggers", None), "loggers", None)
+        self.values: list[float] = []
+
+    def __enter__(self) -> _InterTokenLatencies:
+        if self.loggers is not None:
+            self.loggers.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.loggers is not None:
+            self.loggers.remove(self)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
+        if iteration_stats is not None:
+            self.values.extend(iteration_stats.inter_token_latencies)
+
+    def log(self) -> None:
+        pass
+
+    def percentiles(self) -> dict[str, dict[str, float]]:
+        from baton.bench.common import percentile
+
+        if not self.values:
+            return {}
+        return {"itl_s": {f"p{q}": round(percentile(self.values, q), 4) for q in (50, 90, 99)}}
 
 
 def _latencies(outs: list[Any]) -> dict[str, dict[str, float]]:

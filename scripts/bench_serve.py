@@ -1,0 +1,267 @@
+"""Load benchmark of `baton serve` against the offline LLM on the same chat workload.
+
+Each repeat: start `baton serve` (zmq transport by default, the default model),
+send every request of the workload at once as a streaming chat completion
+(its ``messages``, ``max_tokens`` = its ``max_new_tokens``, temperature 0,
+``ignore_eos``) with the official AsyncOpenAI client, check that each one
+completes with exactly its token count and no error, stop the server; then run
+``baton bench throughput --workload ... --json`` (the offline LLM) back to
+back. Reports TTFT p50/p99, inter-token latency p50/p99 and output tokens/s
+of both, the median over repeats, and how much CPU other processes took
+meanwhile (others_cpu_frac: the machine is shared).
+
+    .venv/bin/python scripts/bench_serve.py [--repeats 2] [--json] [--model M] [--transport zmq]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_WORKLOAD = ROOT.parent / "shared" / "bench" / "workload.json"
+
+
+def percentile(values: list[float], q: float) -> float:
+    from baton.bench.common import percentile as pct
+
+    return pct(values, q)
+
+
+class TreeCpu:
+    """CPU of the whole machine vs. of the processes we own (this one, the server and its engines)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.procs = [psutil.Process(p) for p in pids]
+
+    def _owned(self) -> dict[int, float]:
+        """CPU seconds per owned process (this one, the server, and their children)."""
+        out: dict[int, float] = {}
+        for p in self.procs:
+            for q in [p, *p.children(recursive=True)]:
+                if q.pid not in out:
+                    try:
+                        t = q.cpu_times()
+                        out[q.pid] = t.user + t.system
+                    except psutil.NoSuchProcess:
+                        pass
+        return out
+
+    def __enter__(self) -> TreeCpu:
+        self.t0 = time.monotonic()
+        self.machine0 = psutil.cpu_times()
+        self.owned0 = self._owned()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.monotonic() - self.t0
+        m1 = psutil.cpu_times()
+        busy = sum(getattr(m1, f) - getattr(self.machine0, f) for f in ("user", "nice", "system", "irq", "softirq"))
+        owned1 = self._owned()
+        per_proc = {pid: owned1[pid] - self.owned0.get(pid, 0.0) for pid in owned1}
+        owned = sum(per_proc.values())
+        cpus = psutil.cpu_count() or 1
+        client, server = self.procs[0].pid, self.procs[1].pid if len(self.procs) > 1 else None
+        self.result = {
+            "others_cpu_frac": round(max(0.0, busy - owned) / (wall * cpus), 3),
+            "self_cpu_frac": round(owned / (wall * cpus), 3),
+            # CPU seconds: the benchmark client, the server's frontend, its engine process(es)
+            "client_cpu_s": round(per_proc.get(client, 0.0), 1),
+            "frontend_cpu_s": round(per_proc.get(server, 0.0), 1) if server else None,
+            "engine_cpu_s": round(sum(v for pid, v in per_proc.items() if pid not in (client, server)), 1),
+            "wall_s": round(wall, 1),
+            "loadavg_1m": os.getloadavg()[0],
+        }
+
+
+class Serve:
+    """`baton serve` in a subprocess; the URL comes from its 'listening on' log line."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, "-m", "baton.cli.main", "serve", "--port", "0", "--transport", args.transport,
+               "--served-model-name", "bench"]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.config:
+            cmd += ["--config", args.config]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(900) or self.url is None:
+            self.proc.kill()
+            raise SystemExit("baton serve did not start:\n" + "".join(self.log[-30:]))
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def _one(client: Any, req: dict[str, Any], t0: float) -> dict[str, Any]:
+    times: list[float] = []
+    usage = None
+    finish = None
+    try:
+        stream = await client.chat.completions.create(
+            model="bench", messages=req["messages"], max_tokens=req["max_new_tokens"], temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                if c.delta.content:
+                    times.append(time.perf_counter())
+                if c.finish_reason:
+                    finish = c.finish_reason
+    except Exception as e:  # counted and reported: the benchmark's verdict needs every error
+        return {"id": req["id"], "error": f"{type(e).__name__}: {e}"}
+    tokens = usage.completion_tokens if usage else 0
+    return {
+        "id": req["id"], "error": None, "tokens": tokens, "expected": req["max_new_tokens"], "finish": finish,
+        "ttft": times[0] - t0 if times else None, "itls": [b - a for a, b in itertools.pairwise(times)],
+        "end": times[-1] if times else None,
+    }
+
+
+async def _load(url: str, requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+    import httpx
+    from openai import AsyncOpenAI
+
+    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600,
+                           http_client=httpx.AsyncClient(limits=limits, timeout=3600)) as client:
+        await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2)  # warm-up: connection and first-step costs
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, r, t0) for r in requests))
+        wall = max((r["end"] for r in results if r.get("end")), default=t0) - t0
+    return list(results), wall
+
+
+def run_server(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    serve = Serve(args)
+    try:
+        with TreeCpu([os.getpid(), serve.proc.pid]) as cpu:
+            results, wall = asyncio.run(_load(serve.url or "", requests))
+    finally:
+        code = serve.stop()
+    errors = [r for r in results if r["error"]]
+    wrong = [r["id"] for r in results if not r["error"] and r["tokens"] != r["expected"]]
+    ttfts = [r["ttft"] for r in results if r.get("ttft") is not None]
+    itls = [x for r in results if not r["error"] for x in r["itls"]]
+    out_tokens = sum(r.get("tokens", 0) for r in results)
+    return {
+        "requests": len(results), "errors": [r["error"] for r in errors][:5], "num_errors": len(errors),
+        "wrong_token_counts": wrong, "output_tokens": out_tokens, "wall_s": round(wall, 2),
+        "tok_per_s": round(out_tokens / wall, 2) if wall > 0 else 0.0,
+        "ttft_s": {f"p{q}": round(percentile(ttfts, q), 4) for q in (50, 99)},
+        "itl_s": {f"p{q}": round(percentile(itls, q), 4) for q in (50, 99)},
+        "cpu": cpu.result, "server_exit_code": code,
+    }
+
+
+def run_offline(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "baton.cli.main", "bench", "throughput", "--workload", str(args.workload), "--json"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.config:
+        cmd += ["--config", args.config]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"offline bench failed:\n{proc.stderr[-3000:]}")
+    d = json.loads(proc.stdout)
+    return {
+        "output_tokens": d["output_tokens"], "tok_per_s": d["tok_per_s"]["median"],
+        "ttft_s": {k: d.get("ttft_s", {}).get(k) for k in ("p50", "p99")},
+        "itl_s": {k: d.get("itl_s", {}).get(k) for k in ("p50", "p99")},
+        "expected_tokens_ok": d["expected_tokens_ok"], "cpu": d["cpu"][-1] if d.get("cpu") else None,
+        "transport": d.get("config", {}).get("transport"),
+    }
+
+
+def _median(runs: list[dict[str, Any]], *path: str) -> float | None:
+    values = []
+    for r in runs:
+        v: Any = r
+        for key in path:
+            v = v.get(key) if isinstance(v, dict) else None
+        if isinstance(v, int | float):
+            values.append(float(v))
+    return round(statistics.median(values), 4) if values else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    p.add_argument("--model", help="default: the config's model (smollm2-135m-instruct)")
+    p.add_argument("--config", help="a baton.toml for both the server and the offline run")
+    p.add_argument("--transport", default="zmq")
+    p.add_argument("--repeats", type=int, default=1, help="server + offline pairs, back to back")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    requests = json.loads(args.workload.read_text())["requests"]
+    server_runs, offline_runs = [], []
+    for i in range(args.repeats):
+        server_runs.append(run_server(args, requests))
+        print(f"[{i + 1}/{args.repeats}] server: {json.dumps(server_runs[-1])}", file=sys.stderr)
+        if not args.skip_offline:
+            offline_runs.append(run_offline(args))
+            print(f"[{i + 1}/{args.repeats}] offline: {json.dumps(offline_runs[-1])}", file=sys.stderr)
+    summary: dict[str, Any] = {"workload": str(args.workload), "repeats": args.repeats, "transport": args.transport}
+    for name, runs in (("server", server_runs), ("offline", offline_runs)):
+        if runs:
+            summary[name] = {
+                "tok_per_s": _median(runs, "tok_per_s"),
+                "ttft_p50_s": _median(runs, "ttft_s", "p50"), "ttft_p99_s": _median(runs, "ttft_s", "p99"),
+                "itl_p50_s": _median(runs, "itl_s", "p50"), "itl_p99_s": _median(runs, "itl_s", "p99"),
+                "others_cpu_frac": [r["cpu"]["others_cpu_frac"] if r.get("cpu") else None for r in runs],
+            }
+    summary["all_requests_ok"] = all(not r["num_errors"] and not r["wrong_token_counts"] for r in server_runs)
+    if offline_runs:
+        ratio = summary["server"]["tok_per_s"] / summary["offline"]["tok_per_s"]
+        summary["server_over_offline"] = round(ratio, 3)
+        summary["within_15_percent"] = ratio >= 0.85
+    summary["runs"] = {"server": server_runs, "offline": offline_runs}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for k, v in summary.items():
+            if k != "runs":
+                print(f"{k}: {v}")
+    return 0 if summary["all_requests_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
