@@ -102,19 +102,31 @@ async def test_sigkill_raises_engine_dead_in_async_client(transport, model_dir, 
 
 
 @pytest.mark.parametrize("mode", ["drain", "abort"])
-def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
-    timeout = 60.0 if mode == "drain" else 0.0
-    llm = LLM(model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": timeout})
+async def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
+    # drain: requests in flight finish (however slow the machine); abort: they end with reason abort
+    timeout = 600.0 if mode == "drain" else 0.0
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": timeout})
     try:
-        threading.Timer(0.5, os.kill, (_engine_pid(llm), signal.SIGTERM)).start()
-        params = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
+        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
+        started = asyncio.Event()
+
+        async def run(prompt):
+            last = None
+            async for out in llm.generate(prompt, params):
+                started.set()
+                last = out
+            return last.outputs[0]
+
+        tasks = [asyncio.ensure_future(run(f"a b c {i}")) for i in range(3)]
+        await started.wait()
+        os.kill(_engine_pid(llm), signal.SIGTERM)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
         if mode == "drain":
-            outs = llm.generate(["a b c"] * 3, params, use_tqdm=False)
-            assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 3
-            assert all(len(o.outputs[0].token_ids) == 240 for o in outs)
+            assert [o.finish_reason for o in outs] == ["length"] * 3
+            assert all(len(o.token_ids) == 60 for o in outs)
         else:
-            outs = llm.generate(["a b c"] * 3, params, use_tqdm=False)
-            assert [o.outputs[0].finish_reason for o in outs] == ["abort"] * 3
+            assert [o.finish_reason for o in outs] == ["abort"] * 3
+            assert all(len(o.token_ids) < 60 for o in outs)
     finally:
         llm.shutdown()
 
@@ -122,18 +134,19 @@ def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
 def test_new_requests_are_refused_while_draining(model_dir, no_leaks):
     from baton.errors import EngineShuttingDownError
 
-    llm = LLM(model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": 60.0})
+    llm = LLM(model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": 600.0})
     try:
-        params = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0)
+        params = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
         done: list = []
         t = threading.Thread(target=lambda: done.append(llm.generate("long one", params, use_tqdm=False)))
         t.start()
-        time.sleep(0.5)
+        while not llm.engine.call_utility("list_requests"):
+            time.sleep(0.01)
         os.kill(_engine_pid(llm), signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(EngineShuttingDownError):
             llm.engine.call_utility("get_stats")
-        t.join(timeout=60)
+        t.join(timeout=120)
         assert done and done[0][0].outputs[0].finish_reason == "length"
     finally:
         llm.shutdown()
