@@ -69,7 +69,10 @@ class TreeCpu:
     def __exit__(self, *exc: object) -> None:
         wall = time.monotonic() - self.t0
         m1 = psutil.cpu_times()
-        busy = sum(getattr(m1, f) - getattr(self.machine0, f) for f in ("user", "nice", "system", "irq", "softirq"))
+        busy = sum(
+            getattr(m1, f) - getattr(self.machine0, f)
+            for f in ("user", "nice", "system", "irq", "softirq")
+        )
         owned1 = self._owned()
         per_proc = {pid: owned1[pid] - self.owned0.get(pid, 0.0) for pid in owned1}
         owned = sum(per_proc.values())
@@ -81,7 +84,9 @@ class TreeCpu:
             # CPU seconds: the benchmark client, the server's frontend, its engine process(es)
             "client_cpu_s": round(per_proc.get(client, 0.0), 1),
             "frontend_cpu_s": round(per_proc.get(server, 0.0), 1) if server else None,
-            "engine_cpu_s": round(sum(v for pid, v in per_proc.items() if pid not in (client, server)), 1),
+            "engine_cpu_s": round(
+                sum(v for pid, v in per_proc.items() if pid not in (client, server)), 1
+            ),
             "wall_s": round(wall, 1),
             "loadavg_1m": os.getloadavg()[0],
         }
@@ -91,14 +96,29 @@ class Serve:
     """`baton serve` in a subprocess; the URL comes from its 'listening on' log line."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, "-m", "baton.cli.main", "serve", "--port", "0", "--transport", args.transport,
-               "--served-model-name", "bench"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "baton.cli.main",
+            "serve",
+            "--port",
+            "0",
+            "--transport",
+            args.transport,
+            "--served-model-name",
+            "bench",
+        ]
         if args.model:
             cmd += ["--model", args.model]
         if args.config:
             cmd += ["--config", args.config]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.log: list[str] = []
         self.url: str | None = None
         self._ready = threading.Event()
@@ -132,8 +152,13 @@ async def _one(client: Any, req: dict[str, Any], t0: float) -> dict[str, Any]:
     finish = None
     try:
         stream = await client.chat.completions.create(
-            model="bench", messages=req["messages"], max_tokens=req["max_new_tokens"], temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model="bench",
+            messages=req["messages"],
+            max_tokens=req["max_new_tokens"],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         async for chunk in stream:
             if chunk.usage is not None:
@@ -147,8 +172,13 @@ async def _one(client: Any, req: dict[str, Any], t0: float) -> dict[str, Any]:
         return {"id": req["id"], "error": f"{type(e).__name__}: {e}"}
     tokens = usage.completion_tokens if usage else 0
     return {
-        "id": req["id"], "error": None, "tokens": tokens, "expected": req["max_new_tokens"], "finish": finish,
-        "ttft": times[0] - t0 if times else None, "itls": [b - a for a, b in itertools.pairwise(times)],
+        "id": req["id"],
+        "error": None,
+        "tokens": tokens,
+        "expected": req["max_new_tokens"],
+        "finish": finish,
+        "ttft": times[0] - t0 if times else None,
+        "itls": [b - a for a, b in itertools.pairwise(times)],
         "end": times[-1] if times else None,
     }
 
@@ -157,11 +187,19 @@ async def _load(url: str, requests: list[dict[str, Any]]) -> tuple[list[dict[str
     import httpx
     from openai import AsyncOpenAI
 
-    limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600,
-                           http_client=httpx.AsyncClient(limits=limits, timeout=3600)) as client:
-        await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=2)  # warm-up: connection and first-step costs
+    limits = httpx.Limits(
+        max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8
+    )
+    async with AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="none",
+        max_retries=0,
+        timeout=3600,
+        http_client=httpx.AsyncClient(limits=limits, timeout=3600),
+    ) as client:
+        await client.chat.completions.create(
+            model="bench", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )  # warm-up: connection and first-step costs
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_one(client, r, t0) for r in requests))
         wall = max((r["end"] for r in results if r.get("end")), default=t0) - t0
@@ -181,17 +219,31 @@ def run_server(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict
     itls = [x for r in results if not r["error"] for x in r["itls"]]
     out_tokens = sum(r.get("tokens", 0) for r in results)
     return {
-        "requests": len(results), "errors": [r["error"] for r in errors][:5], "num_errors": len(errors),
-        "wrong_token_counts": wrong, "output_tokens": out_tokens, "wall_s": round(wall, 2),
+        "requests": len(results),
+        "errors": [r["error"] for r in errors][:5],
+        "num_errors": len(errors),
+        "wrong_token_counts": wrong,
+        "output_tokens": out_tokens,
+        "wall_s": round(wall, 2),
         "tok_per_s": round(out_tokens / wall, 2) if wall > 0 else 0.0,
         "ttft_s": {f"p{q}": round(percentile(ttfts, q), 4) for q in (50, 99)},
         "itl_s": {f"p{q}": round(percentile(itls, q), 4) for q in (50, 99)},
-        "cpu": cpu.result, "server_exit_code": code,
+        "cpu": cpu.result,
+        "server_exit_code": code,
     }
 
 
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "baton.cli.main", "bench", "throughput", "--workload", str(args.workload), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "baton.cli.main",
+        "bench",
+        "throughput",
+        "--workload",
+        str(args.workload),
+        "--json",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     if args.config:
@@ -201,10 +253,12 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"offline bench failed:\n{proc.stderr[-3000:]}")
     d = json.loads(proc.stdout)
     return {
-        "output_tokens": d["output_tokens"], "tok_per_s": d["tok_per_s"]["median"],
+        "output_tokens": d["output_tokens"],
+        "tok_per_s": d["tok_per_s"]["median"],
         "ttft_s": {k: d.get("ttft_s", {}).get(k) for k in ("p50", "p99")},
         "itl_s": {k: d.get("itl_s", {}).get(k) for k in ("p50", "p99")},
-        "expected_tokens_ok": d["expected_tokens_ok"], "cpu": d["cpu"][-1] if d.get("cpu") else None,
+        "expected_tokens_ok": d["expected_tokens_ok"],
+        "cpu": d["cpu"][-1] if d.get("cpu") else None,
         "transport": d.get("config", {}).get("transport"),
     }
 
@@ -238,17 +292,29 @@ def main() -> int:
         print(f"[{i + 1}/{args.repeats}] server: {json.dumps(server_runs[-1])}", file=sys.stderr)
         if not args.skip_offline:
             offline_runs.append(run_offline(args))
-            print(f"[{i + 1}/{args.repeats}] offline: {json.dumps(offline_runs[-1])}", file=sys.stderr)
-    summary: dict[str, Any] = {"workload": str(args.workload), "repeats": args.repeats, "transport": args.transport}
+            print(
+                f"[{i + 1}/{args.repeats}] offline: {json.dumps(offline_runs[-1])}", file=sys.stderr
+            )
+    summary: dict[str, Any] = {
+        "workload": str(args.workload),
+        "repeats": args.repeats,
+        "transport": args.transport,
+    }
     for name, runs in (("server", server_runs), ("offline", offline_runs)):
         if runs:
             summary[name] = {
                 "tok_per_s": _median(runs, "tok_per_s"),
-                "ttft_p50_s": _median(runs, "ttft_s", "p50"), "ttft_p99_s": _median(runs, "ttft_s", "p99"),
-                "itl_p50_s": _median(runs, "itl_s", "p50"), "itl_p99_s": _median(runs, "itl_s", "p99"),
-                "others_cpu_frac": [r["cpu"]["others_cpu_frac"] if r.get("cpu") else None for r in runs],
+                "ttft_p50_s": _median(runs, "ttft_s", "p50"),
+                "ttft_p99_s": _median(runs, "ttft_s", "p99"),
+                "itl_p50_s": _median(runs, "itl_s", "p50"),
+                "itl_p99_s": _median(runs, "itl_s", "p99"),
+                "others_cpu_frac": [
+                    r["cpu"]["others_cpu_frac"] if r.get("cpu") else None for r in runs
+                ],
             }
-    summary["all_requests_ok"] = all(not r["num_errors"] and not r["wrong_token_counts"] for r in server_runs)
+    summary["all_requests_ok"] = all(
+        not r["num_errors"] and not r["wrong_token_counts"] for r in server_runs
+    )
     if offline_runs:
         ratio = summary["server"]["tok_per_s"] / summary["offline"]["tok_per_s"]
         summary["server_over_offline"] = round(ratio, 3)

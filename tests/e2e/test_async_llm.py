@@ -7,7 +7,6 @@ import os
 import signal
 
 import pytest
-
 from baton import AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError, EngineShuttingDownError, InvalidRequestError
 from baton.testing.tiny_model import tiny_model
@@ -38,16 +37,19 @@ class Recorder:
 async def test_a_live_request_id_cannot_be_reused(model_dir):
     llm = await AsyncLLM.create(model=model_dir, max_model_len=512)
     try:
-        first = llm.generate("hello", SamplingParams(max_tokens=30, ignore_eos=True), request_id="same")
+        first = llm.generate(
+            "hello", SamplingParams(max_tokens=30, ignore_eos=True), request_id="same"
+        )
         out = await anext(first)
         with pytest.raises(InvalidRequestError, match="already in flight"):
             await anext(llm.generate("again", SamplingParams(max_tokens=3), request_id="same"))
-        async for out in first:
-            pass
+        outs = [o async for o in first]
+        out = outs[-1] if outs else out
         assert out.finished and len(out.outputs[0].token_ids) == 30  # the first one is unharmed
-        async for out in llm.generate("reuse", SamplingParams(max_tokens=2), request_id="same"):
-            pass
-        assert out.finished  # and the id is free again once it finished
+        outs = [
+            o async for o in llm.generate("reuse", SamplingParams(max_tokens=2), request_id="same")
+        ]
+        assert outs[-1].finished  # and the id is free again once it finished
     finally:
         llm.shutdown()
 
@@ -57,6 +59,7 @@ async def test_cancelled_consumer_is_counted_as_abort_and_engine_goes_idle(model
     rec = Recorder()
     llm.stat_loggers.loggers.append(rec)
     try:
+
         async def consume():
             async for _ in llm.generate("story", LONG):
                 pass

@@ -72,7 +72,9 @@ class ServerThread:
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
+                labels = tuple(
+                    sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))
+                )
                 out[(s.name, labels)] = s.value
         return out
 
@@ -128,6 +130,8 @@ def engine_children() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
+                p.cmdline()
+            ):
                 out.append(p)
     return out

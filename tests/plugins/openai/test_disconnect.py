@@ -14,13 +14,23 @@ LONG = 900  # far more tokens than the test waits for
 
 def _engine_idle(server) -> bool:
     stats = server.call(server.server.engine.get_stats())
-    return stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks
+    return (
+        stats.num_running_reqs == 0
+        and stats.num_waiting_reqs == 0
+        and stats.num_free_blocks == stats.num_total_blocks
+    )
 
 
 def test_disconnect_mid_stream_aborts_the_request(server, client):
     before = server.metrics()
-    stream = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=LONG, stream=True,
-                                            temperature=0, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=LONG,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     received = 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -31,24 +41,36 @@ def test_disconnect_mid_stream_aborts_the_request(server, client):
 
     def aborted() -> bool:
         m = server.metrics()
-        return metric(m, "baton_request_success_total", finished_reason="abort") - metric(
-            before, "baton_request_success_total", finished_reason="abort") == 1
+        return (
+            metric(m, "baton_request_success_total", finished_reason="abort")
+            - metric(before, "baton_request_success_total", finished_reason="abort")
+            == 1
+        )
 
     wait_for(aborted, what="the abort in /metrics")
     wait_for(lambda: _engine_idle(server), what="the engine to free the request's KV blocks")
     after = server.metrics()
-    generated = metric(after, "baton_generation_tokens_total") - metric(before, "baton_generation_tokens_total")
+    generated = metric(after, "baton_generation_tokens_total") - metric(
+        before, "baton_generation_tokens_total"
+    )
     assert 3 <= generated < LONG  # stopped early, not run to completion
     assert metric(after, "baton_num_requests_running") == 0
     assert metric(after, "baton_kv_cache_usage_perc") == 0
     assert metric(after, "baton_request_success_total", finished_reason="length") == metric(
-        before, "baton_request_success_total", finished_reason="length")
+        before, "baton_request_success_total", finished_reason="length"
+    )
     assert server.call(server.server.engine.engine.call_utility_async("list_requests")) == []
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts_it(server):
     before = server.metrics()
-    body = {"model": server.model, "messages": MESSAGES, "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": server.model,
+        "messages": MESSAGES,
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
     async def give_up_early() -> None:
         async with httpx.AsyncClient(base_url=server.url) as http:
@@ -59,19 +81,37 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer_aborts_it(server):
         raise AssertionError("the request finished before the client gave up")
 
     asyncio.run(give_up_early())
-    wait_for(lambda: metric(server.metrics(), "baton_request_success_total", finished_reason="abort")
-             - metric(before, "baton_request_success_total", finished_reason="abort") == 1, what="the abort")
+    wait_for(
+        lambda: (
+            metric(server.metrics(), "baton_request_success_total", finished_reason="abort")
+            - metric(before, "baton_request_success_total", finished_reason="abort")
+            == 1
+        ),
+        what="the abort",
+    )
     wait_for(lambda: _engine_idle(server), what="the engine to free the request's KV blocks")
 
 
 def test_disconnect_of_one_n2_stream_aborts_both_choices(server, client):
     before = server.metrics()
-    stream = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=LONG, stream=True,
-                                            n=2, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=LONG,
+        stream=True,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i == 4:
             break
     stream.close()
-    wait_for(lambda: metric(server.metrics(), "baton_request_success_total", finished_reason="abort")
-             - metric(before, "baton_request_success_total", finished_reason="abort") == 2, what="two aborts")
+    wait_for(
+        lambda: (
+            metric(server.metrics(), "baton_request_success_total", finished_reason="abort")
+            - metric(before, "baton_request_success_total", finished_reason="abort")
+            == 2
+        ),
+        what="two aborts",
+    )
     wait_for(lambda: _engine_idle(server), what="the engine to free the KV blocks")

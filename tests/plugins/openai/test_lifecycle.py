@@ -33,17 +33,31 @@ def test_engine_death_turns_into_503s_and_exit_code_1(model_dir):
 
         def waiting_for_a_full_answer() -> None:
             try:
-                client.chat.completions.create(model=srv.model, messages=MESSAGES, max_tokens=900,
-                                               extra_body={"ignore_eos": True})
+                client.chat.completions.create(
+                    model=srv.model,
+                    messages=MESSAGES,
+                    max_tokens=900,
+                    extra_body={"ignore_eos": True},
+                )
             except BaseException as e:
                 outcome["error"] = e
 
         t = threading.Thread(target=waiting_for_a_full_answer)
         t.start()
-        stream = iter(client.chat.completions.create(model=srv.model, messages=MESSAGES, max_tokens=900,
-                                                     stream=True, extra_body={"ignore_eos": True}))
+        stream = iter(
+            client.chat.completions.create(
+                model=srv.model,
+                messages=MESSAGES,
+                max_tokens=900,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
         next(stream)
-        wait_for(lambda: metric(srv.metrics(), "baton_num_requests_running") == 2, what="both requests running")
+        wait_for(
+            lambda: metric(srv.metrics(), "baton_num_requests_running") == 2,
+            what="both requests running",
+        )
         os.kill(engine_pid, signal.SIGKILL)
         with pytest.raises(openai.APIError, match="engine"):
             for _ in stream:
@@ -68,7 +82,10 @@ class ServeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli.main", "serve", "--port", "0", *args],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
@@ -100,8 +117,11 @@ class ServeProcess:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def engine_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)
-                if "resource_tracker" not in " ".join(c.cmdline())]
+        return [
+            c.pid
+            for c in psutil.Process(self.proc.pid).children(recursive=True)
+            if "resource_tracker" not in " ".join(c.cmdline())
+        ]
 
     def wait(self, timeout: float = 60) -> int:
         try:
@@ -113,20 +133,37 @@ class ServeProcess:
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(model_dir):
-    serve = ServeProcess("--model", model_dir, "--max-model-len", "1024", "--transport", "zmq",
-                         "--shutdown-timeout", "60")
+    serve = ServeProcess(
+        "--model",
+        model_dir,
+        "--max-model-len",
+        "1024",
+        "--transport",
+        "zmq",
+        "--shutdown-timeout",
+        "60",
+    )
     engines = serve.engine_pids()
     assert engines
     model = next(m.id for m in serve.client().models.list().data)
-    stream = iter(serve.client().completions.create(
-        model=model, prompt="Once upon a time", max_tokens=150, stream=True, temperature=0,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    ))
+    stream = iter(
+        serve.client().completions.create(
+            model=model,
+            prompt="Once upon a time",
+            max_tokens=150,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     next(stream)
     serve.proc.send_signal(signal.SIGTERM)
     chunks = list(stream)  # the stream keeps going to its end
     assert chunks[-1].usage.completion_tokens == 150
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["length"]
     assert serve.wait() == 0, "".join(serve.log[-30:])
     for pid in engines:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

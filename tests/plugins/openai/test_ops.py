@@ -29,8 +29,13 @@ def test_unknown_route_is_openai_shaped(server):
 
 def test_counters_move_by_the_right_amounts(server, client):
     before = server.metrics()
-    r = client.completions.create(model=server.model, prompt="count me", max_tokens=7, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=server.model,
+        prompt="count me",
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     after = server.metrics()
 
     def delta(name, **labels):
@@ -55,25 +60,38 @@ def test_counters_move_by_the_right_amounts(server, client):
     mid = server.metrics()
     client.completions.create(model=server.model, prompt=long_prompt, max_tokens=1)
     end = server.metrics()
-    assert metric(end, "baton_prefix_cache_hits_total") - metric(mid, "baton_prefix_cache_hits_total") >= 32
+    assert (
+        metric(end, "baton_prefix_cache_hits_total") - metric(mid, "baton_prefix_cache_hits_total")
+        >= 32
+    )
     assert metric(end, "baton_num_preemptions_total") == 0
 
 
 def test_metrics_exposes_every_family(server):
     names = {name for name, _ in server.metrics()}
-    for family in ("baton_num_requests_running", "baton_num_requests_waiting", "baton_kv_cache_usage_perc",
-                   "baton_prefix_cache_queries_total", "baton_prefix_cache_hits_total",
-                   "baton_num_preemptions_total", "baton_prompt_tokens_total", "baton_generation_tokens_total",
-                   "baton_request_success_total", "baton_time_to_first_token_seconds_bucket",
-                   "baton_inter_token_latency_seconds_bucket", "baton_e2e_request_latency_seconds_bucket",
-                   "baton_request_queue_time_seconds_bucket"):
+    for family in (
+        "baton_num_requests_running",
+        "baton_num_requests_waiting",
+        "baton_kv_cache_usage_perc",
+        "baton_prefix_cache_queries_total",
+        "baton_prefix_cache_hits_total",
+        "baton_num_preemptions_total",
+        "baton_prompt_tokens_total",
+        "baton_generation_tokens_total",
+        "baton_request_success_total",
+        "baton_time_to_first_token_seconds_bucket",
+        "baton_inter_token_latency_seconds_bucket",
+        "baton_e2e_request_latency_seconds_bucket",
+        "baton_request_queue_time_seconds_bucket",
+    ):
         assert family in names, family
 
 
 def test_two_servers_in_one_process_keep_their_own_metrics(server, model_dir, client):
     with running_server(model_dir, max_model_len=256, served_model_name="second") as other:
-        other.client().completions.create(model="second", prompt="hi", max_tokens=3,
-                                          extra_body={"ignore_eos": True})
+        other.client().completions.create(
+            model="second", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert metric(other.metrics(), "baton_generation_tokens_total") == 3
         text = httpx.get(f"{other.url}/metrics").text
         assert 'model_name="second"' in text and server.model not in text
@@ -93,7 +111,28 @@ def test_api_key(model_dir):
 
 def test_periodic_log_line(model_dir, caplog):
     caplog.set_level("INFO", logger="baton.stats")
-    with running_server(model_dir, max_model_len=256, observability={"log_stats_interval": 0.2}) as srv:
+    with running_server(
+        model_dir, max_model_len=256, observability={"log_stats_interval": 0.2}
+    ) as srv:
         srv.client().completions.create(model=srv.model, prompt="hi", max_tokens=2)
-        wait_for(lambda: any("generation" in r.getMessage() and "KV cache" in r.getMessage()
-                             for r in caplog.records if r.name == "baton.stats"), what="the stats log line")
+        wait_for(
+            lambda: any(
+                "generation" in r.getMessage() and "KV cache" in r.getMessage()
+                for r in caplog.records
+                if r.name == "baton.stats"
+            ),
+            what="the stats log line",
+        )
+
+
+def test_malformed_bodies_are_openai_400s(server):
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": server.model})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": "many"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -26,7 +26,9 @@ ops_router = APIRouter()
 @models_router.get("/v1/models")
 async def list_models(raw: Request) -> ModelList:
     ctx = ServerContext.of(raw)
-    card = ModelCard(id=ctx.model_name, root=ctx.engine.config.model.name, max_model_len=ctx.max_model_len)
+    card = ModelCard(
+        id=ctx.model_name, root=ctx.engine.config.model.name, max_model_len=ctx.max_model_len
+    )
     return ModelList(data=[card])
 
 
@@ -36,7 +38,9 @@ async def health(raw: Request) -> Response:
     try:
         await asyncio.wait_for(engine.check_health(), HEALTH_TIMEOUT_S)
     except (BatonError, TimeoutError) as e:
-        raise OpenAIError(f"unhealthy: {type(e).__name__}: {e}", 503, code="engine_unavailable") from None
+        raise OpenAIError(
+            f"unhealthy: {type(e).__name__}: {e}", 503, code="engine_unavailable"
+        ) from None
     return Response(status_code=200)
 
 
@@ -57,7 +61,9 @@ async def metrics(raw: Request) -> Response:
 def find_prometheus_logger(engine: AsyncLLM) -> object | None:
     from baton_openai.metrics import PrometheusStatLogger
 
-    return next((lg for lg in engine.stat_loggers.loggers if isinstance(lg, PrometheusStatLogger)), None)
+    return next(
+        (lg for lg in engine.stat_loggers.loggers if isinstance(lg, PrometheusStatLogger)), None
+    )
 
 
 def build_app(engine: AsyncLLM, config: BatonConfig | None = None) -> FastAPI:

@@ -42,7 +42,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise OpenAIError(
                         f"messages[{i}].content: only text parts are supported, got {part.get('type')!r}",
-                        param="messages", code="invalid_value",
+                        param="messages",
+                        code="invalid_value",
                     )
                 texts.append(part["text"])
             content = "\n".join(texts)
@@ -54,16 +55,23 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response | ChatCompletionResponse:
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw: Request
+) -> Response | ChatCompletionResponse:
     ctx = ServerContext.of(raw)
     ctx.check_request(req)
     if req.tools and req.tool_choice != "none":
-        raise OpenAIError("tool calling is not supported by baton", param="tools", code="unsupported_parameter")
+        raise OpenAIError(
+            "tool calling is not supported by baton", param="tools", code="unsupported_parameter"
+        )
     if req.top_logprobs and not req.logprobs:
-        raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+        raise OpenAIError(
+            "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
+        )
     try:
         ids = ctx.engine.render_chat(
-            template_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
+            template_messages(req.messages),
+            add_generation_prompt=req.add_generation_prompt,
             **(req.chat_template_kwargs or {}),
         )
     except InvalidRequestError as e:
@@ -74,12 +82,27 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
         max_tokens, max_param = req.max_tokens, "max_tokens"
     top = (req.top_logprobs or 0) if req.logprobs else None
     built = build_params(
-        req, prompt_len=len(ids), max_model_len=ctx.max_model_len, max_tokens=max_tokens,
-        max_tokens_param=max_param, prompt_param="messages", logprobs=top, logprobs_param="top_logprobs",
+        req,
+        prompt_len=len(ids),
+        max_model_len=ctx.max_model_len,
+        max_tokens=max_tokens,
+        max_tokens_param=max_param,
+        prompt_param="messages",
+        logprobs=top,
+        logprobs_param="top_logprobs",
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = merge([ctx.engine.generate({"prompt_token_ids": ids}, built.params, request_id,
-                                        priority=req.priority, user=req.user)])
+    stream = merge(
+        [
+            ctx.engine.generate(
+                {"prompt_token_ids": ids},
+                built.params,
+                request_id,
+                priority=req.priority,
+                user=req.user,
+            )
+        ]
+    )
     acc = Accumulator([len(ids)], req.n)
     if not req.stream:
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
@@ -92,21 +115,34 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Re
     return SSEResponse(_chunks(request_id, ctx.model_name, req, stream, first, acc, built, top))
 
 
-def _response(request_id: str, model: str, acc: Accumulator, top: int | None) -> ChatCompletionResponse:
+def _response(
+    request_id: str, model: str, acc: Accumulator, top: int | None
+) -> ChatCompletionResponse:
     choices = []
     for index in sorted(acc.choices):
         c = acc.choices[index]
         logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
-        choices.append(ChatChoice(
-            index=index, message=ChatResponseMessage(content="".join(c.text)), logprobs=logprobs,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        ))
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=ChatResponseMessage(content="".join(c.text)),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=acc.usage())
 
 
 async def _chunks(
-    request_id: str, model: str, req: ChatCompletionRequest, stream: AsyncIterator[Item], first: Item | None,
-    acc: Accumulator, built: BuiltParams, top: int | None,
+    request_id: str,
+    model: str,
+    req: ChatCompletionRequest,
+    stream: AsyncIterator[Item],
+    first: Item | None,
+    acc: Accumulator,
+    built: BuiltParams,
+    top: int | None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     opts = req.stream_options
@@ -114,12 +150,18 @@ async def _chunks(
     continuous = bool(opts and opts.continuous_usage_stats)
 
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
-        c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        c = ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=choices, usage=usage
+        )
         return sse(c.model_dump_json(exclude_none=True))
 
     try:
-        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(req.n)])
+        yield chunk(
+            [
+                ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                for i in range(req.n)
+            ]
+        )
         item = first
         while item is not None:
             p, out = item
@@ -141,9 +183,13 @@ async def _chunks(
 def _delta(index: int, c: Any, top: int | None) -> ChatChunkChoice | None:
     if not c.text and c.finish_reason is None and not (top is not None and c.logprobs):
         return None
-    logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None and c.logprobs else None
-    return ChatChunkChoice(
-        index=index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+    logprobs = (
+        chat_logprobs(c.token_ids, c.logprobs, top) if top is not None and c.logprobs else None
     )
-
+    return ChatChunkChoice(
+        index=index,
+        delta=DeltaMessage(content=c.text),
+        logprobs=logprobs,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )

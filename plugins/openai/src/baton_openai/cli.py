@@ -16,17 +16,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, help="port to bind (default 8000; 0 = a free one)")
     g.add_argument("--served-model-name", help="the model name clients send (default: model.name)")
     g.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
-    g.add_argument("--shutdown-timeout", type=float,
-                   help="seconds to drain in-flight requests on SIGTERM (default 30; 0 aborts them)")
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        help="seconds to drain in-flight requests on SIGTERM (default 30; 0 aborts them)",
+    )
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_arguments(p)
 
 
 def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = engine_overrides(args)
-    for flag, key in (("host", "server.host"), ("port", "server.port"),
-                      ("served_model_name", "server.served_model_name"), ("api_key", "server.api_key"),
-                      ("shutdown_timeout", "server.shutdown_timeout")):
+    for flag, key in (
+        ("host", "server.host"),
+        ("port", "server.port"),
+        ("served_model_name", "server.served_model_name"),
+        ("api_key", "server.api_key"),
+        ("shutdown_timeout", "server.shutdown_timeout"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value

@@ -37,13 +37,21 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
     ctx = ServerContext.of(raw)
     ctx.check_request(req)
     if req.suffix:
-        raise OpenAIError("suffix is not supported by baton", param="suffix", code="unsupported_parameter")
+        raise OpenAIError(
+            "suffix is not supported by baton", param="suffix", code="unsupported_parameter"
+        )
     if req.best_of is not None and req.best_of != req.n:
-        raise OpenAIError("best_of other than n is not supported by baton", param="best_of",
-                          code="unsupported_parameter")
+        raise OpenAIError(
+            "best_of other than n is not supported by baton",
+            param="best_of",
+            code="unsupported_parameter",
+        )
     if req.echo and req.logprobs is not None:
-        raise OpenAIError("echo with logprobs (prompt logprobs) is not supported by baton", param="echo",
-                          code="unsupported_parameter")
+        raise OpenAIError(
+            "echo with logprobs (prompt logprobs) is not supported by baton",
+            param="echo",
+            code="unsupported_parameter",
+        )
     engine = ctx.engine
     texts, ids_list, built_list = [], [], []
     for prompt in _prompts(req.prompt):
@@ -53,18 +61,32 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
             raise OpenAIError(str(e), param="prompt", code="invalid_value") from None
         if req.echo and text is None:
             text = engine.tokenizer.decode(ids)
-        built_list.append(build_params(
-            req, prompt_len=len(ids), max_model_len=ctx.max_model_len, max_tokens=req.max_tokens,
-            max_tokens_param="max_tokens", prompt_param="prompt", logprobs=req.logprobs,
-        ))
+        built_list.append(
+            build_params(
+                req,
+                prompt_len=len(ids),
+                max_model_len=ctx.max_model_len,
+                max_tokens=req.max_tokens,
+                max_tokens_param="max_tokens",
+                prompt_param="prompt",
+                logprobs=req.logprobs,
+            )
+        )
         texts.append(text)
         ids_list.append(ids)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = merge([
-        engine.generate({"prompt": t, "prompt_token_ids": ids}, b.params, f"{request_id}-{i}",
-                        priority=req.priority, user=req.user)
-        for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))
-    ])
+    stream = merge(
+        [
+            engine.generate(
+                {"prompt": t, "prompt_token_ids": ids},
+                b.params,
+                f"{request_id}-{i}",
+                priority=req.priority,
+                user=req.user,
+            )
+            for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))
+        ]
+    )
     acc = Accumulator([len(ids) for ids in ids_list], req.n)
     built = built_list[0]
     echo = texts if req.echo else None
@@ -87,16 +109,27 @@ def _response(
         c = acc.choices[index]
         prefix = (echo[index // acc.n] or "") if echo else ""
         logprobs = completion_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
-        choices.append(CompletionChoice(
-            index=index, text=prefix + "".join(c.text), logprobs=logprobs,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        ))
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=prefix + "".join(c.text),
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=acc.usage())
 
 
 async def _chunks(
-    request_id: str, model: str, req: CompletionRequest, stream: AsyncIterator[Item], first: Item | None,
-    acc: Accumulator, built: BuiltParams, echo: list[str | None] | None,
+    request_id: str,
+    model: str,
+    req: CompletionRequest,
+    stream: AsyncIterator[Item],
+    first: Item | None,
+    acc: Accumulator,
+    built: BuiltParams,
+    echo: list[str | None] | None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     opts = req.stream_options
@@ -105,13 +138,20 @@ async def _chunks(
     offsets: dict[int, int] = {}
 
     def chunk(choices: list[CompletionChoice], usage: Any = None) -> bytes:
-        c = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        c = CompletionResponse(
+            id=request_id, created=created, model=model, choices=choices, usage=usage
+        )
         return sse(c.model_dump_json(exclude_none=True))
 
     try:
         if echo:
-            yield chunk([CompletionChoice(index=p * req.n + i, text=t or "")
-                         for p, t in enumerate(echo) for i in range(req.n)])
+            yield chunk(
+                [
+                    CompletionChoice(index=p * req.n + i, text=t or "")
+                    for p, t in enumerate(echo)
+                    for i in range(req.n)
+                ]
+            )
         item = first
         while item is not None:
             p, out = item
@@ -121,11 +161,20 @@ async def _chunks(
                 index = acc.index(p, c)
                 logprobs = None
                 if req.logprobs is not None and c.logprobs:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, offsets.get(index, 0))
+                    logprobs = completion_logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, offsets.get(index, 0)
+                    )
                 offsets[index] = offsets.get(index, 0) + len(c.text)
                 if c.text or c.finish_reason is not None or logprobs is not None:
-                    choices.append(CompletionChoice(index=index, text=c.text, logprobs=logprobs,
-                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=c.text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
             if choices:
                 yield chunk(choices, acc.usage() if continuous else None)
             item = await anext(stream, None)

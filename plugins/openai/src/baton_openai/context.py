@@ -32,11 +32,15 @@ class ServerContext:
     def check_request(self, req: SamplingFields) -> None:
         """The checks before any work: the engine is alive and the model is ours."""
         if self.engine.errored:
-            raise OpenAIError(f"the engine is dead: {self.engine.dead_error}", 503, code="engine_unavailable")
+            raise OpenAIError(
+                f"the engine is dead: {self.engine.dead_error}", 503, code="engine_unavailable"
+            )
         if req.model is not None and req.model != self.model_name:
             raise OpenAIError(
                 f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                404, param="model", code="model_not_found",
+                404,
+                param="model",
+                code="model_not_found",
             )
         ignored = req.ignored_fields()
         if ignored:
@@ -50,6 +54,11 @@ async def check_api_key(request: Request) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-        raise OpenAIError("invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                          code="invalid_api_key")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), key.encode()
+    ):
+        raise OpenAIError(
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            401,
+            code="invalid_api_key",
+        )

@@ -25,14 +25,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    503: "service_unavailable",
+}
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
 class OpenAIError(Exception):
     """An error response; raise it anywhere in a handler."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -43,8 +50,12 @@ class OpenAIError(Exception):
         return error_body(self.message, self.status, self.param, self.code)
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    kind = _TYPES.get(status) or ("server_error" if status >= 500 else HTTPStatus(status).phrase.replace(" ", "_").lower())
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    kind = _TYPES.get(status) or (
+        "server_error" if status >= 500 else HTTPStatus(status).phrase.replace(" ", "_").lower()
+    )
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -69,13 +80,20 @@ def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     lines, param = [], None
     for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return OpenAIError(
+                f"the request body is not valid JSON: {err.get('msg')}", 400, code="invalid_json"
+            )
+        raw_loc = [p for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in raw_loc]
         where = ".".join(loc) or "body"
-        param = param or (loc[0] if loc else None)
+        param = param or (loc[0] if raw_loc and isinstance(raw_loc[0], str) else None)
         value = err.get("input")
         shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
         lines.append(f"{where}: {err.get('msg')}{shown}")
-    return OpenAIError("; ".join(lines) or "invalid request", 400, param=param, code="invalid_value")
+    return OpenAIError(
+        "; ".join(lines) or "invalid request", 400, param=param, code="invalid_value"
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -95,7 +113,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), exc.status_code), status_code=exc.status_code
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -121,11 +121,17 @@ class Accumulator:
         prompt = sum(self.prompt_lens)
         completion = sum(len(c.token_ids) for c in self.choices.values())
         details = {"cached_tokens": self.cached_tokens} if self.cached_tokens else None
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=details)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
+        )
 
 
-async def collect(stream: AsyncIterator[Item], first: Item | None, acc: Accumulator, built: BuiltParams) -> None:
+async def collect(
+    stream: AsyncIterator[Item], first: Item | None, acc: Accumulator, built: BuiltParams
+) -> None:
     """Drain a stream into ``acc`` (non-streaming responses)."""
     if first is not None:
         acc.add(*first, keep=True)

@@ -29,7 +29,9 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: SampleLogprobs, k: int) ->
         text = _text(sampled)
         content.append(
             ChatTokenLogprob(
-                token=text, logprob=sampled.logprob, bytes=list(text.encode()),
+                token=text,
+                logprob=sampled.logprob,
+                bytes=list(text.encode()),
                 top_logprobs=[
                     TopLogprob(token=_text(lp), logprob=lp.logprob, bytes=list(_text(lp).encode()))
                     for _, lp in _top(position, k)
@@ -51,5 +53,7 @@ def completion_logprobs(
         out.token_logprobs.append(sampled.logprob)
         out.text_offset.append(offset)
         offset += len(text)
-        out.top_logprobs.append({_text(lp): lp.logprob for _, lp in _top(position, k)} if k else None)
+        out.top_logprobs.append(
+            {_text(lp): lp.logprob for _, lp in _top(position, k)} if k else None
+        )
     return out

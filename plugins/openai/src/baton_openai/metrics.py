@@ -16,12 +16,74 @@ from baton.metrics.stats import IterationStats
 from baton.protocol import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -35,39 +97,72 @@ class PrometheusStatLogger:
         self.model_name = config.server.served_model_name or config.model.name
         labels = ["model_name", "engine"]
         r = self.registry
-        self._running = Gauge("baton_num_requests_running", "Requests in the running batch.", labels, registry=r)
-        self._waiting = Gauge("baton_num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self._running = Gauge(
+            "baton_num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self._waiting = Gauge(
+            "baton_num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r
+        )
         self._kv_usage = Gauge(
-            "baton_kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1).", labels, registry=r
+            "baton_kv_cache_usage_perc",
+            "Fraction of KV-cache blocks held by requests (0..1).",
+            labels,
+            registry=r,
         )
         self._prefix_queries = Counter(
-            "baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+            "baton_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
         )
         self._prefix_hits = Counter(
-            "baton_prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+            "baton_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            labels,
+            registry=r,
         )
-        self._preemptions = Counter("baton_num_preemptions", "Requests preempted (recomputed).", labels, registry=r)
-        self._prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r)
-        self._generation_tokens = Counter("baton_generation_tokens", "Generated tokens.", labels, registry=r)
+        self._preemptions = Counter(
+            "baton_num_preemptions", "Requests preempted (recomputed).", labels, registry=r
+        )
+        self._prompt_tokens = Counter(
+            "baton_prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r
+        )
+        self._generation_tokens = Counter(
+            "baton_generation_tokens", "Generated tokens.", labels, registry=r
+        )
         self._success = Counter(
-            "baton_request_success", "Finished requests by finish reason (abort: cancelled or disconnected).",
-            [*labels, "finished_reason"], registry=r,
+            "baton_request_success",
+            "Finished requests by finish reason (abort: cancelled or disconnected).",
+            [*labels, "finished_reason"],
+            registry=r,
         )
         self._ttft = Histogram(
-            "baton_time_to_first_token_seconds", "Time to first token (arrival to first token).", labels,
-            buckets=TTFT_BUCKETS, registry=r,
+            "baton_time_to_first_token_seconds",
+            "Time to first token (arrival to first token).",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
         )
         self._itl = Histogram(
-            "baton_inter_token_latency_seconds", "Time between two outputs of one request.", labels,
-            buckets=ITL_BUCKETS, registry=r,
+            "baton_inter_token_latency_seconds",
+            "Time between two outputs of one request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
         )
         self._e2e = Histogram(
-            "baton_e2e_request_latency_seconds", "Arrival to finish, per finished request.", labels,
-            buckets=REQUEST_LATENCY_BUCKETS, registry=r,
+            "baton_e2e_request_latency_seconds",
+            "Arrival to finish, per finished request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
         )
         self._queue = Histogram(
-            "baton_request_queue_time_seconds", "Time waiting before first scheduled, per finished request.",
-            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r,
+            "baton_request_queue_time_seconds",
+            "Time waiting before first scheduled, per finished request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
         )
         self._per_engine: dict[int, _EngineMetrics] = {}
         self._engine(engine_index)  # expose zeros before the first request
@@ -79,7 +174,10 @@ class PrometheusStatLogger:
         return m
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_index: int = 0
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
     ) -> None:
         m = self._engine(engine_index)
         if scheduler_stats is not None:

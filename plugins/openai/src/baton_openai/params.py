@@ -28,7 +28,9 @@ class BuiltParams:
 
 def check_unsupported(req: SamplingFields) -> None:
     if req.logit_bias:
-        raise OpenAIError("logit_bias is not supported by baton", param="logit_bias", code="unsupported_parameter")
+        raise OpenAIError(
+            "logit_bias is not supported by baton", param="logit_bias", code="unsupported_parameter"
+        )
 
 
 def structured_spec(req: SamplingFields) -> tuple[StructuredOutputSpec | None, str | None]:
@@ -41,11 +43,16 @@ def structured_spec(req: SamplingFields) -> tuple[StructuredOutputSpec | None, s
         if rf.json_schema is None or rf.json_schema.json_schema is None:
             raise OpenAIError(
                 "response_format of type json_schema needs json_schema.schema (a JSON schema object)",
-                param="response_format", code="invalid_value",
+                param="response_format",
+                code="invalid_value",
             )
         specs.append(("response_format", {"json": rf.json_schema.json_schema}))
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                      ("guided_grammar", "grammar")):
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         value = getattr(req, name)
         if value is not None:
             specs.append((name, {key: value}))
@@ -53,8 +60,11 @@ def structured_spec(req: SamplingFields) -> tuple[StructuredOutputSpec | None, s
         return None, None
     if len(specs) > 1:
         names = ", ".join(n for n, _ in specs)
-        raise OpenAIError(f"set only one structured-output constraint, got {names}", param=specs[1][0],
-                          code="invalid_value")
+        raise OpenAIError(
+            f"set only one structured-output constraint, got {names}",
+            param=specs[1][0],
+            code="invalid_value",
+        )
     param, fields = specs[0]
     try:
         return StructuredOutputSpec(**fields), param  # type: ignore[arg-type]
@@ -79,14 +89,16 @@ def build_params(
         raise OpenAIError(
             f"the prompt has {prompt_len} tokens but the model's context is {max_model_len} tokens "
             "(prompt + output): shorten it",
-            param=prompt_param, code="context_length_exceeded",
+            param=prompt_param,
+            code="context_length_exceeded",
         )
     room = max_model_len - prompt_len
     if max_tokens is not None and max_tokens > room:
         raise OpenAIError(
             f"{max_tokens_param}={max_tokens} is too large: the prompt has {prompt_len} tokens and the "
             f"model's context is {max_model_len}, so at most {room} tokens can be generated",
-            param=max_tokens_param, code="context_length_exceeded",
+            param=max_tokens_param,
+            code="context_length_exceeded",
         )
     spec, structured_param = structured_spec(req)
     names = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}

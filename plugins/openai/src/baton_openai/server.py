@@ -61,7 +61,9 @@ class _Uvicorn(uvicorn.Server):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            originals = {
+                sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+            }
             try:
                 yield
             finally:
@@ -99,9 +101,16 @@ class OpenAIServer:
             srv = self.config.server
             timeout = srv.shutdown_timeout
             uv_config = uvicorn.Config(
-                app, host=srv.host, port=srv.port, log_config=None, access_log=self.access_log,
-                timeout_graceful_shutdown=int(timeout) if timeout == int(timeout) else int(timeout) + 1,
-                lifespan="off", timeout_keep_alive=5,
+                app,
+                host=srv.host,
+                port=srv.port,
+                log_config=None,
+                access_log=self.access_log,
+                timeout_graceful_shutdown=int(timeout)
+                if timeout == int(timeout)
+                else int(timeout) + 1,
+                lifespan="off",
+                timeout_keep_alive=5,
             )
             self.uvicorn = _Uvicorn(uv_config, self._on_started)
             watcher = asyncio.ensure_future(self._watch_engine(engine))
@@ -117,8 +126,12 @@ class OpenAIServer:
         sock = self.uvicorn.servers[0].sockets[0]
         host, port = sock.getsockname()[:2]
         self.address = (host, port)
-        log.info("baton serve: listening on http://%s:%d (model %s)", host, port,
-                    self.config.server.served_model_name or self.config.model.name)
+        log.info(
+            "baton serve: listening on http://%s:%d (model %s)",
+            host,
+            port,
+            self.config.server.served_model_name or self.config.model.name,
+        )
         self.started.set()
 
     async def _watch_engine(self, engine: AsyncLLM) -> None:

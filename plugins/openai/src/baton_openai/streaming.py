@@ -33,7 +33,11 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: Any, **kwargs: Any) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
+        headers = {
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **kwargs.pop("headers", {}),
+        }
         super().__init__(content, headers=headers, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
