@@ -113,11 +113,16 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--phases", default="prefill,decode1,decode16,decode64,workload")
+    ap.add_argument("--malloc-tune", type=int, default=1, help="1: worker.tune_malloc() as the Worker does")
     ap.add_argument("--repeat", type=int, default=1, help="run each phase this many times (the machine is noisy)")
     ap.add_argument("--profile", default=None, help="a phase to run again under torch.profiler")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)  # what Worker.init_device does with executor.num_threads
+    if args.malloc_tune:
+        from baton.worker.worker import tune_malloc
+
+        tune_malloc()
     reqs = json.loads(args.workload.read_text())["requests"]
     num_blocks = 4096
     runner = make_runner(args, num_blocks)

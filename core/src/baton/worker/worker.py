@@ -36,6 +36,29 @@ def select_device(name: str) -> torch.device:
     return device
 
 
+def tune_malloc() -> bool:
+    """Keep freed multi-MB blocks in the heap (glibc): no page faults on every large activation.
+
+    glibc gives large freed blocks back to the OS (munmap / heap trim), so each
+    fresh prefill-sized activation faults its pages in again; raising the mmap
+    and trim thresholds keeps them. Process-wide: the heap then keeps up to
+    1 GiB of freed memory instead of returning it. Returns False where this is
+    not glibc.
+    """
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum
+    ok &= libc.mallopt(m_trim_threshold, 1 << 30)
+    ok &= libc.mallopt(m_top_pad, 64 << 20)
+    return bool(ok)
+
+
 class Worker:
     """Owns the device choice and a ModelRunner; every public method is an RPC target."""
 
@@ -51,6 +74,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         if self.cfg.executor.num_threads is not None:
             torch.set_num_threads(self.cfg.executor.num_threads)
+        if self.device.type == "cpu":
+            # ~15% faster prefill on the 2-core reference machine (scripts/profile_runner.py --malloc-tune)
+            log.debug("glibc malloc tuned for large activations: %s", tune_malloc())
         torch.manual_seed(self.cfg.model.seed)
         log.info("worker %d on %s (%d torch threads)", self.rank, self.device, torch.get_num_threads())
         self.model_runner = ModelRunner(self.cfg, self.device)
