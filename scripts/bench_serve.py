@@ -274,6 +274,56 @@ def _median(runs: list[dict[str, Any]], *path: str) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
 
+#: Runs where other processes took more of the CPU than this are contaminated (../shared/bench/README.md).
+CLEAN_OTHERS_CPU_FRAC = 0.05
+
+
+def _clean(run: dict[str, Any] | None) -> bool:
+    return bool(run and run.get("cpu") and run["cpu"]["others_cpu_frac"] <= CLEAN_OTHERS_CPU_FRAC)
+
+
+def summarize(
+    args: argparse.Namespace, server_runs: list[dict[str, Any]], offline_runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Medians over the clean (server, offline) pairs when there are any, else over every run."""
+    offline: list[dict[str, Any] | None] = list(offline_runs) or [None] * len(server_runs)
+    pairs = list(zip(server_runs, offline, strict=True))
+    clean = [(s, o) for s, o in pairs if _clean(s) and (o is None or _clean(o))]
+    used = clean or pairs
+    summary: dict[str, Any] = {
+        "workload": str(args.workload),
+        "repeats": len(pairs),
+        "transport": args.transport,
+        "medians_over": f"{len(clean)} clean pair(s)"
+        if clean
+        else f"all {len(pairs)} runs (none clean)",
+    }
+    for name, runs in (
+        ("server", [s for s, _ in used]),
+        ("offline", [o for _, o in used if o is not None]),
+    ):
+        if runs:
+            summary[name] = {
+                "tok_per_s": _median(runs, "tok_per_s"),
+                "ttft_p50_s": _median(runs, "ttft_s", "p50"),
+                "ttft_p99_s": _median(runs, "ttft_s", "p99"),
+                "itl_p50_s": _median(runs, "itl_s", "p50"),
+                "itl_p99_s": _median(runs, "itl_s", "p99"),
+            }
+    summary["others_cpu_frac"] = {
+        "server": [r["cpu"]["others_cpu_frac"] if r.get("cpu") else None for r in server_runs],
+        "offline": [r["cpu"]["others_cpu_frac"] if r.get("cpu") else None for r in offline_runs],
+    }
+    summary["all_requests_ok"] = all(
+        not r["num_errors"] and not r["wrong_token_counts"] for r in server_runs
+    )
+    if "offline" in summary:
+        ratio = summary["server"]["tok_per_s"] / summary["offline"]["tok_per_s"]
+        summary["server_over_offline"] = round(ratio, 3)
+        summary["within_15_percent"] = ratio >= 0.85
+    return summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
@@ -295,30 +345,7 @@ def main() -> int:
             print(
                 f"[{i + 1}/{args.repeats}] offline: {json.dumps(offline_runs[-1])}", file=sys.stderr
             )
-    summary: dict[str, Any] = {
-        "workload": str(args.workload),
-        "repeats": args.repeats,
-        "transport": args.transport,
-    }
-    for name, runs in (("server", server_runs), ("offline", offline_runs)):
-        if runs:
-            summary[name] = {
-                "tok_per_s": _median(runs, "tok_per_s"),
-                "ttft_p50_s": _median(runs, "ttft_s", "p50"),
-                "ttft_p99_s": _median(runs, "ttft_s", "p99"),
-                "itl_p50_s": _median(runs, "itl_s", "p50"),
-                "itl_p99_s": _median(runs, "itl_s", "p99"),
-                "others_cpu_frac": [
-                    r["cpu"]["others_cpu_frac"] if r.get("cpu") else None for r in runs
-                ],
-            }
-    summary["all_requests_ok"] = all(
-        not r["num_errors"] and not r["wrong_token_counts"] for r in server_runs
-    )
-    if offline_runs:
-        ratio = summary["server"]["tok_per_s"] / summary["offline"]["tok_per_s"]
-        summary["server_over_offline"] = round(ratio, 3)
-        summary["within_15_percent"] = ratio >= 0.85
+    summary = summarize(args, server_runs, offline_runs)
     summary["runs"] = {"server": server_runs, "offline": offline_runs}
     if args.json:
         print(json.dumps(summary, indent=2))
