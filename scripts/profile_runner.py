@@ -13,6 +13,8 @@ Phases (greedy, fp32):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -74,7 +76,7 @@ def phase_prefill(runner, reqs, args, num_blocks) -> dict:
             "ms_per_step": round(1e3 * statistics.median(timed.times), 1)}
 
 
-def phase_decode(runner, reqs, args, num_blocks, batch: int, steps: int = 12) -> dict:
+def phase_decode(runner, reqs, args, num_blocks, batch: int, steps: int = 12, prof=None) -> dict:
     runner.input_batch.__init__(runner.max_num_reqs, runner.max_model_len, runner.block_size)
     d, timed = driver(runner, args, num_blocks)
     for r in reqs[:batch]:
@@ -82,8 +84,9 @@ def phase_decode(runner, reqs, args, num_blocks, batch: int, steps: int = 12) ->
     while any(len(r.output) == 0 for r in d.running):  # prefill first, not timed
         d.step()
     timed.times.clear()
-    for _ in range(steps):
-        d.step()
+    with prof or contextlib.nullcontext():
+        for _ in range(steps):
+            d.step()
     ms = 1e3 * statistics.median(timed.times)
     ctx = statistics.mean(len(r["prompt_token_ids"]) for r in reqs[:batch])
     return {"phase": f"decode{batch}", "mean_context": round(ctx), "ms_per_step": round(ms, 1),
@@ -100,8 +103,13 @@ def phase_workload(runner, reqs, args, num_blocks) -> dict:
     d.run()
     wall = time.perf_counter() - t0
     out = sum(len(r.output) for r in d.all.values())
+    # the digest hf_baselines.py prints (transformers generate gives 97fac8475fa226b2 on workload.json)
+    h = hashlib.sha256()
+    for r in reqs[: args.max_num_seqs]:
+        h.update((",".join(map(str, d.all[str(r["id"])].output)) + ";").encode())
     return {"phase": "workload", "requests": len(d.all), "output_tokens": out, "steps": len(timed.times),
-            "wall_s": round(wall, 2), "runner_s": round(sum(timed.times), 2), "tok_per_s": round(out / wall, 1)}
+            "wall_s": round(wall, 2), "runner_s": round(sum(timed.times), 2), "tok_per_s": round(out / wall, 1),
+            "outputs_sha256_16": h.hexdigest()[:16]}
 
 
 def main() -> None:
@@ -131,7 +139,7 @@ def main() -> None:
         "workload": lambda: phase_workload(runner, reqs, args, num_blocks),
     }
     for b in (1, 4, 16, 32, 64):
-        phases[f"decode{b}"] = lambda b=b: phase_decode(runner, reqs, args, num_blocks, b)
+        phases[f"decode{b}"] = lambda b=b, prof=None: phase_decode(runner, reqs, args, num_blocks, b, prof=prof)
     print(json.dumps({"threads": torch.get_num_threads(), "model": args.model, "block_size": args.block_size}))
     for name in args.phases.split(","):
         for _ in range(args.repeat):
@@ -139,8 +147,12 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            phases[args.profile]()
+        prof = profile(activities=[ProfilerActivity.CPU])
+        if args.profile.startswith("decode"):  # only the timed decode steps
+            phases[args.profile](prof=prof)
+        else:
+            with prof:
+                phases[args.profile]()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
 
 

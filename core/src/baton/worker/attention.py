@@ -77,13 +77,12 @@ class PrefillSeq:
     blocks: torch.Tensor | None
     _masks: dict[tuple[int | None, bool], torch.Tensor | None] = field(default_factory=dict)
 
-    def mask(self, window: int | None, causal: bool) -> torch.Tensor | None:
+    def mask(self, window: int | None, causal: bool, device: torch.device) -> torch.Tensor | None:
         """Boolean mask [q_len, prefix_len + q_len] (True = visible), or None for plain causal."""
         key = (window, causal)
         if key in self._masks:
             return self._masks[key]
         s = self.prefix_len + self.q_len
-        device = self.blocks.device if self.blocks is not None else None
         if causal and window is None and self.prefix_len == 0:
             m = None  # SDPA's is_causal
         else:
@@ -190,7 +189,7 @@ def _prefill(
         kvh, d = key.shape[1], key.shape[-1]
         kv = paged.index_select(1, p.blocks).view(2, 1, kvh, -1, d)[..., : p.prefix_len + p.q_len, :]
         k, v = kv[0], kv[1]
-    mask = p.mask(window, causal)
+    mask = p.mask(window, causal, query.device)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale, enable_gqa=True
     )
