@@ -264,8 +264,16 @@ def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
         raise ModelLoadError(f"cannot read the model config in {folder}: {e}") from e
 
 
-def load_model(cfg: BatonConfig, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Load ``cfg.model.name`` onto ``device`` with attn_implementation="baton", in eval mode."""
+def load_model(
+    cfg: BatonConfig, device: torch.device, dtype: torch.dtype | None = None,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
+    """Load ``cfg.model.name`` onto ``device`` with attn_implementation="baton", in eval mode.
+
+    ``prepare(model)`` runs on the loaded model before it moves to ``device``
+    (tensor- and pipeline-parallel workers shard or prune it there, so only
+    their part ever reaches the device).
+    """
     from transformers import AutoModelForCausalLM
 
     from baton.worker import attention
@@ -279,6 +287,8 @@ def load_model(cfg: BatonConfig, device: torch.device, dtype: torch.dtype | None
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
+    if prepare is not None:
+        prepare(model)
     model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -88,7 +88,7 @@ class ModelRunner:
 
         folder = resolve_model(self.cfg.model.name, self.cfg.model.cache_dir)
         self.model_info = read_model_info(folder, self.cfg.model.max_model_len)
-        self.model = load_model(self.cfg, self.device)
+        self.model = load_model(self.cfg, self.device, prepare=self.prepare_model)
         self.hf_config = self.model.config
         text = self.hf_config.get_text_config()
         self.num_layers = text.num_hidden_layers
@@ -104,6 +104,12 @@ class ModelRunner:
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size)
         self.inputs = StepInputBuilder(self.input_batch, self.max_num_tokens, self.device)
         self.sampler = Sampler(self.device, self.cfg.model.seed)
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Hook: change the loaded model (still on CPU) before it moves to the device.
+
+        Parallel runners shard or prune it here; the default leaves it as loaded.
+        """
 
     def _transpose_lm_head(self) -> None:
         head = self.model.get_output_embeddings()

@@ -62,6 +62,9 @@ def tune_malloc() -> bool:
 class Worker:
     """Owns the device choice and a ModelRunner; every public method is an RPC target."""
 
+    #: The runner class init_device builds; tensor- and pipeline-parallel workers use a subclass.
+    runner_cls: type[ModelRunner] = ModelRunner
+
     def __init__(self, cfg: BatonConfig, rank: int = 0) -> None:
         self.cfg = cfg
         self.rank = rank
@@ -79,7 +82,7 @@ class Worker:
             log.debug("glibc malloc tuned for large activations: %s", tune_malloc())
         torch.manual_seed(self.cfg.model.seed)
         log.info("worker %d on %s (%d torch threads)", self.rank, self.device, torch.get_num_threads())
-        self.model_runner = ModelRunner(self.cfg, self.device)
+        self.model_runner = self.runner_cls(self.cfg, self.device)
 
     def load_model(self) -> None:
         self._runner().load_model()
