@@ -373,6 +373,38 @@ def _run_pipelined(d: Driver, depth: int) -> Driver:
     return d
 
 
+def test_max_num_seqs_per_batch_spreads_running_requests_over_the_batches_in_flight():
+    # without the cap every running request lands in the first batch and the second stays empty
+    s = make_scheduler(max_num_seqs=6)
+    s.max_num_seqs_per_batch = 3
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", 5, max_tokens=4))
+    ex = FakeExecutor(block_size=16, num_blocks=256, max_concurrent_batches=2, deep_check=True)
+    so1, so2 = s.schedule(), s.schedule()
+    assert list(so1.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    assert list(so2.num_scheduled_tokens) == ["r3", "r4", "r5"]
+    f1, f2 = ex.execute_model(so1, non_block=True), ex.execute_model(so2, non_block=True)
+    s.update_from_output(so1, f1.result())
+    so3 = s.schedule()  # decodes of the first batch; the second is still in flight
+    assert list(so3.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    assert s.make_stats().num_running_reqs == 6
+    s.update_from_output(so2, f2.result())
+    ex.shutdown()
+
+
+def test_engine_core_caps_batches_by_the_executors_batch_queue():
+    from baton.engine.core import EngineCore
+
+    from .sched_helpers import make_config
+
+    cfg = make_config(max_num_seqs=5)
+    for depth, cap in ((1, 5), (2, 3), (3, 2)):
+        ex = FakeExecutor(block_size=16, num_blocks=256, max_concurrent_batches=depth)
+        core = EngineCore(cfg, executor=ex)
+        assert core.scheduler.max_num_seqs_per_batch == cap
+        core.shutdown()
+
+
 def test_pipelined_run_matches_the_sequential_one_even_with_preemption():
     sequential = Driver(make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=128))
     _workload(sequential)

@@ -67,12 +67,16 @@ class EngineCore:
             self.num_blocks = self._initialize_kv_cache()
             entry = self.registry.get("scheduler_policy", config.scheduler.policy)
             policy = entry.create(config, config.plugin_settings("scheduler", entry.name, entry.settings_model))
-            self.scheduler = Scheduler(config, policy, self.num_blocks, max_model_len=self.info.max_model_len)
+            self.batch_queue_size = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
+            # with a batch queue, cap each batch so that the running requests fill every batch in flight
+            per_batch = -(-config.scheduler.max_num_seqs // self.batch_queue_size) if self.batch_queue_size > 1 else None
+            self.scheduler = Scheduler(
+                config, policy, self.num_blocks, max_model_len=self.info.max_model_len, max_num_seqs_per_batch=per_batch
+            )
             self.structured_output = StructuredOutputManager(config, self.registry, self.info)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.batch_queue_size = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         self.aborts_to_report: list[EngineCoreOutput] = []

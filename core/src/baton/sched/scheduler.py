@@ -62,10 +62,14 @@ class Scheduler:
         num_blocks: int,
         clock: Callable[[], float] = time.monotonic,
         max_model_len: int | None = None,
+        max_num_seqs_per_batch: int | None = None,
     ) -> None:
         self.policy = policy
         self.clock = clock
         self.max_num_seqs = config.scheduler.max_num_seqs
+        #: Most requests in one SchedulerOutput (None: max_num_seqs). The batch queue sets it to
+        #: ceil(max_num_seqs / batches) so that running requests spread over the batches in flight.
+        self.max_num_seqs_per_batch = max_num_seqs_per_batch or self.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
         self.block_size = config.cache.block_size
@@ -191,8 +195,9 @@ class Scheduler:
 
         # running requests: decodes and the next chunks of started prompts
         running = self.running
+        per_batch = self.max_num_seqs_per_batch
         for req in running:
-            if budget <= 0:
+            if budget <= 0 or len(num_scheduled) >= per_batch:
                 break
             rid = req.request_id
             if req.status != _RUNNING or rid in in_flight:
@@ -274,7 +279,8 @@ class Scheduler:
         policy = self.policy
         kv = self.kv
         running = self.running
-        while budget > 0 and len(running) < self.max_num_seqs:
+        per_batch = self.max_num_seqs_per_batch
+        while budget > 0 and len(running) < self.max_num_seqs and len(num_scheduled) < per_batch:
             req = policy.peek(now)
             if req is None:
                 break
