@@ -77,10 +77,19 @@ def test_top_p_support(top_k):
     assert seen <= nucleus and len(seen) > 1
 
 
-def test_top_p_with_a_nucleus_wider_than_the_candidates():
-    logits = torch.zeros(1, V)  # uniform: the 0.9 nucleus has 900 tokens > TOP_P_CANDIDATES
-    seen = {int(sample([SamplingParams(top_p=0.9, seed=s)], logits).token_ids[0]) for s in range(300)}
-    assert max(seen) > sampler_mod.TOP_P_CANDIDATES
+@pytest.mark.parametrize("vocab", [V, 10_000])
+def test_top_p_with_a_nucleus_wider_than_the_candidates(vocab):
+    # nearly uniform, ordered by token id: the 0.9 nucleus is most of the vocabulary, past every
+    # candidate count (V: past the first only)
+    logits = (-torch.arange(vocab, dtype=torch.float32) * 1e-5).expand(2, vocab).contiguous()
+    probs = logits[0].softmax(-1)
+    nucleus = int(((probs.cumsum(0) - probs) < 0.9).sum())
+    for seeded in (True, False):
+        seen = set()
+        for s in range(150):
+            sp = SamplingParams(top_p=0.9, seed=s if seeded else None)
+            seen |= set(sample([sp, sp], logits, seed=s).token_ids.tolist())
+        assert max(seen) > sampler_mod.TOP_P_CANDIDATES[0] and max(seen) < nucleus + 1
 
 
 def test_min_p_support():

@@ -23,8 +23,8 @@ import torch
 from baton.protocol import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
-#: Candidates examined for top-p before falling back to a full sort of the row.
-TOP_P_CANDIDATES = 256
+#: Candidate counts tried in turn for top-p before a full sort of the row.
+TOP_P_CANDIDATES = (256, 4096)
 
 
 def splitmix64(x: int) -> int:
@@ -250,8 +250,8 @@ class _Randomness:
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row of ``probs`` (unnormalised weights >= 0) from uniforms ``u``."""
-    cdf = probs.double().cumsum(dim=-1)
-    target = (u.double() * cdf[:, -1])[:, None]
+    cdf = probs.cumsum(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
     idx = torch.searchsorted(cdf, target, right=True)[:, 0]
     return idx.clamp_(max=probs.shape[-1] - 1)
 
@@ -262,28 +262,38 @@ def _sample_top_k_top_p(
     """Sample rows of scaled logits ``x`` under top-k (0 = off) and top-p (1 = off).
 
     As in vLLM, top-p applies to the distribution renormalised over the top-k.
-    Looks at the best ``max(k, TOP_P_CANDIDATES)`` tokens; a row whose nucleus is
-    not inside them is redone over its fully sorted vocabulary.
+    Looks at the best ``TOP_P_CANDIDATES[0]`` (at least k) tokens first; a row
+    whose nucleus is not inside them is retried with the next, larger count,
+    and finally over its fully sorted vocabulary.
     """
-    vocab = x.shape[1]
-    k_eff = torch.where(k > 0, k, torch.full_like(k, vocab)).clamp_(max=vocab)
+    n, vocab = x.shape
+    out = torch.empty(n, dtype=torch.long, device=x.device)
     has_k = k > 0
-    cand = int(min(vocab, max(TOP_P_CANDIDATES, int(k[has_k].max()) if bool(has_k.any()) else 0)))
-    vals, ids = x.topk(cand, dim=-1)  # sorted, descending
-    ranks = torch.arange(cand, device=x.device)
-    vals = vals.masked_fill(ranks[None, :] >= k_eff[:, None], float("-inf"))
-    # normaliser: over the top-k when a row has one (all inside the candidates), else over the vocabulary
-    lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(x, dim=-1))
-    probs = torch.exp(vals - lse[:, None])
-    cum = probs.cumsum(dim=-1)
-    out = rand.draw(probs * _nucleus(probs, cum, p), ids, rows)
-    # rows without top-k whose nucleus reaches past the candidates: redo over the full vocabulary
-    spill = (~has_k) & (cum[:, -1] < p) & (cand < vocab)
-    if bool(spill.any()):
-        r = spill.nonzero().flatten()
-        svals, sids = x[r].sort(dim=-1, descending=True)
-        sprobs = torch.softmax(svals, dim=-1)
-        out[r] = rand.draw(sprobs * _nucleus(sprobs, sprobs.cumsum(dim=-1), p[r]), sids, [rows[i] for i in r.tolist()])
+    k_eff = torch.where(has_k, k, torch.full_like(k, vocab)).clamp_(max=vocab)
+    lse_full = torch.logsumexp(x, dim=-1)  # normaliser of the rows without top-k
+    k_max = int(k[has_k].max()) if bool(has_k.any()) else 0
+    sizes = sorted({min(vocab, max(c, k_max)) for c in TOP_P_CANDIDATES} | {vocab})
+    todo = torch.arange(n, device=x.device)
+    for cand in sizes:
+        xs = x[todo]
+        if cand < vocab:
+            vals, ids = xs.topk(cand, dim=-1)  # sorted, descending
+        else:
+            vals, ids = xs.sort(dim=-1, descending=True)
+        ranks = torch.arange(cand, device=x.device)
+        vals = vals.masked_fill(ranks[None, :] >= k_eff[todo][:, None], float("-inf"))
+        lse = torch.where(has_k[todo], torch.logsumexp(vals, dim=-1), lse_full[todo])
+        probs = torch.exp(vals - lse[:, None])
+        cum = probs.cumsum(dim=-1)
+        # done: the top-k lies inside the candidates, or so does the nucleus
+        done = has_k[todo] | (cum[:, -1] >= p[todo]) | (cand == vocab)
+        d = done.nonzero().flatten()
+        if len(d):
+            keep = _nucleus(probs[d], cum[d], p[todo[d]])
+            out[todo[d]] = rand.draw(probs[d] * keep, ids[d], [rows[i] for i in todo[d].tolist()])
+        todo = todo[~done]
+        if len(todo) == 0:
+            break
     return out
 
 
