@@ -1,0 +1,127 @@
+"""Starting the workers of a multiprocess executor: settings, device, channel, processes.
+
+Workers are started with the "spawn" method (a fresh interpreter: no CUDA or
+thread state inherited) as daemonic processes, so they also end with their
+parent; each also watches ``os.getppid()`` itself (baton.worker.worker_proc).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from baton.config import BatonConfig
+from baton.errors import ExecutorError
+
+#: Transports tried by ``transport = "auto"``, fastest first (docs/parallel.md has the figures).
+AUTO_TRANSPORTS = ("shm", "zmq")
+
+
+class MultiprocSettings(BaseModel):
+    """Settings every multiprocess executor takes (``[executor.cuda-tp]``, ``[executor.pipeline]``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transport: str = "auto"
+    """Channel between the executor and its workers: any multiprocess transport (shm, zmq);
+    "auto" takes shm when installed, else zmq."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; "auto" is nccl on CUDA, gloo on CPU."""
+    step_timeout: float = Field(120.0, gt=0)
+    """Seconds a step may stay unanswered before the executor declares a worker hung and fails."""
+    startup_timeout: float = Field(600.0, gt=0)
+    """Seconds the workers may take to load their shards, size and warm up the KV cache."""
+    dist_timeout: float = Field(600.0, gt=0)
+    """torch.distributed timeout of the rendezvous and of every collective."""
+
+
+def pick_device(config: BatonConfig, world_size: int, name: str) -> str:
+    """ "cpu" or "cuda" for ``executor.device``; ExecutorError when there are fewer GPUs than workers."""
+    import torch
+
+    device = config.executor.device
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ExecutorError(
+            f"executor.device={device!r} but torch sees no CUDA device; use 'cpu' or 'auto'"
+        )
+    if torch.cuda.device_count() < world_size:
+        raise ExecutorError(
+            f"executor {name!r} needs {world_size} CUDA devices (one per worker) but "
+            f"{torch.cuda.device_count()} are visible; lower tensor/pipeline_parallel_size or use device='cpu'"
+        )
+    return "cuda"
+
+
+def pick_transport(config: BatonConfig, name: str) -> Any:
+    """The transport of the worker channel: ``name``, or for "auto" the first of AUTO_TRANSPORTS installed."""
+    from baton.plugins import get_registry
+
+    registry = get_registry()
+    if name == "auto":
+        installed = set(registry.names("transport"))
+        name = next((n for n in AUTO_TRANSPORTS if n in installed), "")
+        if not name:
+            raise ExecutorError(
+                "a multiprocess executor needs a multiprocess transport for its workers and none is "
+                "installed: pip install baton-plugin-shm (or baton-plugin-zmq)"
+            )
+    entry = registry.get("transport", name)
+    transport = entry.create(
+        config, config.plugin_settings("transport", entry.name, entry.settings_model)
+    )
+    if not transport.multiprocess:
+        raise ExecutorError(
+            f"transport {name!r} cannot reach other processes; choose shm or zmq for the workers"
+        )
+    return transport
+
+
+def worker_config(config: BatonConfig, rank: int, world_size: int, device: str) -> BatonConfig:
+    """``config`` for one worker: its own device, and on CPU an equal share of the cores."""
+    threads = config.executor.num_threads
+    if threads is None and device == "cpu":  # the workers share the cores
+        threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+    return config.replace(
+        **{
+            "executor.device": f"cuda:{rank}" if device == "cuda" else "cpu",
+            "executor.num_threads": threads,
+        }
+    )
+
+
+def spawn_workers(
+    ex: Any, transport: Any, backend: str, device: str, store_port: int
+) -> list[multiprocessing.process.BaseProcess]:
+    """Start one process per rank of executor ``ex`` (a MultiprocExecutor)."""
+    from baton.plugins import get_registry
+    from baton.worker.worker_proc import WorkerBootstrap, worker_main
+
+    ctx = multiprocessing.get_context("spawn")
+    fingerprint = get_registry().fingerprint()
+    procs = []
+    for rank in range(ex.world_size):
+        boot = WorkerBootstrap(
+            config=worker_config(ex.config, rank, ex.world_size, device),
+            rank=rank,
+            tp_size=ex.tp_size,
+            pp_size=ex.pp_size,
+            backend=backend,
+            store_port=store_port,
+            transport=transport,
+            address=ex.channel.address,
+            runner_cls=ex.runner_cls,
+            parent_fingerprint=fingerprint,
+            parent_pid=os.getpid(),
+            dist_timeout_s=ex.settings.dist_timeout,
+        )
+        p = ctx.Process(
+            target=worker_main, args=(boot,), name=f"baton-{ex.name}-worker-{rank}", daemon=True
+        )
+        p.start()
+        procs.append(p)
+    return procs

@@ -1,0 +1,154 @@
+"""Shared checks for the multiprocess executors (cuda-tp, pipeline): parity, worker death, leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from baton import LLM, SamplingParams
+from baton.errors import EngineDeadError, ExecutorError
+from baton.testing.conformance.executor import ExecutorConformance
+
+from tests.e2e.conftest import _children, no_leaks  # noqa: F401  (the fixture, re-exported)
+from tests.e2e.parity import PROMPTS, assert_parity
+
+MAX_NEW = 40
+#: chunked prefill with a small token budget, prompts across blocks (as tests/e2e/test_parity.py)
+PARITY_BASE = dict(
+    block_size=8,
+    max_num_batched_tokens=96,
+    enable_chunked_prefill=True,
+    enable_prefix_caching=True,
+    max_model_len=512,
+    device="cpu",
+    num_threads=1,
+)
+
+
+def generate(
+    model_dir: Path, prompt_ids: list[list[int]], passes: int = 1, **overrides: Any
+) -> list[list[list[int]]]:
+    """Greedy tokens of ``passes`` runs of the prompts in one engine (later passes hit the prefix cache)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = []
+    with LLM(model=str(model_dir), **{**PARITY_BASE, **overrides}) as llm:
+        for _ in range(passes):
+            res = llm.generate(
+                [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+            )
+            out.append([o.outputs[0].token_ids for o in res])
+            cached = sum(o.num_cached_tokens for o in res)
+        assert passes == 1 or cached > 0, "the second pass should start from cached prefixes"
+    return out
+
+
+def check_parity(model_dir: Path, tokenizer: Any, **parallel: Any) -> None:
+    """The parallel executor's tokens equal uniproc's (near-tie rule), fresh and from the prefix cache."""
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    (ref,) = generate(model_dir, prompt_ids)
+    for ours in generate(model_dir, prompt_ids, passes=2, **parallel):
+        assert_parity(model_dir, prompt_ids, ours, ref)
+
+
+def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: Any) -> None:
+    """SIGKILL one worker mid-generation: EngineDeadError within 5 s, every later call too."""
+    import psutil
+
+    llm = LLM(
+        model=model_dir,
+        max_model_len=256,
+        transport=transport,
+        device="cpu",
+        num_threads=1,
+        **parallel,
+    )
+    try:
+        engine = (
+            psutil.Process(llm.engine.resources.procs[0].pid)
+            if transport != "inproc"
+            else psutil.Process()
+        )
+        workers = [p for p in engine.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers) >= 2, workers
+        victim = workers[-1].pid
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Timer(1.5, kill)
+        killer.start()
+        with pytest.raises(EngineDeadError):
+            llm.generate(
+                ["x " * 10] * 4,
+                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
+                use_tqdm=False,
+            )
+        killer.join()
+        assert killed_at and time.monotonic() - killed_at[0] < 5.0
+        with pytest.raises(EngineDeadError):  # and every later call
+            llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+class ParallelConformance(ExecutorConformance):
+    """The executor suite for a multiprocess executor on a tiny model; subclasses set ``overrides``."""
+
+    rpc_method = "check_health"
+    overrides: dict[str, Any] = {}
+
+    def engine_config(self):
+        from baton.testing.tiny_model import tiny_model
+
+        return (
+            super()
+            .engine_config()
+            .replace(
+                model=str(tiny_model("llama")),
+                kv_cache_memory="64MiB",
+                num_threads=1,
+                **self.overrides,
+            )
+        )
+
+    @pytest.fixture
+    def executor(self, config):
+        from baton.plugins import get_registry
+
+        entry = get_registry().get("executor", config.executor.backend)
+        ex = entry.create(
+            config, config.plugin_settings("executor", entry.name, entry.settings_model)
+        )
+        yield ex
+        ex.shutdown()
+        assert all(not p.is_alive() for p in ex.procs), "a worker outlived shutdown"
+
+    def inject_failure(self, executor) -> bool:
+        os.kill(executor.worker_pids()[-1], signal.SIGKILL)  # a real death, not a simulated one
+        return True
+
+
+def check_hang_is_detected(executor: Any) -> None:
+    """A stopped worker leaves the step unanswered: the failure callback runs after step_timeout."""
+    from baton.protocol import SchedulerOutput
+
+    failed = threading.Event()
+    executor.register_failure_callback(lambda e: failed.set())
+    victim = executor.worker_pids()[0]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        future = executor.execute_model(SchedulerOutput(step_id=1), non_block=True)
+        assert failed.wait(executor.settings.step_timeout + 5.0)
+        assert time.monotonic() - t0 >= executor.settings.step_timeout * 0.9
+        with pytest.raises(ExecutorError, match="step_timeout"):
+            future.result(timeout=5)
+    finally:
+        os.kill(victim, signal.SIGCONT)
