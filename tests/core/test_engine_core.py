@@ -136,3 +136,23 @@ def test_structured_output_without_backend_names_the_plugin():
     with pytest.raises(Exception, match="pip install baton-plugin-xgrammar"):
         core.add_request(req("j", structured_outputs=StructuredOutputSpec(regex="[ab]+")))
     assert not core.has_work()
+
+
+def test_batch_queue_yields_the_cpu_when_requests_wait_but_nothing_can_be_scheduled(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from baton.engine import core as core_module
+    from baton.protocol import SchedulerOutput
+
+    core = make_core(max_concurrent_batches=2)
+    core.add_request(req("r0"))
+    # e.g. the only request waits for its grammar: schedule() finds nothing to run
+    monkeypatch.setattr(core.scheduler, "schedule", lambda: SchedulerOutput(step_id=1))
+    sleeps: list[float] = []
+    monkeypatch.setattr(core_module, "time", SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
+    for _ in range(3):
+        _, ran = core.step_fn()
+        assert not ran
+    assert sleeps == [core_module.IDLE_YIELD_S] * 3
+    core.shutdown()
