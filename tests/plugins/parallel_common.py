@@ -14,7 +14,7 @@ from baton import LLM, SamplingParams
 from baton.errors import EngineDeadError, ExecutorError
 from baton.testing.conformance.executor import ExecutorConformance
 
-from tests.e2e.conftest import _children, no_leaks  # noqa: F401  (the fixture, re-exported)
+from tests.e2e.conftest import _children
 from tests.e2e.parity import PROMPTS, assert_parity
 
 MAX_NEW = 40
@@ -37,6 +37,13 @@ def generate(
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     out = []
     with LLM(model=str(model_dir), **{**PARITY_BASE, **overrides}) as llm:
+        if "executor" in overrides:  # inproc transport: the executor's workers are our children
+            want = overrides.get("tensor_parallel_size", 1) * overrides.get(
+                "pipeline_parallel_size", 1
+            )
+            assert len(_children()) >= want, (
+                f"expected {want} worker processes, found {_children()}"
+            )
         for _ in range(passes):
             res = llm.generate(
                 [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
@@ -56,12 +63,17 @@ def check_parity(model_dir: Path, tokenizer: Any, **parallel: Any) -> None:
 
 
 def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: Any) -> None:
-    """SIGKILL one worker mid-generation: EngineDeadError within 5 s, every later call too."""
+    """SIGKILL one worker mid-generation: EngineDeadError within 5 s, every later call too.
+
+    With the inproc transport the core runs in the caller's thread (InprocClient), which
+    surfaces the executor's own ExecutorError instead, as it does for the uniproc executor.
+    """
+    dead = EngineDeadError if transport != "inproc" else ExecutorError
     import psutil
 
     llm = LLM(
         model=model_dir,
-        max_model_len=256,
+        max_model_len=2048,
         transport=transport,
         device="cpu",
         num_threads=1,
@@ -84,7 +96,7 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
 
         killer = threading.Timer(1.5, kill)
         killer.start()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(dead):
             llm.generate(
                 ["x " * 10] * 4,
                 SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
@@ -92,7 +104,7 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
             )
         killer.join()
         assert killed_at and time.monotonic() - killed_at[0] < 5.0
-        with pytest.raises(EngineDeadError):  # and every later call
+        with pytest.raises(dead):  # and every later call
             llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         llm.shutdown()
@@ -136,17 +148,41 @@ class ParallelConformance(ExecutorConformance):
 
 
 def check_hang_is_detected(executor: Any) -> None:
-    """A stopped worker leaves the step unanswered: the failure callback runs after step_timeout."""
-    from baton.protocol import SchedulerOutput
+    """A stopped (SIGSTOP) worker leaves a real step unanswered: the failure callback runs after step_timeout."""
+    from baton.protocol import KVCacheConfig
+    from baton.request import Request
+    from baton.sampling_params import SamplingParams
+    from baton.sched.policies import FCFSPolicy
+    from baton.sched.scheduler import Scheduler
 
+    cfg = executor.config
+    fit = min(
+        m // s.page_size_bytes
+        for s, m in zip(
+            executor.get_kv_cache_specs(), executor.determine_available_memory(), strict=True
+        )
+    )
+    blocks = min(fit, 64)
+    executor.initialize_kv_cache(KVCacheConfig(num_blocks=blocks, block_size=cfg.cache.block_size))
+    sched = Scheduler(cfg, FCFSPolicy(), blocks, max_model_len=cfg.model.max_model_len)
+    sched.add_request(
+        Request(
+            "h",
+            list(range(3, 40)),
+            SamplingParams(max_tokens=4, temperature=0.0),
+            eos_token_id=None,
+        )
+    )
     failed = threading.Event()
     executor.register_failure_callback(lambda e: failed.set())
-    victim = executor.worker_pids()[0]
+    victim = executor.worker_pids()[
+        0 if executor.driver else 1
+    ]  # not the driver: it waits for the victim
     os.kill(victim, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        future = executor.execute_model(SchedulerOutput(step_id=1), non_block=True)
-        assert failed.wait(executor.settings.step_timeout + 5.0)
+        future = executor.execute_model(sched.schedule(), non_block=True)
+        assert failed.wait(executor.settings.step_timeout + 5.0), "the hang was not detected"
         assert time.monotonic() - t0 >= executor.settings.step_timeout * 0.9
         with pytest.raises(ExecutorError, match="step_timeout"):
             future.result(timeout=5)

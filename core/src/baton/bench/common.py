@@ -84,9 +84,29 @@ def _proc_stat() -> tuple[int, int, int] | None:
 
 
 def _self_ticks() -> int:
-    """CPU ticks of this process and its waited-for children (the engine process counts as ours)."""
+    """CPU ticks of this process and all its descendants (engine process, executor workers).
+
+    Waited-for children are in ``os.times()``; live ones (workers run during the
+    measurement) are added from psutil, with what they reaped themselves.
+    """
     t = os.times()
-    return int((t.user + t.system + t.children_user + t.children_system) * os.sysconf("SC_CLK_TCK"))
+    seconds = t.user + t.system + t.children_user + t.children_system + _live_descendants_cpu()
+    return int(seconds * os.sysconf("SC_CLK_TCK"))
+
+
+def _live_descendants_cpu() -> float:
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency of baton-core
+        return 0.0
+    total = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            c = p.cpu_times()
+        except psutil.Error:  # gone meanwhile: its parent's children_* times hold it once reaped
+            continue
+        total += c.user + c.system + c.children_user + c.children_system
+    return total
 
 
 # --------------------------------------------------------------------------- workloads

@@ -25,6 +25,7 @@ import pickle
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -98,6 +99,8 @@ class MultiprocExecutor:
         self.procs: list[Any] = []
         self.channel: Any = None
         self._store: Any = None
+        #: Seconds each step's broadcast took here: encode the SchedulerOutput, send it to every worker.
+        self.broadcast_s: deque[float] = deque(maxlen=4096)
         self._reader = threading.Thread(
             target=self._read_loop, name=f"baton-{self.name}-reader", daemon=True
         )
@@ -328,10 +331,13 @@ class MultiprocExecutor:
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput | None] | None:
+        t0 = time.perf_counter()
         with self._send_lock:
             payload = self._encoder.encode(scheduler_output)
         call = self._new_call(Kind.EXECUTE, {self.driver}, self.settings.step_timeout)
         self._send(Kind.EXECUTE, call, payload, range(self.world_size))
+        if scheduler_output.total_num_scheduled_tokens:
+            self.broadcast_s.append(time.perf_counter() - t0)
         return call.future if non_block else call.future.result()
 
     def sample_tokens(

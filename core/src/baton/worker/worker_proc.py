@@ -278,6 +278,8 @@ class WorkerProc:
             self.ctx.wait_sends()
             if dist.is_initialized():
                 dist.destroy_process_group()
+        except RuntimeError as e:  # a peer died: its connections are gone, nothing left to flush
+            log.info("worker %d: closing the process group: %s", self.rank, e)
         finally:
             self.channel.close()
 

@@ -1,0 +1,50 @@
+"""A stage killed or hung: the executor fails fast, the engine reports EngineDeadError, nothing is left."""
+
+from __future__ import annotations
+
+import pytest
+from baton.config import BatonConfig
+from baton.errors import ConfigError
+from baton.testing.tiny_model import tiny_model
+from baton_pipeline.executor import PipelineExecutor
+from baton_pipeline.plugin import PipelineSettings
+
+from tests.plugins.parallel_common import (
+    _children,
+    check_hang_is_detected,
+    sigkill_worker_is_engine_dead,
+)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "zmq"])
+def test_sigkill_of_a_stage_is_engine_dead_within_5_s(transport, no_leaks):
+    sigkill_worker_is_engine_dead(
+        str(tiny_model("llama")), transport, executor="pipeline", pipeline_parallel_size=2
+    )
+
+
+def test_a_hung_stage_fails_the_executor_after_step_timeout(no_leaks):
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        executor="pipeline",
+        pipeline_parallel_size=2,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+    )
+    ex = PipelineExecutor(cfg, PipelineSettings(step_timeout=2.0))
+    try:
+        check_hang_is_detected(ex)
+    finally:
+        ex.shutdown()
+
+
+def test_more_stages_than_layers_is_refused_before_any_worker_starts():
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")), executor="pipeline", pipeline_parallel_size=4, device="cpu"
+    )
+    with pytest.raises(
+        ConfigError, match="pipeline_parallel_size=4 but the model has only 3 layers"
+    ):
+        PipelineExecutor(cfg)
+    assert not _children()
