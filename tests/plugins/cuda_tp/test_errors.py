@@ -41,7 +41,7 @@ def test_smollm2_heads_suggest_the_sizes_that_work(default_model_dir):
 
 
 def test_pipeline_parallel_size_is_refused_with_a_pointer_to_the_pipeline_executor():
-    with pytest.raises(ConfigError, match="executor.backend = 'pipeline'"):
+    with pytest.raises(ConfigError, match=r"executor\.backend = 'pipeline'"):
         TensorParallelExecutor(
             _config(tiny_model("llama"), tensor_parallel_size=2, pipeline_parallel_size=2)
         )

@@ -34,7 +34,7 @@ def test_chained_stages_give_the_models_logits(arch, pp):
         stages = [copy.deepcopy(model) for _ in range(pp)]
         ios = [cut_stage(m, s, pp) for s, m in enumerate(stages)]
         hidden = None
-        for s, (m, io) in enumerate(zip(stages, ios, strict=True)):
+        for m, io in zip(stages, ios, strict=True):
             io.input = hidden
             io.capture = not io.is_last
             out = m(input_ids=ids).logits
