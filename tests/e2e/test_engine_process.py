@@ -64,15 +64,23 @@ def _engine_pid(llm) -> int:
 def test_sigkill_mid_generation_raises_engine_dead_in_sync_client(transport, model_dir, no_leaks):
     llm = LLM(model=model_dir, max_model_len=256, transport=transport)
     try:
-        killer = threading.Timer(1.0, os.kill, (_engine_pid(llm), signal.SIGKILL))
-        killer.start()
-        t0 = time.monotonic()
+        # kill the engine once the first outputs arrived: a timer would race a fast machine
+        killed_at: list[float] = []
+        get_output = llm.engine.get_output
+
+        def get_output_then_kill():
+            out = get_output()
+            if not killed_at:
+                os.kill(_engine_pid(llm), signal.SIGKILL)
+                killed_at.append(time.monotonic())
+            return out
+
+        llm.engine.get_output = get_output_then_kill
         with pytest.raises(EngineDeadError):
             llm.generate(["x " * 10] * 4, SamplingParams(max_tokens=200, ignore_eos=True, temperature=0), use_tqdm=False)
-        assert time.monotonic() - t0 < 1.0 + 5.0
+        assert killed_at and time.monotonic() - killed_at[0] < 5.0
         with pytest.raises(EngineDeadError):  # and every later call
             llm.generate("again", GREEDY, use_tqdm=False)
-        killer.join()
     finally:
         llm.shutdown()
 
@@ -82,13 +90,15 @@ async def test_sigkill_raises_engine_dead_in_async_client(transport, model_dir, 
     llm = await AsyncLLM.create(model=model_dir, max_model_len=256, transport=transport)
     try:
         params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+        first = asyncio.Event()
 
         async def consume():
             async for _ in llm.generate("streaming", params):
+                first.set()
                 await asyncio.sleep(0.005)
 
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(first.wait(), timeout=60)  # kill mid-stream, not after a timer
         os.kill(_engine_pid(llm), signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError):

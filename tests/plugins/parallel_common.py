@@ -89,20 +89,22 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
         assert len(workers) >= 2, workers
         victim = workers[-1].pid
         killed_at: list[float] = []
+        get_output = llm.engine.get_output
 
-        def kill() -> None:
-            killed_at.append(time.monotonic())
-            os.kill(victim, signal.SIGKILL)
+        def get_output_then_kill():  # kill once tokens flow: a timer would race a fast machine
+            out = get_output()
+            if not killed_at:
+                os.kill(victim, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+            return out
 
-        killer = threading.Timer(1.5, kill)
-        killer.start()
+        llm.engine.get_output = get_output_then_kill
         with pytest.raises(dead):
             llm.generate(
                 ["x " * 10] * 4,
                 SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
                 use_tqdm=False,
             )
-        killer.join()
         assert killed_at and time.monotonic() - killed_at[0] < 5.0
         with pytest.raises(dead):  # and every later call
             llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
@@ -141,6 +143,12 @@ class ParallelConformance(ExecutorConformance):
         yield ex
         ex.shutdown()
         assert all(not p.is_alive() for p in ex.procs), "a worker outlived shutdown"
+
+    def test_unknown_rpc_method_is_refused_and_the_executor_stays_healthy(self, executor):
+        with pytest.raises(ExecutorError, match="no method 'no_such_method'"):
+            executor.collective_rpc("no_such_method")
+        executor.check_health()
+        assert len(executor.collective_rpc("check_health")) == executor.world_size
 
     def inject_failure(self, executor) -> bool:
         os.kill(executor.worker_pids()[-1], signal.SIGKILL)  # a real death, not a simulated one

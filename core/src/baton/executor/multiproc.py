@@ -311,6 +311,11 @@ class MultiprocExecutor:
         kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
+        if isinstance(method, str):
+            from baton.worker.worker import Worker
+
+            if not callable(getattr(Worker, method, None)):  # a typo must not fail every worker
+                raise ExecutorError(f"the worker has no method {method!r}")
         payload = pickle.dumps(
             (method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL
         )

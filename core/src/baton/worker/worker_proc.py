@@ -227,7 +227,7 @@ class WorkerProc:
             try:
                 self._handle(Kind(kind), call_id, frames[1:], delivery)
             except Exception as e:  # reported; the executor fails and shuts every rank down
-                self._fail(Kind(kind), call_id, e)
+                self._fail(Kind(kind) if kind in Kind._value2member_map_ else Kind.RPC, call_id, e)
 
     def _handle(self, kind: Kind, call_id: int, payload: list[Any], delivery: float | None) -> None:
         if kind == Kind.EXECUTE:
