@@ -41,9 +41,18 @@ def main() -> int:
     workload = str(bench / ("workload_small.json" if quick else "workload.json"))
     model_dir = str(resolve_model("smollm2-135m-instruct"))
     baton = [sys.executable, "-m", "baton.cli.main"]
-    hf = [sys.executable, str(bench / "hf_baselines.py"), "--workload", workload, "--model-dir", model_dir]
+    hf = [
+        sys.executable,
+        str(bench / "hf_baselines.py"),
+        "--workload",
+        workload,
+        "--model-dir",
+        model_dir,
+    ]
     results = {
-        "baton_throughput": run([*baton, "bench", "throughput", "--json", "--workload", workload, "--repeats", REPEATS]),
+        "baton_throughput": run(
+            [*baton, "bench", "throughput", "--json", "--workload", workload, "--repeats", REPEATS]
+        ),
         "hf_static": run([*hf, "--mode", "generate-static", "--repeats", REPEATS]),
     }
     if not quick:
@@ -62,10 +71,14 @@ def main() -> int:
     lat = results["baton_latency"].get("decode_tok_per_s", {}).get("median")
     hf_lat = results["hf_latency"].get("generate_decode_tok_per_s", {}).get("median")
     if lat and hf_lat:
-        print(f"batch-1 decode: baton {lat:.1f} tok/s vs transformers {hf_lat:.1f} tok/s: {lat / hf_lat:.2f}x")
+        print(
+            f"batch-1 decode: baton {lat:.1f} tok/s vs transformers {hf_lat:.1f} tok/s: {lat / hf_lat:.2f}x"
+        )
     d = results["baton_throughput"].get("outputs_sha256_16")
     h = results["hf_static"].get("runs", [{}])[-1].get("outputs_sha256_16")
-    print(f"digest: baton {d} vs transformers {h} ({'equal' if d == h else 'DIFFERENT: see the parity tests for near-ties'})")
+    print(
+        f"digest: baton {d} vs transformers {h} ({'equal' if d == h else 'DIFFERENT: see the parity tests for near-ties'})"
+    )
     Path(".bench").mkdir(exist_ok=True)
     Path(".bench/last.json").write_text(json.dumps(results, indent=1))
     return 0

@@ -16,6 +16,7 @@ Throughput here is a by-product; ``baton bench throughput`` gives the official
 figures. The machine is shared: each run reports others_cpu_frac.
 
     .venv/bin/python scripts/bench_parallel.py [--workload W] [--repeats 3] [--transports shm,zmq] [--json]
+    .venv/bin/python scripts/bench_parallel.py --round-trip 2000 [--transports shm,zmq]
 """
 
 from __future__ import annotations
@@ -106,6 +107,41 @@ def bench(
         core.shutdown()
 
 
+def bench_round_trip(transport: str, steps: int, world: int) -> dict[str, Any]:
+    """Round trip of an empty step (broadcast to ``world`` workers + the driver's answer), tiny model."""
+    from baton.config import BatonConfig
+    from baton.plugins import get_registry
+    from baton.protocol import SchedulerOutput
+    from baton.testing.tiny_model import tiny_model
+
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        device="cpu",
+        num_threads=1,
+        executor="cuda-tp",
+        tensor_parallel_size=world,
+        **{"executor.cuda-tp": {"transport": transport}},
+    )
+    entry = get_registry().get("executor", "cuda-tp")
+    ex = entry.create(cfg, cfg.plugin_settings("executor", "cuda-tp", entry.settings_model))
+    try:
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            ex.execute_model(SchedulerOutput(step_id=i + 1))
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return {
+            "transport": transport,
+            "workers": world,
+            "steps": steps,
+            "round_trip_us_p50": round(statistics.median(times) * 1e6, 1),
+            "round_trip_us_p90": round(times[int(0.9 * len(times))] * 1e6, 1),
+        }
+    finally:
+        ex.shutdown()
+
+
 def _rank_summary(s: dict[str, Any]) -> dict[str, Any]:
     keep = {
         "rank": s["rank"],
@@ -127,7 +163,22 @@ def main() -> None:
     p.add_argument("--configs", default="tp1,tp2,pp2")
     p.add_argument("--transports", default="shm,zmq", help="worker-channel transports to compare")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--round-trip",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: round trip of STEPS empty steps to 2 workers over each transport",
+    )
     args = p.parse_args()
+    if args.round_trip:
+        from baton.bench.common import CpuMonitor
+
+        for t in args.transports.split(","):
+            with CpuMonitor() as mon:
+                res = bench_round_trip(t, args.round_trip, 2)
+            print(json.dumps({**res, **(mon.result or {})}), flush=True)
+        return
     from baton.bench.common import load_workload
 
     wl = load_workload(args.workload)

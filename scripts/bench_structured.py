@@ -36,7 +36,6 @@ from baton.frontend.tokenizer import load_tokenizer
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, StructuredOutputSpec
 from baton.worker import model_runner
-
 from tests.plugins.xgrammar.test_model import PERSON_SCHEMA
 
 BATCH = 64

@@ -30,7 +30,9 @@ TIE_GAP = 1e-4
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workload", default=str(default_bench_dir() / "workload.json"))
     ap.add_argument("--hf-outputs", help="reuse a --dump-outputs file of hf_baselines.py")
     a = ap.parse_args()
@@ -40,15 +42,28 @@ def main() -> int:
     with LLM(model=str(model_dir)) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": r.prompt_token_ids} for r in wl.requests],
-            [SamplingParams(temperature=0, max_tokens=r.max_new_tokens, ignore_eos=True) for r in wl.requests],
+            [
+                SamplingParams(temperature=0, max_tokens=r.max_new_tokens, ignore_eos=True)
+                for r in wl.requests
+            ],
         )
     ours = {r.id: o.outputs[0].token_ids for r, o in zip(wl.requests, outs, strict=True)}
 
     hf_file = a.hf_outputs
     if hf_file is None:
         hf_file = os.path.join(tempfile.mkdtemp(), "hf.json")
-        cmd = [sys.executable, str(default_bench_dir() / "hf_baselines.py"), "--workload", a.workload,
-               "--mode", "generate-static", "--model-dir", str(model_dir), "--dump-outputs", hf_file]
+        cmd = [
+            sys.executable,
+            str(default_bench_dir() / "hf_baselines.py"),
+            "--workload",
+            a.workload,
+            "--mode",
+            "generate-static",
+            "--model-dir",
+            str(model_dir),
+            "--dump-outputs",
+            hf_file,
+        ]
         print("$", " ".join(cmd), file=sys.stderr)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     ref = json.loads(Path(hf_file).read_text())["outputs"]
@@ -61,19 +76,26 @@ def main() -> int:
         a_, b_ = ours[r.id], ref[r.id]
         if a_ == b_:
             continue
-        k = next((j for j, (x, y) in enumerate(zip(a_, b_)) if x != y), min(len(a_), len(b_)))
+        k = next(
+            (j for j, (x, y) in enumerate(zip(a_, b_, strict=False)) if x != y),
+            min(len(a_), len(b_)),
+        )
         with torch.inference_mode():
             logits = model(torch.tensor([r.prompt_token_ids + b_[:k]])).logits[0, -1]
         top = torch.topk(logits, 2)
         gap = float(top.values[0] - top.values[1])
         tie = gap < TIE_GAP
         bad += not tie
-        print(f"{r.id}: diverges at output token {k}/{len(b_)}: baton {a_[k]} vs transformers {b_[k]}, "
-              f"top-2 gap {gap:.2e} -> {'near-tie' if tie else 'NOT a near-tie'}")
+        print(
+            f"{r.id}: diverges at output token {k}/{len(b_)}: baton {a_[k]} vs transformers {b_[k]}, "
+            f"top-2 gap {gap:.2e} -> {'near-tie' if tie else 'NOT a near-tie'}"
+        )
     d_ours = digest(ours[r.id] for r in wl.requests)
     d_ref = digest(ref[r.id] for r in wl.requests)
-    print(f"digest baton {d_ours} / transformers {d_ref}: "
-          f"{'equal' if d_ours == d_ref else 'different'}; requests not explained by a near-tie: {bad}")
+    print(
+        f"digest baton {d_ours} / transformers {d_ref}: "
+        f"{'equal' if d_ours == d_ref else 'different'}; requests not explained by a near-tie: {bad}"
+    )
     return 1 if bad else 0
 
 

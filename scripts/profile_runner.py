@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+
 from baton.config import BatonConfig
 from baton.protocol import KVCacheConfig
 from baton.sampling_params import SamplingParams
@@ -51,8 +52,13 @@ class Timed:
 
 
 def make_runner(args, num_blocks: int) -> ModelRunner:
-    cfg = BatonConfig.load(model=args.model, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.budget, num_threads=args.threads)
+    cfg = BatonConfig.load(
+        model=args.model,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.budget,
+        num_threads=args.threads,
+    )
     runner = ModelRunner(cfg, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=num_blocks, block_size=args.block_size))
@@ -71,9 +77,13 @@ def phase_prefill(runner, reqs, args, num_blocks) -> dict:
         d.add(str(r["id"]), r["prompt_token_ids"], max_tokens=1)
     d.run()
     total = sum(timed.tokens)
-    return {"phase": "prefill", "steps": len(timed.times), "tokens": total,
-            "tok_per_s": round(total / sum(timed.times), 1),
-            "ms_per_step": round(1e3 * statistics.median(timed.times), 1)}
+    return {
+        "phase": "prefill",
+        "steps": len(timed.times),
+        "tokens": total,
+        "tok_per_s": round(total / sum(timed.times), 1),
+        "ms_per_step": round(1e3 * statistics.median(timed.times), 1),
+    }
 
 
 def phase_decode(runner, reqs, args, num_blocks, batch: int, steps: int = 12, prof=None) -> dict:
@@ -89,16 +99,24 @@ def phase_decode(runner, reqs, args, num_blocks, batch: int, steps: int = 12, pr
             d.step()
     ms = 1e3 * statistics.median(timed.times)
     ctx = statistics.mean(len(r["prompt_token_ids"]) for r in reqs[:batch])
-    return {"phase": f"decode{batch}", "mean_context": round(ctx), "ms_per_step": round(ms, 1),
-            "tok_per_s": round(batch / ms * 1e3, 1)}
+    return {
+        "phase": f"decode{batch}",
+        "mean_context": round(ctx),
+        "ms_per_step": round(ms, 1),
+        "tok_per_s": round(batch / ms * 1e3, 1),
+    }
 
 
 def phase_workload(runner, reqs, args, num_blocks) -> dict:
     runner.input_batch.__init__(runner.max_num_reqs, runner.max_model_len, runner.block_size)
     d, timed = driver(runner, args, num_blocks)
     for r in reqs[: args.max_num_seqs]:
-        d.add(str(r["id"]), r["prompt_token_ids"], max_tokens=r["max_new_tokens"],
-              params=SamplingParams(temperature=0))
+        d.add(
+            str(r["id"]),
+            r["prompt_token_ids"],
+            max_tokens=r["max_new_tokens"],
+            params=SamplingParams(temperature=0),
+        )
     t0 = time.perf_counter()
     d.run()
     wall = time.perf_counter() - t0
@@ -107,13 +125,22 @@ def phase_workload(runner, reqs, args, num_blocks) -> dict:
     h = hashlib.sha256()
     for r in reqs[: args.max_num_seqs]:
         h.update((",".join(map(str, d.all[str(r["id"])].output)) + ";").encode())
-    return {"phase": "workload", "requests": len(d.all), "output_tokens": out, "steps": len(timed.times),
-            "wall_s": round(wall, 2), "runner_s": round(sum(timed.times), 2), "tok_per_s": round(out / wall, 1),
-            "outputs_sha256_16": h.hexdigest()[:16]}
+    return {
+        "phase": "workload",
+        "requests": len(d.all),
+        "output_tokens": out,
+        "steps": len(timed.times),
+        "wall_s": round(wall, 2),
+        "runner_s": round(sum(timed.times), 2),
+        "tok_per_s": round(out / wall, 1),
+        "outputs_sha256_16": h.hexdigest()[:16],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
     ap.add_argument("--threads", type=int, default=2)
@@ -121,8 +148,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--phases", default="prefill,decode1,decode16,decode64,workload")
-    ap.add_argument("--malloc-tune", type=int, default=1, help="1: worker.tune_malloc() as the Worker does")
-    ap.add_argument("--repeat", type=int, default=1, help="run each phase this many times (the machine is noisy)")
+    ap.add_argument(
+        "--malloc-tune", type=int, default=1, help="1: worker.tune_malloc() as the Worker does"
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each phase this many times (the machine is noisy)",
+    )
     ap.add_argument("--profile", default=None, help="a phase to run again under torch.profiler")
     args = ap.parse_args()
 
@@ -139,8 +173,14 @@ def main() -> None:
         "workload": lambda: phase_workload(runner, reqs, args, num_blocks),
     }
     for b in (1, 4, 16, 32, 64):
-        phases[f"decode{b}"] = lambda b=b, prof=None: phase_decode(runner, reqs, args, num_blocks, b, prof=prof)
-    print(json.dumps({"threads": torch.get_num_threads(), "model": args.model, "block_size": args.block_size}))
+        phases[f"decode{b}"] = lambda b=b, prof=None: phase_decode(
+            runner, reqs, args, num_blocks, b, prof=prof
+        )
+    print(
+        json.dumps(
+            {"threads": torch.get_num_threads(), "model": args.model, "block_size": args.block_size}
+        )
+    )
     for name in args.phases.split(","):
         for _ in range(args.repeat):
             print(json.dumps({**phases[name](), "load1": os.getloadavg()[0]}), flush=True)
@@ -153,7 +193,9 @@ def main() -> None:
         else:
             with prof:
                 phases[args.profile]()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr
+        )
 
 
 if __name__ == "__main__":

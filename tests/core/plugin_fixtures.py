@@ -7,7 +7,14 @@ import textwrap
 from pathlib import Path
 
 
-def make_dist(root: Path, dist: str, module: str, source: str, entry_name: str | None = None, version: str = "0.1.0") -> Path:
+def make_dist(
+    root: Path,
+    dist: str,
+    module: str,
+    source: str,
+    entry_name: str | None = None,
+    version: str = "0.1.0",
+) -> Path:
     """Write ``module.py`` and ``<dist>-<version>.dist-info`` with a ``baton`` entry point under root."""
     root.mkdir(parents=True, exist_ok=True)
     (root / f"{module}.py").write_text(textwrap.dedent(source))

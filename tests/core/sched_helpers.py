@@ -36,26 +36,45 @@ def make_scheduler(
 
 
 def make_request(
-    rid: str, prompt: list[int] | int, *, eos: int | None = 0, priority: int = 0,
-    arrival: float = 0.0, salt: str | None = None, max_model_len: int | None = None, **params: Any,
+    rid: str,
+    prompt: list[int] | int,
+    *,
+    eos: int | None = 0,
+    priority: int = 0,
+    arrival: float = 0.0,
+    salt: str | None = None,
+    max_model_len: int | None = None,
+    **params: Any,
 ) -> Request:
     if isinstance(prompt, int):
         seed = sum(map(ord, rid))  # distinct ids, distinct prompts
         prompt = [(7 * i + 13 * seed) % 997 + 1 for i in range(prompt)]
     params.setdefault("max_tokens", 8)
     return Request(
-        rid, list(prompt), SamplingParams(**params), eos_token_id=eos, arrival_time=arrival,
-        priority=priority, cache_salt=salt, max_model_len=max_model_len,
+        rid,
+        list(prompt),
+        SamplingParams(**params),
+        eos_token_id=eos,
+        arrival_time=arrival,
+        priority=priority,
+        cache_salt=salt,
+        max_model_len=max_model_len,
     )
 
 
 class Driver:
     """schedule -> execute -> update, recording everything."""
 
-    def __init__(self, scheduler: Scheduler, executor: FakeExecutor | None = None, **executor_kw: Any) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: FakeExecutor | None = None, **executor_kw: Any
+    ) -> None:
         self.s = scheduler
-        self.ex = executor or FakeExecutor(block_size=scheduler.block_size, num_blocks=scheduler.kv.pool.num_blocks,
-                                           deep_check=True, **executor_kw)
+        self.ex = executor or FakeExecutor(
+            block_size=scheduler.block_size,
+            num_blocks=scheduler.kv.pool.num_blocks,
+            deep_check=True,
+            **executor_kw,
+        )
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, EngineCoreOutput] = {}
         self.outputs: list[EngineCoreOutput] = []
@@ -88,4 +107,6 @@ class Driver:
             if not self.s.has_unfinished_requests():
                 return self
             self.step()
-        raise AssertionError(f"not finished after {max_steps} steps: {list(self.s.requests.values())}")
+        raise AssertionError(
+            f"not finished after {max_steps} steps: {list(self.s.requests.values())}"
+        )

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from baton.protocol import NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
 from baton.worker.attention import model_capabilities, paged_attention
@@ -63,13 +64,25 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
             slot = blocks[pos // block_size] * block_size + pos % block_size
             cache[0, 0, :, slot] = k[:, pos]
             cache[0, 1, :, slot] = v[:, pos]
-        new.append(NewRequestData(req_id=rid, prompt_token_ids=list(range(p + n)),
-                                  sampling_params=SamplingParams(), block_ids=blocks, num_computed_tokens=p))
+        new.append(
+            NewRequestData(
+                req_id=rid,
+                prompt_token_ids=list(range(p + n)),
+                sampling_params=SamplingParams(),
+                block_ids=blocks,
+                num_computed_tokens=p,
+            )
+        )
         num[rid] = n
     for r in new:
         batch.add_request(r)
-    inputs = builder.build(SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=num,
-                                           total_num_scheduled_tokens=sum(num.values())))
+    inputs = builder.build(
+        SchedulerOutput(
+            scheduled_new_reqs=new,
+            num_scheduled_tokens=num,
+            total_num_scheduled_tokens=sum(num.values()),
+        )
+    )
     total = sum(num.values())
     query = torch.empty(1, heads, total, D)
     key = torch.empty(1, kv_heads, total, D)
@@ -82,8 +95,16 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
         value[0, :, start : start + n] = v[:, p:]
     module = SimpleNamespace(layer_idx=0, is_causal=causal)
     scale = D**-0.5
-    out, _ = paged_attention(module, query, key, value, None, scaling=scale, sliding_window=window,
-                             baton_attn=inputs.attn)
+    out, _ = paged_attention(
+        module,
+        query,
+        key,
+        value,
+        None,
+        scaling=scale,
+        sliding_window=window,
+        baton_attn=inputs.attn,
+    )
     assert out.shape == (1, total, heads, D)
     err = 0.0
     for rid, start in zip(inputs.flat_req_ids, inputs.query_start, strict=True):
@@ -95,7 +116,20 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
     return err
 
 
-MIXED = [(0, 7), (12, 1), (0, 1), (5, 9), (30, 1), (3, 1), (16, 16), (0, 20), (47, 1), (1, 1), (2, 1), (9, 1)]
+MIXED = [
+    (0, 7),
+    (12, 1),
+    (0, 1),
+    (5, 9),
+    (30, 1),
+    (3, 1),
+    (16, 16),
+    (0, 20),
+    (47, 1),
+    (1, 1),
+    (2, 1),
+    (9, 1),
+]
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])
@@ -123,22 +157,43 @@ def test_new_keys_are_written_by_slot():
     builder = StepInputBuilder(batch, 64, torch.device("cpu"))
     cache = torch.zeros(1, 2, 1, 40, D)
     builder.set_kv_caches([cache[0]])
-    r = NewRequestData(req_id="a", prompt_token_ids=list(range(6)), sampling_params=SamplingParams(),
-                       block_ids=[7, 2], num_computed_tokens=0)
+    r = NewRequestData(
+        req_id="a",
+        prompt_token_ids=list(range(6)),
+        sampling_params=SamplingParams(),
+        block_ids=[7, 2],
+        num_computed_tokens=0,
+    )
     batch.add_request(r)
-    inputs = builder.build(SchedulerOutput(scheduled_new_reqs=[r], num_scheduled_tokens={"a": 6},
-                                           total_num_scheduled_tokens=6))
+    inputs = builder.build(
+        SchedulerOutput(
+            scheduled_new_reqs=[r], num_scheduled_tokens={"a": 6}, total_num_scheduled_tokens=6
+        )
+    )
     key = torch.arange(6.0).view(1, 1, 6, 1).expand(1, 1, 6, D).contiguous()
-    paged_attention(SimpleNamespace(layer_idx=0, is_causal=True), torch.randn(1, 2, 6, D), key, key.clone(),
-                    None, scaling=0.25, baton_attn=inputs.attn)
+    paged_attention(
+        SimpleNamespace(layer_idx=0, is_causal=True),
+        torch.randn(1, 2, 6, D),
+        key,
+        key.clone(),
+        None,
+        scaling=0.25,
+        baton_attn=inputs.attn,
+    )
     slots = [28, 29, 30, 31, 8, 9]  # block 7 then block 2, block size 4
     assert cache[0, 0, 0, slots, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 def test_missing_metadata_is_a_clear_error():
     with pytest.raises(RuntimeError, match="baton_attn"):
-        paged_attention(SimpleNamespace(layer_idx=0), torch.zeros(1, 2, 1, D), torch.zeros(1, 1, 1, D),
-                        torch.zeros(1, 1, 1, D), None, scaling=1.0)
+        paged_attention(
+            SimpleNamespace(layer_idx=0),
+            torch.zeros(1, 2, 1, D),
+            torch.zeros(1, 1, 1, D),
+            torch.zeros(1, 1, 1, D),
+            None,
+            scaling=1.0,
+        )
 
 
 def test_model_capabilities():

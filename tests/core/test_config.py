@@ -21,14 +21,24 @@ def test_defaults_match_the_brief():
     c = BatonConfig.load()
     assert c.model.name == "smollm2-135m-instruct"
     assert (c.cache.block_size, c.cache.enable_prefix_caching) == (16, True)
-    assert (c.scheduler.policy, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == ("fcfs", 64, 2048)
-    assert (c.executor.backend, c.executor.device, c.transport.name) == ("uniproc", "auto", "inproc")
+    assert (c.scheduler.policy, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (
+        "fcfs",
+        64,
+        2048,
+    )
+    assert (c.executor.backend, c.executor.device, c.transport.name) == (
+        "uniproc",
+        "auto",
+        "inproc",
+    )
     assert (c.server.host, c.server.port) == ("127.0.0.1", 8000)
 
 
 def test_sources_in_order_strongest_first(tmp_path, monkeypatch):
     toml = tmp_path / "baton.toml"
-    toml.write_text('[scheduler]\npolicy = "priority"\nmax_num_seqs = 8\nmax_num_batched_tokens = 512\n')
+    toml.write_text(
+        '[scheduler]\npolicy = "priority"\nmax_num_seqs = 8\nmax_num_batched_tokens = 512\n'
+    )
     monkeypatch.setenv("BATON_SCHEDULER__MAX_NUM_SEQS", "4")
     monkeypatch.setenv("BATON_SCHEDULER__MAX_NUM_BATCHED_TOKENS", "256")
     c = BatonConfig.load(toml, max_num_batched_tokens=128)
@@ -90,11 +100,19 @@ def test_unknown_section_and_key():
 
 def test_override_forms():
     c = BatonConfig.load(
-        model="/some/folder", transport="zmq", executor="cuda-tp", policy="priority",
-        cache={"block_size": 8}, **{"scheduler.max_num_seqs": 3},
+        model="/some/folder",
+        transport="zmq",
+        executor="cuda-tp",
+        policy="priority",
+        cache={"block_size": 8},
+        **{"scheduler.max_num_seqs": 3},
     )
     assert c.model.name == "/some/folder"
-    assert (c.transport.name, c.executor.backend, c.scheduler.policy) == ("zmq", "cuda-tp", "priority")
+    assert (c.transport.name, c.executor.backend, c.scheduler.policy) == (
+        "zmq",
+        "cuda-tp",
+        "priority",
+    )
     assert (c.cache.block_size, c.scheduler.max_num_seqs) == (8, 3)
 
 
@@ -119,4 +137,6 @@ def test_configuration_doc_is_current():
     from baton.config_docs import render
 
     doc = Path(__file__).parents[2] / "docs" / "configuration.md"
-    assert doc.read_text() == render(), "docs/configuration.md is stale: python -m baton.config_docs > docs/configuration.md"
+    assert doc.read_text() == render(), (
+        "docs/configuration.md is stale: python -m baton.config_docs > docs/configuration.md"
+    )

@@ -11,20 +11,27 @@ from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo
 from baton.sampling_params import SamplingParams
 from baton.testing import FakeExecutor
 
-INFO = ModelInfo(path="fake", architecture="Fake", vocab_size=32000, max_model_len=512, eos_token_ids=[0])
+INFO = ModelInfo(
+    path="fake", architecture="Fake", vocab_size=32000, max_model_len=512, eos_token_ids=[0]
+)
 
 
 def make_core(max_concurrent_batches: int = 1, **overrides) -> EngineCore:
     config = BatonConfig.load(max_model_len=512, **overrides)
-    fake = FakeExecutor(block_size=config.cache.block_size, max_concurrent_batches=max_concurrent_batches,
-                        latency_s=0.002 if max_concurrent_batches > 1 else 0.0)
+    fake = FakeExecutor(
+        block_size=config.cache.block_size,
+        max_concurrent_batches=max_concurrent_batches,
+        latency_s=0.002 if max_concurrent_batches > 1 else 0.0,
+    )
     return EngineCore(config, executor=fake, info=INFO)
 
 
 def req(rid: str, n_prompt: int = 20, max_tokens: int = 8, **params) -> EngineCoreRequest:
     return EngineCoreRequest(
-        request_id=rid, prompt_token_ids=[(7 * i + len(rid)) % 30000 + 1 for i in range(n_prompt)],
-        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, **params), eos_token_id=0,
+        request_id=rid,
+        prompt_token_ids=[(7 * i + len(rid)) % 30000 + 1 for i in range(n_prompt)],
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, **params),
+        eos_token_id=0,
     )
 
 
@@ -125,7 +132,7 @@ def test_executor_failure_surfaces_from_step():
 
 def test_kv_cache_too_small_for_one_sequence_is_a_config_error():
     config = BatonConfig.load(max_model_len=512, block_size=16)
-    with pytest.raises(ConfigError, match="raise cache.kv_cache_memory"):
+    with pytest.raises(ConfigError, match=r"raise cache\.kv_cache_memory"):
         EngineCore(config, executor=FakeExecutor(num_blocks=8), info=INFO)
 
 
@@ -150,7 +157,9 @@ def test_batch_queue_yields_the_cpu_when_requests_wait_but_nothing_can_be_schedu
     # e.g. the only request waits for its grammar: schedule() finds nothing to run
     monkeypatch.setattr(core.scheduler, "schedule", lambda: SchedulerOutput(step_id=1))
     sleeps: list[float] = []
-    monkeypatch.setattr(core_module, "time", SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
+    monkeypatch.setattr(
+        core_module, "time", SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic)
+    )
     for _ in range(3):
         _, ran = core.step_fn()
         assert not ran

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.testing import FakeExecutor

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from baton.errors import ExecutorError
 from baton.interfaces import Executor
 from baton.plugins import Plugins
@@ -16,8 +17,13 @@ from .sched_helpers import Driver, make_config, make_request, make_scheduler
 
 
 def _new(rid, prompt, blocks, computed=0):
-    return NewRequestData(req_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(),
-                          block_ids=blocks, num_computed_tokens=computed)
+    return NewRequestData(
+        req_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(),
+        block_ids=blocks,
+        num_computed_tokens=computed,
+    )
 
 
 def test_is_an_executor_and_reports_its_memory():
@@ -41,24 +47,48 @@ def test_tokens_are_a_pure_function_of_the_sequence():
 
 def test_contract_violations_fail_loudly():
     ex = FakeExecutor(num_blocks=8, block_size=4)
-    bad = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(
-        req_ids=["ghost"], new_token_ids=[[]], new_block_ids=[[]], num_computed_tokens=[0]),
-        num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1)
+    bad = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["ghost"], new_token_ids=[[]], new_block_ids=[[]], num_computed_tokens=[0]
+        ),
+        num_scheduled_tokens={"ghost": 1},
+        total_num_scheduled_tokens=1,
+    )
     with pytest.raises(AssertionError, match="unknown"):
         ex.execute_model(bad)
-    ex.execute_model(SchedulerOutput(scheduled_new_reqs=[_new("a", [1, 2, 3], [1])],
-                                     num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3))
+    ex.execute_model(
+        SchedulerOutput(
+            scheduled_new_reqs=[_new("a", [1, 2, 3], [1])],
+            num_scheduled_tokens={"a": 3},
+            total_num_scheduled_tokens=3,
+        )
+    )
     # another request writing into a's block
     with pytest.raises(AssertionError, match="writes block 1"):
-        ex.execute_model(SchedulerOutput(scheduled_new_reqs=[_new("b", [5, 6], [1])],
-                                         num_scheduled_tokens={"b": 2}, total_num_scheduled_tokens=2))
+        ex.execute_model(
+            SchedulerOutput(
+                scheduled_new_reqs=[_new("b", [5, 6], [1])],
+                num_scheduled_tokens={"b": 2},
+                total_num_scheduled_tokens=2,
+            )
+        )
     ex2 = FakeExecutor(num_blocks=8, block_size=4)
-    ex2.execute_model(SchedulerOutput(scheduled_new_reqs=[_new("a", [1, 2, 3, 4, 5], [1, 2])],
-                                      num_scheduled_tokens={"a": 5}, total_num_scheduled_tokens=5))
+    ex2.execute_model(
+        SchedulerOutput(
+            scheduled_new_reqs=[_new("a", [1, 2, 3, 4, 5], [1, 2])],
+            num_scheduled_tokens={"a": 5},
+            total_num_scheduled_tokens=5,
+        )
+    )
     # a 'prefix hit' on a block that holds other tokens
     with pytest.raises(AssertionError, match="KV at position 0"):
-        ex2.execute_model(SchedulerOutput(scheduled_new_reqs=[_new("c", [9, 9, 9, 9, 9], [1, 3], computed=4)],
-                                          num_scheduled_tokens={"c": 1}, total_num_scheduled_tokens=1))
+        ex2.execute_model(
+            SchedulerOutput(
+                scheduled_new_reqs=[_new("c", [9, 9, 9, 9, 9], [1, 3], computed=4)],
+                num_scheduled_tokens={"c": 1},
+                total_num_scheduled_tokens=1,
+            )
+        )
 
 
 def test_failure_injection_raise():
@@ -89,10 +119,21 @@ def test_failure_injection_die_calls_back_and_stays_dead():
 
 
 def test_latency_is_simulated_or_slept():
-    ex = FakeExecutor(prefill_s_per_token=0.001, decode_s_per_token=0.01, latency_s=0.5, simulate_time=True,
-                      block_size=4, num_blocks=8)
-    ex.execute_model(SchedulerOutput(scheduled_new_reqs=[_new("a", [1, 2, 3], [1])],
-                                     num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3))
+    ex = FakeExecutor(
+        prefill_s_per_token=0.001,
+        decode_s_per_token=0.01,
+        latency_s=0.5,
+        simulate_time=True,
+        block_size=4,
+        num_blocks=8,
+    )
+    ex.execute_model(
+        SchedulerOutput(
+            scheduled_new_reqs=[_new("a", [1, 2, 3], [1])],
+            num_scheduled_tokens={"a": 3},
+            total_num_scheduled_tokens=3,
+        )
+    )
     assert ex.simulated_time == pytest.approx(0.5 + 0.003)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from baton import hookimpl
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import baton.kv.hashing as hashing
 import pytest
+
+import baton.kv.hashing as hashing
 from baton.kv.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 from baton.kv.hashing import ROOT_HASH, hash_block, root_hash, update_block_hashes
 from baton.kv.manager import KVCacheManager

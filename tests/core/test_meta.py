@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from baton import hookspecs, interfaces
 from baton.config import BatonConfig
 from baton.plugins import KINDS, Plugins

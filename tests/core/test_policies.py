@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.interfaces import SchedulerPolicy
 from baton.plugins import Plugins
 from baton.request import RequestStatus

@@ -29,33 +29,71 @@ from baton.sampling_params import SamplingParams, StructuredOutputSpec
 from baton.serial import MsgpackDecoder, MsgpackEncoder
 
 PARAMS = SamplingParams(
-    temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=20, stop=["\n\n"], logprobs=2,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=5,
+    seed=3,
+    max_tokens=20,
+    stop=["\n\n"],
+    logprobs=2,
     structured_outputs=StructuredOutputSpec(json={"type": "object"}),
 )
 
 SAMPLES = [
-    EngineCoreRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling_params=PARAMS, eos_token_id=2,
-                      arrival_time=1.5, priority=-1, user="alice", cache_salt="s"),
+    EngineCoreRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=PARAMS,
+        eos_token_id=2,
+        arrival_time=1.5,
+        priority=-1,
+        user="alice",
+        cache_salt="s",
+    ),
     UtilityRequest(call_id=7, method="get_stats", args=[1, "x"]),
     EngineCoreOutputs(
         engine_index=1,
-        outputs=[EngineCoreOutput(
-            request_id="r1", new_token_ids=[5], finish_reason=FinishReason.LENGTH, stop_reason=9,
-            new_logprobs=[TokenLogprobs(token_ids=[5, 6], logprobs=[-0.1, -2.0], sampled_rank=1)],
-            events=[EngineCoreEvent(type=EngineCoreEventType.QUEUED, timestamp=2.0)],
-        )],
+        outputs=[
+            EngineCoreOutput(
+                request_id="r1",
+                new_token_ids=[5],
+                finish_reason=FinishReason.LENGTH,
+                stop_reason=9,
+                new_logprobs=[
+                    TokenLogprobs(token_ids=[5, 6], logprobs=[-0.1, -2.0], sampled_rank=1)
+                ],
+                events=[EngineCoreEvent(type=EngineCoreEventType.QUEUED, timestamp=2.0)],
+            )
+        ],
         scheduler_stats=SchedulerStats(step=3, num_running_reqs=1, kv_cache_usage=0.5),
         utility_output=UtilityOutput(call_id=7, result={"a": [1, 2]}),
     ),
     SchedulerOutput(
         step_id=4,
-        scheduled_new_reqs=[NewRequestData(req_id="a", prompt_token_ids=[1, 2], sampling_params=PARAMS,
-                                           block_ids=[0, 3], num_computed_tokens=0, output_token_ids=[7])],
-        scheduled_cached_reqs=CachedRequestData(req_ids=["b"], new_token_ids=[[4]], new_block_ids=[[]], num_computed_tokens=[9]),
-        num_scheduled_tokens={"a": 2, "b": 1}, total_num_scheduled_tokens=3, finished_req_ids=["c"],
-        preempted_req_ids=["d"], structured_output_req_ids=["a"],
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id="a",
+                prompt_token_ids=[1, 2],
+                sampling_params=PARAMS,
+                block_ids=[0, 3],
+                num_computed_tokens=0,
+                output_token_ids=[7],
+            )
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["b"], new_token_ids=[[4]], new_block_ids=[[]], num_computed_tokens=[9]
+        ),
+        num_scheduled_tokens={"a": 2, "b": 1},
+        total_num_scheduled_tokens=3,
+        finished_req_ids=["c"],
+        preempted_req_ids=["d"],
+        structured_output_req_ids=["a"],
     ),
-    ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[1], []], logprobs={"a": [TokenLogprobs(token_ids=[1], logprobs=[0.0], sampled_rank=1)]}),
+    ModelRunnerOutput(
+        req_ids=["a", "b"],
+        sampled_token_ids=[[1], []],
+        logprobs={"a": [TokenLogprobs(token_ids=[1], logprobs=[0.0], sampled_rank=1)]},
+    ),
     KVCacheSpec(block_size=16, num_layers=30, num_kv_heads=3, head_size=64, dtype="float32"),
 ]
 
@@ -92,7 +130,13 @@ def test_numpy_arrays_and_zero_copy_decode():
 
 @pytest.mark.parametrize(
     "frames",
-    [[b""], [b"\xc1garbage"], [b"\x93\x01\x02"], [], [MsgpackEncoder().encode(["r", "not a list"])[0]]],
+    [
+        [b""],
+        [b"\xc1garbage"],
+        [b"\x93\x01\x02"],
+        [],
+        [MsgpackEncoder().encode(["r", "not a list"])[0]],
+    ],
     ids=["empty-body", "garbage", "wrong-shape", "no-frames", "wrong-types"],
 )
 def test_malformed_frames_raise_protocol_error(frames):
@@ -107,7 +151,9 @@ def test_missing_out_of_band_frame_is_a_protocol_error():
 
 
 def test_invalid_params_inside_a_frame_are_rejected():
-    body = MsgpackEncoder().encode(EngineCoreRequest(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams()))[0]
+    body = MsgpackEncoder().encode(
+        EngineCoreRequest(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams())
+    )[0]
     bad = bytearray(body)
     # a hand-made frame with top_p = 5
     raw = MsgpackDecoder().decode([bytes(bad)])
@@ -150,6 +196,12 @@ def test_structured_output_spec_exactly_one():
         StructuredOutputSpec()
     with pytest.raises(StructuredOutputError, match="not valid JSON"):
         StructuredOutputSpec(json="{nope")
-    assert StructuredOutputSpec(json={"b": 1, "a": 2}).key() == StructuredOutputSpec(json='{"b":1,"a":2}').key()
+    assert (
+        StructuredOutputSpec(json={"b": 1, "a": 2}).key()
+        == StructuredOutputSpec(json='{"b":1,"a":2}').key()
+    )
     # key order is kept: a schema's property order is the order of the output's properties
-    assert StructuredOutputSpec(json={"b": 1, "a": 2}).key() != StructuredOutputSpec(json={"a": 2, "b": 1}).key()
+    assert (
+        StructuredOutputSpec(json={"b": 1, "a": 2}).key()
+        != StructuredOutputSpec(json={"a": 2, "b": 1}).key()
+    )

@@ -8,6 +8,7 @@ from collections import deque
 
 import numpy as np
 import pytest
+
 from baton.errors import InvalidRequestError
 from baton.protocol import EngineCoreEventType, FinishReason, GrammarOutput
 from baton.request import RequestStatus
@@ -128,10 +129,14 @@ def _workload(d: Driver) -> None:
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_under_block_pressure_resumes_with_identical_tokens(policy):
-    roomy = Driver(make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=128, policy=policy))
+    roomy = Driver(
+        make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=128, policy=policy)
+    )
     _workload(roomy)
     roomy.run()
-    tight = Driver(make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=128, policy=policy))
+    tight = Driver(
+        make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=128, policy=policy)
+    )
     _workload(tight)
     tight.run()
     assert roomy.preemptions == 0 and tight.preemptions > 0
@@ -140,7 +145,9 @@ def test_preemption_under_block_pressure_resumes_with_identical_tokens(policy):
     assert all(o.finish_reason == FinishReason.LENGTH for o in tight.finished.values())
     preempted = {rid for so in tight.scheduler_outputs for rid in so.preempted_req_ids}
     assert preempted
-    resumed = [n for so in tight.scheduler_outputs for n in so.scheduled_new_reqs if n.output_token_ids]
+    resumed = [
+        n for so in tight.scheduler_outputs for n in so.scheduled_new_reqs if n.output_token_ids
+    ]
     assert resumed and {n.req_id for n in resumed} <= preempted
     for n in resumed:  # the prompt stays the original; the generated tokens come alongside
         assert len(n.prompt_token_ids) == 20 + 7 * int(n.req_id[1:])
@@ -158,7 +165,10 @@ def test_fcfs_preempts_the_latest_admitted():
     d.step()  # both need a 4th block: none free -> "new" is preempted
     so = d.scheduler_outputs[-1]
     assert so.preempted_req_ids == ["new"] and list(so.num_scheduled_tokens) == ["old"]
-    assert s.requests["new"].status == RequestStatus.PREEMPTED and s.requests["new"].num_preemptions == 1
+    assert (
+        s.requests["new"].status == RequestStatus.PREEMPTED
+        and s.requests["new"].num_preemptions == 1
+    )
     assert s.requests["new"].num_computed_tokens == 0
 
 
@@ -218,8 +228,10 @@ def test_max_num_batched_tokens_cap():
     d.add(*(make_request(f"r{i}", 30 + i, max_tokens=6) for i in range(20)))
     d.run()
     totals = [so.total_num_scheduled_tokens for so in d.scheduler_outputs]
-    assert max(totals) == 100 and all(t == sum(so.num_scheduled_tokens.values()) for t, so in
-                                      zip(totals, d.scheduler_outputs, strict=True))
+    assert max(totals) == 100 and all(
+        t == sum(so.num_scheduled_tokens.values())
+        for t, so in zip(totals, d.scheduler_outputs, strict=True)
+    )
 
 
 # ----------------------------------------------------------------------------- aborts
@@ -230,7 +242,10 @@ def test_abort_in_every_state_is_idempotent_and_frees_blocks():
     d = Driver(s)
     d.add(make_request("run", 40, max_tokens=50), make_request("wait", 40))
     d.step()
-    assert s.requests["run"].status == RequestStatus.RUNNING and s.requests["wait"].status == RequestStatus.WAITING
+    assert (
+        s.requests["run"].status == RequestStatus.RUNNING
+        and s.requests["wait"].status == RequestStatus.WAITING
+    )
     done = s.finish_requests(["wait"], ABORTED)
     assert [r.request_id for r in done] == ["wait"] and done[0].status == ABORTED
     assert s.finish_requests(["wait", "nope"], ABORTED) == []  # again, and unknown: no-ops
@@ -299,14 +314,20 @@ def test_min_tokens_defers_eos_and_stop_ids():
     out, toks = _one(ex_kw={"next_token": always_eos}, max_tokens=20, min_tokens=4)
     assert toks == [0, 0, 0, 0] and out.finish_reason == FinishReason.STOP
     always_42 = lambda toks, n: 42  # noqa: E731
-    out, toks = _one(ex_kw={"next_token": always_42}, max_tokens=20, min_tokens=3, stop_token_ids=[42])
+    out, toks = _one(
+        ex_kw={"next_token": always_42}, max_tokens=20, min_tokens=3, stop_token_ids=[42]
+    )
     assert toks == [42, 42, 42] and out.stop_reason == 42
 
 
 def test_stop_token_ids_set_stop_reason():
     seq = lambda toks, n: 40 + len(toks) - n  # noqa: E731  # 40, 41, 42, ...
     out, toks = _one(ex_kw={"next_token": seq}, max_tokens=20, stop_token_ids=[43, 99])
-    assert toks == [40, 41, 42, 43] and out.finish_reason == FinishReason.STOP and out.stop_reason == 43
+    assert (
+        toks == [40, 41, 42, 43]
+        and out.finish_reason == FinishReason.STOP
+        and out.stop_reason == 43
+    )
 
 
 def test_max_tokens_and_max_model_len():
@@ -410,7 +431,9 @@ def test_pipelined_run_matches_the_sequential_one_even_with_preemption():
     _workload(sequential)
     sequential.run()
     s = make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=128)
-    piped = Driver(s, FakeExecutor(block_size=16, num_blocks=24, max_concurrent_batches=2, deep_check=True))
+    piped = Driver(
+        s, FakeExecutor(block_size=16, num_blocks=24, max_concurrent_batches=2, deep_check=True)
+    )
     _workload(piped)
     _run_pipelined(piped, depth=2)
     assert piped.tokens == sequential.tokens and piped.preemptions > 0
@@ -428,12 +451,24 @@ def test_stats_and_events():
     t[0] = 101.0
     outs = d.step()
     st = s.make_stats()
-    assert (st.step, st.num_running_reqs, st.num_waiting_reqs, st.num_scheduled_tokens) == (1, 2, 1, 40)
-    assert st.num_total_blocks == 64 and st.num_free_blocks == 60 and st.kv_cache_usage == pytest.approx(4 / 64)
+    assert (st.step, st.num_running_reqs, st.num_waiting_reqs, st.num_scheduled_tokens) == (
+        1,
+        2,
+        1,
+        40,
+    )
+    assert (
+        st.num_total_blocks == 64
+        and st.num_free_blocks == 60
+        and st.kv_cache_usage == pytest.approx(4 / 64)
+    )
     assert st.prefix_cache_queries == 40 and st.prefix_cache_hits == 0 and st.num_preemptions == 0
     assert s.make_stats().prefix_cache_queries == 0  # deltas
     ev = outs[0].events
-    assert [(e.type, e.timestamp) for e in ev] == [(EngineCoreEventType.QUEUED, 100.0), (EngineCoreEventType.SCHEDULED, 101.0)]
+    assert [(e.type, e.timestamp) for e in ev] == [
+        (EngineCoreEventType.QUEUED, 100.0),
+        (EngineCoreEventType.SCHEDULED, 101.0),
+    ]
     assert d.step()[0].events is None  # reported once
     d.run()
     st = s.make_stats()
@@ -509,8 +544,10 @@ def _random_requests(rng):
 
 
 def _build(specs):
-    return [make_request(rid, p, max_tokens=m, priority=pr, arrival=float(i), ignore_eos=True)
-            for i, (rid, p, m, pr) in enumerate(specs)]
+    return [
+        make_request(rid, p, max_tokens=m, priority=pr, arrival=float(i), ignore_eos=True)
+        for i, (rid, p, m, pr) in enumerate(specs)
+    ]
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("BATON_SCHED_SEEDS", "6"))))
@@ -527,13 +564,23 @@ def test_randomized_runs_match_a_roomy_sequential_reference(seed):
 
     chunked = rng.random() < 0.7
     s = make_scheduler(
-        num_blocks=rng.randint(9, 24), policy=rng.choice(["fcfs", "priority"]), max_num_seqs=rng.randint(2, 12),
+        num_blocks=rng.randint(9, 24),
+        policy=rng.choice(["fcfs", "priority"]),
+        max_num_seqs=rng.randint(2, 12),
         max_num_batched_tokens=rng.randint(100, 200) if not chunked else rng.randint(8, 200),
-        enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.8,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=rng.random() < 0.8,
     )
     depth = rng.randint(1, 3)
-    d = Driver(s, FakeExecutor(block_size=16, num_blocks=s.kv.pool.num_blocks, max_concurrent_batches=depth,
-                               deep_check=True))
+    d = Driver(
+        s,
+        FakeExecutor(
+            block_size=16,
+            num_blocks=s.kv.pool.num_blocks,
+            max_concurrent_batches=depth,
+            deep_check=True,
+        ),
+    )
     todo = deque(_build(specs))
     aborted: set[str] = set()
     queue: deque = deque()

@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+
 from baton.bench import scheduler as bench
 from baton.bench.common import WorkloadRequest, load_workload
 from baton.bench.cost_model import (

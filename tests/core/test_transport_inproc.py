@@ -1,6 +1,7 @@
 """The built-in inproc transport passes the transport conformance suite."""
 
 import pytest
+
 from baton.testing.conformance.transport import TransportConformance
 from baton.transport.inproc import InprocTransport
 

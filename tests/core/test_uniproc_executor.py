@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import Future
 
 import pytest
+
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.executor.uniproc import UniprocExecutor
@@ -23,8 +24,13 @@ from baton.testing.tiny_model import tiny_model
 
 @pytest.fixture
 def executor():
-    cfg = BatonConfig.load(model=str(tiny_model("llama")), block_size=4, kv_cache_memory="2MiB",
-                           device="cpu", num_threads=2)
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        block_size=4,
+        kv_cache_memory="2MiB",
+        device="cpu",
+        num_threads=2,
+    )
     entry = get_registry().get("executor", "uniproc")
     ex = entry.create(cfg, None)
     yield ex
@@ -32,10 +38,18 @@ def executor():
 
 
 def step_output(prompt=(5, 6, 7, 8, 9)):
-    r = NewRequestData(req_id="a", prompt_token_ids=list(prompt), sampling_params=SamplingParams(temperature=0),
-                       block_ids=[0, 1], num_computed_tokens=0)
-    return SchedulerOutput(scheduled_new_reqs=[r], num_scheduled_tokens={"a": len(prompt)},
-                           total_num_scheduled_tokens=len(prompt))
+    r = NewRequestData(
+        req_id="a",
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(temperature=0),
+        block_ids=[0, 1],
+        num_computed_tokens=0,
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=[r],
+        num_scheduled_tokens={"a": len(prompt)},
+        total_num_scheduled_tokens=len(prompt),
+    )
 
 
 def test_lifecycle(executor):
@@ -46,21 +60,33 @@ def test_lifecycle(executor):
     [spec] = executor.get_kv_cache_specs()
     [mem] = executor.determine_available_memory()
     assert mem == 2 * 2**20
-    executor.initialize_kv_cache(KVCacheConfig(num_blocks=mem // spec.page_size_bytes, block_size=4))
+    executor.initialize_kv_cache(
+        KVCacheConfig(num_blocks=mem // spec.page_size_bytes, block_size=4)
+    )
     fut = executor.execute_model(step_output(), non_block=True)
     assert isinstance(fut, Future)
     out = fut.result(timeout=30)
     assert out.req_ids == ["a"] and len(out.sampled_token_ids[0]) == 1
-    blocking = executor.execute_model(SchedulerOutput(
-        scheduled_cached_reqs=CachedRequestData(req_ids=["a"], new_token_ids=[out.sampled_token_ids[0]],
-                                                new_block_ids=[[]], num_computed_tokens=[5]),
-        num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1))
+    blocking = executor.execute_model(
+        SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=["a"],
+                new_token_ids=[out.sampled_token_ids[0]],
+                new_block_ids=[[]],
+                num_computed_tokens=[5],
+            ),
+            num_scheduled_tokens={"a": 1},
+            total_num_scheduled_tokens=1,
+        )
+    )
     assert len(blocking.sampled_token_ids[0]) == 1
 
 
 def test_collective_rpc(executor):
     assert executor.collective_rpc("get_kv_cache_spec")[0].num_layers == 3
-    names = executor.collective_rpc(lambda worker, suffix: threading.current_thread().name + suffix, args=("!",))
+    names = executor.collective_rpc(
+        lambda worker, suffix: threading.current_thread().name + suffix, args=("!",)
+    )
     assert names[0].startswith("baton-uniproc") and names[0].endswith("!")
     with pytest.raises(ExecutorError, match="no method"):
         executor.collective_rpc("no_such_method")
@@ -71,9 +97,13 @@ def test_failure_marks_the_executor_dead_and_calls_back_once(executor):
     seen: list[BaseException] = []
     executor.register_failure_callback(seen.append)
     executor.check_health()
-    bad = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(req_ids=["ghost"], new_token_ids=[[1]],
-                                                                  new_block_ids=[[]], num_computed_tokens=[0]),
-                          num_scheduled_tokens={"ghost": 1}, total_num_scheduled_tokens=1)
+    bad = SchedulerOutput(
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=["ghost"], new_token_ids=[[1]], new_block_ids=[[]], num_computed_tokens=[0]
+        ),
+        num_scheduled_tokens={"ghost": 1},
+        total_num_scheduled_tokens=1,
+    )
     with pytest.raises(ExecutorError, match="ghost"):
         executor.execute_model(bad, non_block=True).result(timeout=30)
     assert len(seen) == 1 and "ghost" in str(seen[0])

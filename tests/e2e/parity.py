@@ -42,15 +42,26 @@ def hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_new_tokens: int)
     model.eval()
     model.generation_config.eos_token_id = None
     gc = copy.deepcopy(model.generation_config)
-    gc.do_sample, gc.eos_token_id, gc.temperature, gc.top_p, gc.top_k = False, None, None, None, None
+    gc.do_sample, gc.eos_token_id, gc.temperature, gc.top_p, gc.top_k = (
+        False,
+        None,
+        None,
+        None,
+        None,
+    )
     gc.pad_token_id = 0
     # one left-padded batch: transformers' fp32 greedy output is batch-invariant here (see ../shared/bench)
     width = max(len(p) for p in prompt_ids)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     with torch.inference_mode():
-        o = model.generate(ids, attention_mask=mask, generation_config=gc,
-                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+        o = model.generate(
+            ids,
+            attention_mask=mask,
+            generation_config=gc,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+        )
     return [row[width:].tolist() for row in o]
 
 
@@ -66,8 +77,12 @@ def top2_gap(model_dir: Path, context: list[int]) -> float:
 
 
 def assert_parity(
-    model_dir: Path, prompt_ids: list[list[int]], ours: list[list[int]], ref: list[list[int]],
-    exact_prefix: int = 32, tie_gap: float = 1e-4,
+    model_dir: Path,
+    prompt_ids: list[list[int]],
+    ours: list[list[int]],
+    ref: list[list[int]],
+    exact_prefix: int = 32,
+    tie_gap: float = 1e-4,
 ) -> None:
     """Equal tokens; a divergence is allowed only after ``exact_prefix`` tokens and only at a near-tie."""
     for i, (p, a, b) in enumerate(zip(prompt_ids, ours, ref, strict=True)):
@@ -75,6 +90,10 @@ def assert_parity(
         if a == b:
             continue
         k = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        assert k >= exact_prefix, f"prompt {i}: diverges at token {k} (< {exact_prefix}): {a[:k + 1]} vs {b[:k + 1]}"
+        assert k >= exact_prefix, (
+            f"prompt {i}: diverges at token {k} (< {exact_prefix}): {a[: k + 1]} vs {b[: k + 1]}"
+        )
         gap = top2_gap(model_dir, p + b[:k])
-        assert gap < tie_gap, f"prompt {i}: diverges at token {k} where the top-2 logit gap is {gap:.2e} (not a near-tie)"
+        assert gap < tie_gap, (
+            f"prompt {i}: diverges at token {k} where the top-2 logit gap is {gap:.2e} (not a near-tie)"
+        )

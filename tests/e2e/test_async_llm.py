@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+
 from baton import AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError, EngineShuttingDownError, InvalidRequestError
 from baton.testing.tiny_model import tiny_model

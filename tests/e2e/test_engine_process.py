@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from baton import AsyncLLM, LLM, SamplingParams
+from baton import LLM, AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError
 from baton.plugins import reset_plugins
 from baton.testing.tiny_model import tiny_model
@@ -37,7 +37,9 @@ def reference(model_dir):
 @pytest.mark.parametrize("transport", MP_TRANSPORTS)
 def test_same_greedy_tokens_over_every_transport(transport, model_dir, reference, no_leaks):
     with LLM(model=model_dir, max_model_len=256, transport=transport) as llm:
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ] == reference
         assert llm.get_stats().num_total_blocks > 0  # a utility call through the transport
 
 
@@ -45,6 +47,7 @@ def test_same_greedy_tokens_over_every_transport(transport, model_dir, reference
 async def test_async_streaming_over_every_transport(transport, model_dir, reference, no_leaks):
     llm = await AsyncLLM.create(model=model_dir, max_model_len=256, transport=transport)
     try:
+
         async def run(prompt):
             last = None
             async for out in llm.generate(prompt, GREEDY):
@@ -77,7 +80,11 @@ def test_sigkill_mid_generation_raises_engine_dead_in_sync_client(transport, mod
 
         llm.engine.get_output = get_output_then_kill
         with pytest.raises(EngineDeadError):
-            llm.generate(["x " * 10] * 4, SamplingParams(max_tokens=200, ignore_eos=True, temperature=0), use_tqdm=False)
+            llm.generate(
+                ["x " * 10] * 4,
+                SamplingParams(max_tokens=200, ignore_eos=True, temperature=0),
+                use_tqdm=False,
+            )
         assert killed_at and time.monotonic() - killed_at[0] < 5.0
         with pytest.raises(EngineDeadError):  # and every later call
             llm.generate("again", GREEDY, use_tqdm=False)
@@ -115,7 +122,9 @@ async def test_sigkill_raises_engine_dead_in_async_client(transport, model_dir, 
 async def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
     # drain: requests in flight finish (however slow the machine); abort: they end with reason abort
     timeout = 600.0 if mode == "drain" else 0.0
-    llm = await AsyncLLM.create(model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": timeout})
+    llm = await AsyncLLM.create(
+        model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": timeout}
+    )
     try:
         params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
         started = asyncio.Event()
@@ -144,11 +153,15 @@ async def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
 def test_new_requests_are_refused_while_draining(model_dir, no_leaks):
     from baton.errors import EngineShuttingDownError
 
-    llm = LLM(model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": 600.0})
+    llm = LLM(
+        model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": 600.0}
+    )
     try:
         params = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
         done: list = []
-        t = threading.Thread(target=lambda: done.append(llm.generate("long one", params, use_tqdm=False)))
+        t = threading.Thread(
+            target=lambda: done.append(llm.generate("long one", params, use_tqdm=False))
+        )
         t.start()
         while not llm.engine.call_utility("list_requests"):
             time.sleep(0.01)
@@ -163,12 +176,21 @@ def test_new_requests_are_refused_while_draining(model_dir, no_leaks):
 
 
 @pytest.mark.parametrize("transport", MP_TRANSPORTS)
-def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(transport, model_dir, reference, caplog, no_leaks):
+def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(
+    transport, model_dir, reference, caplog, no_leaks
+):
     with LLM(model=model_dir, max_model_len=256, transport=transport) as llm:
         channel = llm.engine.resources.channel
-        for junk in ([b"\xff\xfe garbage"], [b"\x00", b"\xc1\xc1\xc1"], [b"\x02", b"\x93\x01"], [b""]):
+        for junk in (
+            [b"\xff\xfe garbage"],
+            [b"\x00", b"\xc1\xc1\xc1"],
+            [b"\x02", b"\x93\x01"],
+            [b""],
+        ):
             channel.send(junk, 0)
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ] == reference
 
 
 FAILING_PLUGIN = """
@@ -188,7 +210,12 @@ def register_executors(register):
 def failing_executor_plugin(tmp_path, monkeypatch):
     from tests.core.plugin_fixtures import make_dist
 
-    site = make_dist(tmp_path / "site", "baton-test-failing", "baton_test_failing", textwrap.dedent(FAILING_PLUGIN))
+    site = make_dist(
+        tmp_path / "site",
+        "baton-test-failing",
+        "baton_test_failing",
+        textwrap.dedent(FAILING_PLUGIN),
+    )
     monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.syspath_prepend(str(site))
     reset_plugins()
@@ -198,11 +225,20 @@ def failing_executor_plugin(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("transport", MP_TRANSPORTS)
-def test_executor_failure_mid_step_is_engine_dead_with_the_cause(transport, model_dir, failing_executor_plugin, no_leaks):
-    with LLM(model=model_dir, max_model_len=256, transport=transport, executor="failing",
-             **{"executor.failing": {"fail_at_step": 5, "fail_mode": "die"}}) as llm:
-        with pytest.raises(EngineDeadError, match="ExecutorError"):
-            llm.generate("boom", SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+def test_executor_failure_mid_step_is_engine_dead_with_the_cause(
+    transport, model_dir, failing_executor_plugin, no_leaks
+):
+    with (
+        LLM(
+            model=model_dir,
+            max_model_len=256,
+            transport=transport,
+            executor="failing",
+            **{"executor.failing": {"fail_at_step": 5, "fail_mode": "die"}},
+        ) as llm,
+        pytest.raises(EngineDeadError, match="ExecutorError"),
+    ):
+        llm.generate("boom", SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
 
 
 def test_engine_that_fails_to_start_reports_why(model_dir, no_leaks):

@@ -24,7 +24,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def test_text_token_and_dict_prompts_agree(llm):
     text = "The capital of France is"
     ids = llm.get_tokenizer().encode(text)
-    a, b, c = llm.generate([text, {"prompt_token_ids": ids}, {"prompt": text}], GREEDY, use_tqdm=False)
+    a, b, c = llm.generate(
+        [text, {"prompt_token_ids": ids}, {"prompt": text}], GREEDY, use_tqdm=False
+    )
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
     assert a.prompt == text and a.prompt_token_ids == ids
     assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 24
@@ -50,7 +52,13 @@ def test_stop_strings(llm, include):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     if len(stop.strip()) < 2:
         pytest.skip("greedy text of the random model too short to cut")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
     out = llm.generate("Tell me a story", params, use_tqdm=False)[0].outputs[0]
     cut = text.index(stop)
     assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -81,7 +89,11 @@ def test_seeded_sampling_ignores_batch_companions(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate("A seeded prompt", params, use_tqdm=False)[0].outputs[0].token_ids
     noise = [SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True) for i in range(6)]
-    outs = llm.generate([f"noise {i} " * (i + 1) for i in range(6)] + ["A seeded prompt"], [*noise, params], use_tqdm=False)
+    outs = llm.generate(
+        [f"noise {i} " * (i + 1) for i in range(6)] + ["A seeded prompt"],
+        [*noise, params],
+        use_tqdm=False,
+    )
     assert outs[-1].outputs[0].token_ids == alone
 
 
@@ -100,10 +112,16 @@ def test_logprobs(llm):
 
 def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
-    ids = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert out.prompt_token_ids == list(ids)
-    two = llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], GREEDY, use_tqdm=False)
+    two = llm.chat(
+        [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+        GREEDY,
+        use_tqdm=False,
+    )
     assert len(two) == 2
 
 
@@ -120,7 +138,9 @@ def test_bad_input_is_refused_before_anything_runs(llm):
 
 
 def test_final_only_and_metrics(llm):
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     out = llm.generate("metrics", params, use_tqdm=False)[0]
     m = out.metrics
     assert out.finished and m.num_generation_tokens == 5

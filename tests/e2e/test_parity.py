@@ -27,9 +27,13 @@ def engine_tokens(model_dir, prompt_ids, **overrides) -> list[list[int]]:
 def check_model(model_dir, tokenizer, **overrides) -> None:
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     ref = hf_greedy(model_dir, prompt_ids, MAX_NEW)
-    base = dict(block_size=8, max_num_batched_tokens=96, enable_chunked_prefill=True, max_model_len=512)
+    base = dict(
+        block_size=8, max_num_batched_tokens=96, enable_chunked_prefill=True, max_model_len=512
+    )
     # batched, chunked prefill, prompts across blocks
-    assert_parity(model_dir, prompt_ids, engine_tokens(model_dir, prompt_ids, **base, **overrides), ref)
+    assert_parity(
+        model_dir, prompt_ids, engine_tokens(model_dir, prompt_ids, **base, **overrides), ref
+    )
     # prefix-cache hits: the same prompts twice in one engine; the second pass starts from cached blocks
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(model=str(model_dir), **base, **overrides) as llm:
@@ -38,7 +42,11 @@ def check_model(model_dir, tokenizer, **overrides) -> None:
         assert sum(o.num_cached_tokens for o in again) > 0
     assert_parity(model_dir, prompt_ids, [o.outputs[0].token_ids for o in again], ref)
     # preemption forced: a KV cache far smaller than the batch needs
-    with LLM(model=str(model_dir), **{**base, "kv_cache_memory": _tiny_kv(model_dir, blocks=90)}, **overrides) as llm:
+    with LLM(
+        model=str(model_dir),
+        **{**base, "kv_cache_memory": _tiny_kv(model_dir, blocks=90)},
+        **overrides,
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
         assert llm.engine.call_utility("get_num_blocks") <= 90
         assert sum(o.metrics.num_preemptions for o in outs) > 0

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from baton import LLM, SamplingParams
 from baton.errors import EngineDeadError, ExecutorError
 from baton.testing.conformance.executor import ExecutorConformance
-
 from tests.e2e.conftest import _children
 from tests.e2e.parity import PROMPTS, assert_parity
 

@@ -32,7 +32,9 @@ CONFIG_ENV = "BATON_CONFIG"
 class _Section(BaseModel):
     # extra keys are plugin sub-tables (e.g. [transport.zmq]); plain typos are
     # caught in BatonConfig.check_extras once the plugins are known.
-    model_config = ConfigDict(extra="allow", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="allow", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class ModelSection(_Section):
@@ -141,7 +143,9 @@ PLUGIN_SELECTORS = {
     "structured_output": ("structured_output", "backend"),
 }
 
-_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("baton_config_file", default=None)
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "baton_config_file", default=None
+)
 
 
 class BatonConfig(BaseSettings):
@@ -198,7 +202,9 @@ class BatonConfig(BaseSettings):
         if path is not None:
             file = Path(path).expanduser()
             if not file.is_file():
-                raise ConfigError(f"config file {str(file)!r} does not exist (from --config or ${CONFIG_ENV})")
+                raise ConfigError(
+                    f"config file {str(file)!r} does not exist (from --config or ${CONFIG_ENV})"
+                )
             if file.suffix not in (".toml", ".yaml", ".yml"):
                 raise ConfigError(f"config file {str(file)!r}: use a .toml, .yaml or .yml file")
         nested = nest_overrides(overrides)
@@ -224,12 +230,16 @@ class BatonConfig(BaseSettings):
 
     # ---------------------------------------------------------------- plugins
 
-    def plugin_settings(self, section: str, name: str, model: type[BaseModel] | None) -> BaseModel | None:
+    def plugin_settings(
+        self, section: str, name: str, model: type[BaseModel] | None
+    ) -> BaseModel | None:
         """Validate the ``[section.name]`` sub-table with the plugin's settings model."""
         raw = (getattr(self, section).model_extra or {}).get(name, {})
         if model is None:
             if raw:
-                raise ConfigError(f"{section}.{name}: plugin {name!r} takes no settings, got {raw!r}")
+                raise ConfigError(
+                    f"{section}.{name}: plugin {name!r} takes no settings, got {raw!r}"
+                )
             return None
         if not isinstance(raw, dict):
             raise ConfigError(f"{section}.{name} must be a table of settings, got {raw!r}")
@@ -285,7 +295,9 @@ def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
         elif "." in key:
             section, _, field = key.partition(".")
             if section not in SECTIONS:
-                raise ConfigError(f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})")
+                raise ConfigError(
+                    f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})"
+                )
             nested.setdefault(section, {})[field] = value
         elif key in _ALIASES:
             section, field = _ALIASES[key]

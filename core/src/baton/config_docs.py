@@ -48,7 +48,9 @@ def render() -> str:
         model = BatonConfig.model_fields[section].annotation
         out += [f"## [{section}]", "", "| field | default | meaning |", "|---|---|---|"]
         for name, field in model.model_fields.items():  # type: ignore[union-attr]
-            default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+            default = (
+                field.default_factory() if field.default_factory is not None else field.default
+            )  # type: ignore[call-arg]
             meaning = " ".join((field.description or "").split())
             out.append(f"| `{name}` | `{default!r}` | {meaning} |")
         out.append("")

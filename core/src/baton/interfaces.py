@@ -101,7 +101,7 @@ class Executor(Protocol):
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput | None] | None:
         """Run one step's forward pass and sample.
 
         Returns None (or a future of None) when ``scheduler_output.structured_output_req_ids``
@@ -116,7 +116,10 @@ class Executor(Protocol):
         """Sample the step whose execute_model returned None, applying the bitmask."""
 
     def collective_rpc(
-        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
         """Call ``method`` on every worker; one result per worker."""
@@ -235,7 +238,9 @@ class StatLogger(Protocol):
     """Observes engine stats in the frontend process."""
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
         engine_index: int = 0,
     ) -> None:
         """Called for every batch of engine outputs; must be cheap."""

@@ -25,11 +25,18 @@ def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
     cfg = json.loads((folder / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
     model_max = next(
-        (text_cfg[k] for k in ("max_position_embeddings", "n_positions", "max_seq_len") if text_cfg.get(k)), None
+        (
+            text_cfg[k]
+            for k in ("max_position_embeddings", "n_positions", "max_seq_len")
+            if text_cfg.get(k)
+        ),
+        None,
     )
     if max_model_len is None:
         if model_max is None:
-            raise ConfigError(f"model.max_model_len: the model in {folder} states no limit; set one")
+            raise ConfigError(
+                f"model.max_model_len: the model in {folder} states no limit; set one"
+            )
         max_model_len = int(model_max)
     elif model_max is not None and max_model_len > model_max:
         raise ConfigError(

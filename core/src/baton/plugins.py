@@ -39,7 +39,10 @@ KINDS = {
     "register_stat_loggers": "stat_logger",
     "register_commands": "command",
 }
-_KIND_WORDS = {"scheduler_policy": "scheduler policy", "structured_output": "structured-output backend"}
+_KIND_WORDS = {
+    "scheduler_policy": "scheduler policy",
+    "structured_output": "structured-output backend",
+}
 #: Where a missing first-party name comes from, for the "pip install ..." hint.
 KNOWN_DISTRIBUTIONS = {
     ("transport", "zmq"): "baton-plugin-zmq",
@@ -102,7 +105,9 @@ class Registry:
         hint = f"pip install {dist}" if dist else "install the distribution that provides it"
         msg = f"{_KIND_WORDS.get(kind, kind)} {name!r} is not installed (installed: {installed}). {hint}"
         if self.failed:
-            msg += "; plugins that failed to load: " + "; ".join(f"{p} ({d}): {r}" for p, d, r in self.failed)
+            msg += "; plugins that failed to load: " + "; ".join(
+                f"{p} ({d}): {r}" for p, d, r in self.failed
+            )
         raise PluginNotFoundError(msg)
 
     def names(self, kind: str) -> list[str]:
@@ -135,7 +140,9 @@ class Plugins:
             dist = ep.dist.name if ep.dist else "unknown"
             version = ep.dist.version if ep.dist else "0"
             essential = dist == CORE_DIST
-            if not essential and (not autoload or ("BATON_PLUGINS" in env and not allow & {ep.name, dist})):
+            if not essential and (
+                not autoload or ("BATON_PLUGINS" in env and not allow & {ep.name, dist})
+            ):
                 log.debug("plugin %s from %s not loaded (allowlist / autoload off)", ep.name, dist)
                 continue
             if self.pm.has_plugin(ep.name) or ep.name in self._dists:
@@ -147,7 +154,9 @@ class Plugins:
                 continue
             self.register(module, ep.name, dist, version)
 
-    def register(self, plugin: object, name: str, distribution: str = "local", version: str = "0") -> None:
+    def register(
+        self, plugin: object, name: str, distribution: str = "local", version: str = "0"
+    ) -> None:
         """Register a module or object of @hookimpl functions (also for tests)."""
         api = getattr(plugin, "BATON_PLUGIN_API", hookspecs.PLUGIN_API_VERSION)
         supported = set(api) if isinstance(api, list | tuple | set) else {api}
@@ -199,7 +208,9 @@ class Plugins:
                     _version: str = version,
                     _kind: str = kind,
                 ) -> None:
-                    entry = PluginEntry(_kind, name, factory, settings_model, _plugin, _dist, _version)
+                    entry = PluginEntry(
+                        _kind, name, factory, settings_model, _plugin, _dist, _version
+                    )
                     old = reg.entries.get((_kind, name))
                     if old is not None:
                         raise DuplicatePluginError(
@@ -210,7 +221,9 @@ class Plugins:
                     reg.entries[(_kind, name)] = entry
 
                 if trace:
-                    log.warning("baton hook %s -> plugin %r (%s)", hook_name, impl.plugin_name, dist)
+                    log.warning(
+                        "baton hook %s -> plugin %r (%s)", hook_name, impl.plugin_name, dist
+                    )
                 try:
                     impl.function(register=register)
                 except DuplicatePluginError:

@@ -113,7 +113,9 @@ class Request:
         self.events: list[EngineCoreEvent] | None = None
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int | None = None) -> Request:
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, max_model_len: int | None = None
+    ) -> Request:
         return cls(
             req.request_id,
             req.prompt_token_ids,

@@ -55,7 +55,9 @@ class StructuredOutputSpec(
             try:
                 json.loads(self.json)
             except ValueError as e:
-                raise StructuredOutputError(f"structured_outputs.json is not valid JSON: {e}") from e
+                raise StructuredOutputError(
+                    f"structured_outputs.json is not valid JSON: {e}"
+                ) from e
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise StructuredOutputError(
                 f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}"
@@ -120,12 +122,17 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         if self.top_k == -1:
             self.top_k = 0
         _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        _check(
+            self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 = greedy)"
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 1, or 0 / -1 to disable")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
         _check(
-            self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1"
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "must be >= 1",
         )
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         _check(
@@ -140,14 +147,36 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             self.logprobs,
             f"must be in [0, {MAX_LOGPROBS}]",
         )
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
-        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be in (0, 2]",
+        )
+        _check(
+            self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"
+        )
         if self.stop is not None:
             _check(all(self.stop), "stop", self.stop, "must not contain empty strings")
         if self.stop_token_ids is not None:
-            _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be token ids >= 0")
+            _check(
+                all(t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                self.stop_token_ids,
+                "must be token ids >= 0",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -155,7 +184,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     @property
     def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

@@ -85,7 +85,13 @@ class MsgpackDecoder(Generic[T]):
         self._frames = frames
         try:
             return self._dec.decode(frames[0])
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, IndexError) as e:
+        except (
+            msgspec.DecodeError,
+            msgspec.ValidationError,
+            ValueError,
+            TypeError,
+            IndexError,
+        ) as e:
             raise ProtocolError(f"malformed frame ({len(frames)} frames): {e}") from e
         finally:
             self._frames = ()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.plugins import get_registry

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.testing.tiny_model import tiny_model
 from baton_cuda_tp.executor import TensorParallelExecutor
 from baton_cuda_tp.sharding import check_shardable, tp_plan
-
 from tests.plugins.parallel_common import _children
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.config import BatonConfig
 from baton.testing.tiny_model import tiny_model
 from baton_cuda_tp.executor import TensorParallelExecutor
 from baton_cuda_tp.plugin import CudaTPSettings
-
 from tests.plugins.parallel_common import check_hang_is_detected, sigkill_worker_is_engine_dead
 
 

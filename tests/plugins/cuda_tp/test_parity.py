@@ -9,8 +9,8 @@ tokens (tests/e2e/parity.py's rule); anything else fails.
 from __future__ import annotations
 
 import pytest
-from baton.testing.tiny_model import tiny_model
 
+from baton.testing.tiny_model import tiny_model
 from tests.plugins.parallel_common import check_parity
 
 

@@ -19,10 +19,11 @@ import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from baton.config import BatonConfig
 from baton.testing.tiny_model import tiny_model
 from baton_openai.server import OpenAIServer
-from prometheus_client.parser import text_string_to_metric_families
 
 MAX_MODEL_LEN = 1024
 

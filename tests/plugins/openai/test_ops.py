@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import baton
 import httpx
 import openai
 import pytest
+
+import baton
 
 from .conftest import metric, running_server, wait_for
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
 from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.testing.tiny_model import tiny_model
 from baton_pipeline.executor import PipelineExecutor
 from baton_pipeline.plugin import PipelineSettings
-
 from tests.plugins.parallel_common import (
     _children,
     check_hang_is_detected,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from baton.testing.tiny_model import tiny_model
 
+from baton.testing.tiny_model import tiny_model
 from tests.plugins.parallel_common import check_parity
 
 pytestmark = [

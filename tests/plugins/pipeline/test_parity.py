@@ -8,8 +8,8 @@ does, but the batch queue changes which requests share a batch.
 from __future__ import annotations
 
 import pytest
-from baton.testing.tiny_model import tiny_model
 
+from baton.testing.tiny_model import tiny_model
 from tests.plugins.parallel_common import check_parity
 
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+
 from baton.errors import ConfigError
 from baton.testing.tiny_model import tiny_model
 from baton_pipeline.stages import NoHead, Skip, cut_stage, layer_ranges

@@ -1,6 +1,7 @@
 """baton-plugin-shm passes the transport conformance suite, with default and with tiny rings."""
 
 import pytest
+
 from baton.testing.conformance.transport import TransportConformance
 from baton_shm.plugin import ShmSettings, create_transport
 

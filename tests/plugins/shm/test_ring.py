@@ -9,12 +9,13 @@ import threading
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
+
 from baton.errors import TransportError
 from baton.testing.leaks import leftover_files
 from baton_shm.plugin import ShmSettings
 from baton_shm.segment import leftover_files as shm_files
 from baton_shm.transport import ShmTransport
-from pydantic import ValidationError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,6 +191,7 @@ def test_big_frame_buffers_are_reused_only_once_released(pair):
 
 def test_a_tensor_built_on_a_frame_keeps_its_buffer(pair):
     import torch
+
     from baton.serial import MsgpackDecoder, MsgpackEncoder
 
     client, engine = pair

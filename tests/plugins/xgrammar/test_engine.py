@@ -15,6 +15,7 @@ import time
 import jsonschema
 import msgspec
 import pytest
+
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo

@@ -13,6 +13,7 @@ import re
 
 import jsonschema
 import pytest
+
 from baton import LLM, SamplingParams, StructuredOutputSpec
 from baton.errors import StructuredOutputError
 

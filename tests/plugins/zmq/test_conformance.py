@@ -1,6 +1,7 @@
 """baton-plugin-zmq passes the transport conformance suite, over ipc:// and tcp://."""
 
 import pytest
+
 from baton.testing.conformance.transport import TransportConformance
 from baton_zmq.plugin import ZmqSettings, create_transport
 

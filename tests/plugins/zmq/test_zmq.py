@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from pydantic import ValidationError
+
 from baton.errors import TransportError
 from baton_zmq.plugin import ZmqSettings
 from baton_zmq.transport import ZmqTransport
-from pydantic import ValidationError
 
 pytestmark = pytest.mark.timeout(60)
 

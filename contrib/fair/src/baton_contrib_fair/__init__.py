@@ -31,9 +31,10 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pydantic import BaseModel, Field, PositiveFloat
+
 from baton import hookimpl
 from baton.request import RequestStatus
-from pydantic import BaseModel, Field, PositiveFloat
 
 __version__ = "0.1.0"
 BATON_PLUGIN_API = 1

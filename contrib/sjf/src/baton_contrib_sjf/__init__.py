@@ -31,8 +31,9 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from baton import hookimpl
 from pydantic import BaseModel, Field
+
+from baton import hookimpl
 
 __version__ = "0.1.0"
 BATON_PLUGIN_API = 1

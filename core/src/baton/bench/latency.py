@@ -25,21 +25,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def run_latency(llm: Any, workload_path: str, prompt_len: int, decode_tokens: int, repeats: int) -> dict[str, Any]:
+def run_latency(
+    llm: Any, workload_path: str, prompt_len: int, decode_tokens: int, repeats: int
+) -> dict[str, Any]:
     from baton import SamplingParams
 
     wl = load_workload(workload_path)
     req = min(wl.requests, key=lambda r: abs(len(r.prompt_token_ids) - prompt_len))
     prompt = {"prompt_token_ids": req.prompt_token_ids}
-    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )  # warm-up
     ttfts, decode_rates = [], []
     for _ in range(repeats):
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False
+        )
         ttfts.append(time.perf_counter() - t0)
         llm.reset_prefix_cache()
-        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate(
+            prompt,
+            SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         m = out.metrics
         assert m is not None and m.first_token_time is not None and m.last_token_time is not None
         decode_rates.append((decode_tokens - 1) / (m.last_token_time - m.first_token_time))

@@ -65,7 +65,10 @@ def make_workload(
             t += rng.expovariate(arrival_rate)
         out.append(
             WorkloadRequest(
-                id=f"req-{i}", prompt_token_ids=prompt, max_new_tokens=output_len, arrival_time=t,
+                id=f"req-{i}",
+                prompt_token_ids=prompt,
+                max_new_tokens=output_len,
+                arrival_time=t,
                 user=f"user-{i % num_users}",
             )
         )
@@ -88,15 +91,25 @@ def run_scheduler_bench(
     """
     reg = get_registry()
     entry = reg.get("scheduler_policy", config.scheduler.policy)
-    policy = entry.create(config, config.plugin_settings("scheduler", entry.name, entry.settings_model))
-    ex = FakeExecutor(
-        block_size=config.cache.block_size, num_blocks=num_blocks, vocab_size=VOCAB, simulate_time=True,
-        check=check, **(executor_settings or {}),
+    policy = entry.create(
+        config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
     )
-    sched = Scheduler(config, policy, num_blocks, clock=lambda: ex.simulated_time, max_model_len=None)
+    ex = FakeExecutor(
+        block_size=config.cache.block_size,
+        num_blocks=num_blocks,
+        vocab_size=VOCAB,
+        simulate_time=True,
+        check=check,
+        **(executor_settings or {}),
+    )
+    sched = Scheduler(
+        config, policy, num_blocks, clock=lambda: ex.simulated_time, max_model_len=None
+    )
     pending = deque(sorted(workload, key=lambda w: w.arrival_time))
-    params = {n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in
-              {w.max_new_tokens for w in workload}}
+    params = {
+        n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        for n in {w.max_new_tokens for w in workload}
+    }
     perf = time.perf_counter
     step_s: list[float] = []
     sched_s: list[float] = []
@@ -115,8 +128,14 @@ def run_scheduler_bench(
             ex.simulated_time = now = pending[0].arrival_time
         while pending and pending[0].arrival_time <= now:
             w = pending.popleft()
-            req = Request(w.id, w.prompt_token_ids, params[w.max_new_tokens], eos_token_id=0,
-                          arrival_time=w.arrival_time, user=w.user)
+            req = Request(
+                w.id,
+                w.prompt_token_ids,
+                params[w.max_new_tokens],
+                eos_token_id=0,
+                arrival_time=w.arrival_time,
+                user=w.user,
+            )
             t0 = perf()
             sched.add_request(req)
             add_s += perf() - t0
@@ -146,12 +165,44 @@ def run_scheduler_bench(
     wall = perf() - wall0
     if num_tokens_out != sum(w.max_new_tokens for w in workload):
         raise AssertionError(f"the bench lost tokens: {num_tokens_out} generated")
-    return _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, add_s,
-                    num_tokens_out, preemptions, queries, hits, wall, ex.simulated_time, ttft, e2e)
+    return _figures(
+        workload,
+        config,
+        num_blocks,
+        step_s,
+        sched_s,
+        update_s,
+        running,
+        add_s,
+        num_tokens_out,
+        preemptions,
+        queries,
+        hits,
+        wall,
+        ex.simulated_time,
+        ttft,
+        e2e,
+    )
 
 
-def _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, add_s, num_tokens_out,
-             preemptions, queries, hits, wall, sim_time, ttft, e2e) -> dict[str, Any]:
+def _figures(
+    workload,
+    config,
+    num_blocks,
+    step_s,
+    sched_s,
+    update_s,
+    running,
+    add_s,
+    num_tokens_out,
+    preemptions,
+    queries,
+    hits,
+    wall,
+    sim_time,
+    ttft,
+    e2e,
+) -> dict[str, Any]:
     ms = 1e3
     full = config.scheduler.max_num_seqs
     busiest = max(running)
@@ -168,7 +219,9 @@ def _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, a
         "step_ms_p99": round(percentile(step_s, 99) * ms, 4),
         "schedule_ms_median": round(statistics.median(sched_s) * ms, 4),
         "update_ms_median": round(statistics.median(update_s) * ms, 4),
-        f"step_ms_median_at_{full}_running": round(statistics.median(at_full) * ms, 4) if at_full else None,
+        f"step_ms_median_at_{full}_running": round(statistics.median(at_full) * ms, 4)
+        if at_full
+        else None,
         f"steps_at_{full}_running": len(at_full),
         "max_running": busiest,
         "step_ms_median_at_max_running": round(statistics.median(at_max) * ms, 4),
@@ -193,35 +246,77 @@ def _figures(workload, config, num_blocks, step_s, sched_s, update_s, running, a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="overhead: requests (default 1000); simulator: use only the first N arrivals")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks (overhead: 16384 in the default variant; simulator: the cost model's or enough)")
-    p.add_argument("--tight-num-blocks", type=int, default=2048, help="blocks in the tight (preempting) variant")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="overhead: requests (default 1000); simulator: use only the first N arrivals",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks (overhead: 16384 in the default variant; simulator: the cost model's or enough)",
+    )
+    p.add_argument(
+        "--tight-num-blocks",
+        type=int,
+        default=2048,
+        help="blocks in the tight (preempting) variant",
+    )
     p.add_argument("--variant", choices=("both", "default", "tight"), default="both")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default=None,
-                   help="scheduler policy, or several comma-separated to compare (default: the config's)")
-    p.add_argument("--block-size", type=int, default=None, help="default: 16 (simulator: the config's)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 (simulator: the config's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 (simulator: the config's)")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="scheduler policy, or several comma-separated to compare (default: the config's)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="default: 16 (simulator: the config's)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default: 256 (simulator: the config's)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default: 8192 (simulator: the config's)",
+    )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--min-prompt", type=int, default=64)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--shared-prefix-frac", type=float, default=0.5)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-check", action="store_true", help="skip the fake executor's contract checks")
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the fake executor's contract checks"
+    )
     g = p.add_argument_group("simulator")
-    g.add_argument("--workload", help="a chat-workload JSON with arrival_time/user, or a generator: bursty-two-tenant")
+    g.add_argument(
+        "--workload",
+        help="a chat-workload JSON with arrival_time/user, or a generator: bursty-two-tenant",
+    )
     g.add_argument("--save-workload", metavar="FILE", help="write the (generated) workload to FILE")
-    g.add_argument("--cost-model", metavar="FILE|overhead=S,prefill=S,decode=S[,attention=S]",
-                   help="executor timing model (default: the built-in rough CPU figures)")
-    g.add_argument("--cost-noise", type=float, default=0.0, help="log-normal sigma of a per-step cost factor")
-    g.add_argument("--calibrate", action="store_true", help="measure the cost model with the real model")
-    g.add_argument("--cost-model-out", metavar="FILE", help="where --calibrate writes the cost model JSON")
+    g.add_argument(
+        "--cost-model",
+        metavar="FILE|overhead=S,prefill=S,decode=S[,attention=S]",
+        help="executor timing model (default: the built-in rough CPU figures)",
+    )
+    g.add_argument(
+        "--cost-noise", type=float, default=0.0, help="log-normal sigma of a per-step cost factor"
+    )
+    g.add_argument(
+        "--calibrate", action="store_true", help="measure the cost model with the real model"
+    )
+    g.add_argument(
+        "--cost-model-out", metavar="FILE", help="where --calibrate writes the cost model JSON"
+    )
     g.add_argument("--model", help="the model --calibrate runs (default: the config's)")
-    g.add_argument("--compare-real", metavar="FILE",
-                   help="a `baton bench throughput --json` result on the same workload: report the error")
+    g.add_argument(
+        "--compare-real",
+        metavar="FILE",
+        help="a `baton bench throughput --json` result on the same workload: report the error",
+    )
     # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
     p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
 
@@ -241,7 +336,12 @@ def main(args: argparse.Namespace) -> int:
     )
     policies = args.policy.split(",") if args.policy else [config.scheduler.policy]
     workload = make_workload(
-        args.num_requests or 1000, args.seed, args.min_prompt, args.max_prompt, args.output_len, args.shared_prefix_frac
+        args.num_requests or 1000,
+        args.seed,
+        args.min_prompt,
+        args.max_prompt,
+        args.output_len,
+        args.shared_prefix_frac,
     )
     variants = {"default": args.num_blocks or 16384, "tight": args.tight_num_blocks}
     if args.variant != "both":
@@ -249,16 +349,23 @@ def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "bench": "scheduler",
         "config": {
-            "block_size": config.cache.block_size, "max_num_seqs": config.scheduler.max_num_seqs,
+            "block_size": config.cache.block_size,
+            "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "prefix_caching": not args.no_prefix_caching,
-            "output_len": args.output_len, "prompt_len": [args.min_prompt, args.max_prompt], "seed": args.seed,
+            "output_len": args.output_len,
+            "prompt_len": [args.min_prompt, args.max_prompt],
+            "seed": args.seed,
         },
     }
     with CpuMonitor() as cpu:
         for policy in policies:
             # one policy: the figures at the top level, as always; several: one object per policy
-            into = result if len(policies) == 1 else result.setdefault("policies", {}).setdefault(policy, {})
+            into = (
+                result
+                if len(policies) == 1
+                else result.setdefault("policies", {}).setdefault(policy, {})
+            )
             cfg = config.replace(policy=policy.strip())
             for name, blocks in variants.items():
                 gc.collect()

@@ -27,21 +27,31 @@ from baton.bench.common import (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from baton.cli import add_engine_arguments
 
-    p.add_argument("--workload", default=None, help="a chat-workload JSON (default: workload.json of ../shared/bench)")
+    p.add_argument(
+        "--workload",
+        default=None,
+        help="a chat-workload JSON (default: workload.json of ../shared/bench)",
+    )
     p.add_argument("--num-requests", type=int, help="use only the first N requests")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--per-request", action="store_true", help="include each request's output token ids")
+    p.add_argument(
+        "--per-request", action="store_true", help="include each request's output token ids"
+    )
     add_engine_arguments(p)
 
 
-def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None, repeats: int = 1) -> dict[str, Any]:
+def run_throughput(
+    llm: Any, workload_path: str, num_requests: int | None = None, repeats: int = 1
+) -> dict[str, Any]:
     from baton import SamplingParams
 
     wl = load_workload(workload_path)
     reqs = wl.requests[:num_requests] if num_requests else wl.requests
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True) for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens, ignore_eos=True) for r in reqs
+    ]
     runs, outputs, monitors = [], None, []
     latencies: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
@@ -53,7 +63,9 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
             wall = time.perf_counter() - t0
         monitors.append(mon.result)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        runs.append({"wall_s": round(wall, 3), "output_tokens": n_out, "tok_per_s": round(n_out / wall, 2)})
+        runs.append(
+            {"wall_s": round(wall, 3), "output_tokens": n_out, "tok_per_s": round(n_out / wall, 2)}
+        )
         outputs = [o.outputs[0].token_ids for o in outs]
         latencies = {**_latencies(outs), **itl.percentiles()}
     assert outputs is not None
@@ -70,7 +82,9 @@ def run_throughput(llm: Any, workload_path: str, num_requests: int | None = None
         "engine_children_peak_rss_mb": round(children_peak_rss_mb(), 1),
         "outputs_sha256_16": digest(outputs),
         "cpu": monitors,
-        "expected_tokens_ok": all(len(o) == r.max_new_tokens for o, r in zip(outputs, reqs, strict=True)),
+        "expected_tokens_ok": all(
+            len(o) == r.max_new_tokens for o, r in zip(outputs, reqs, strict=True)
+        ),
         # of the last run: every request arrives at the start (what the scheduler simulator compares with)
         **latencies,
         "_outputs": outputs,
@@ -132,8 +146,10 @@ def main(args: argparse.Namespace) -> int:
         startup = time.perf_counter() - t0
         result = run_throughput(llm, path, args.num_requests, args.repeats)
         result["config"] = {
-            "transport": llm.config.transport.name, "executor": llm.config.executor.backend,
-            "tp": llm.config.executor.tensor_parallel_size, "pp": llm.config.executor.pipeline_parallel_size,
+            "transport": llm.config.transport.name,
+            "executor": llm.config.executor.backend,
+            "tp": llm.config.executor.tensor_parallel_size,
+            "pp": llm.config.executor.pipeline_parallel_size,
             "max_num_seqs": llm.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
             "block_size": llm.config.cache.block_size,

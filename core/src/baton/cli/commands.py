@@ -29,8 +29,12 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     from baton import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
     )
 
 
@@ -49,7 +53,16 @@ def generate_command(p: argparse.ArgumentParser) -> Handler:
         for o in outs:
             c = o.outputs[0]
             if args.json:
-                print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": o.prompt,
+                            "text": c.text,
+                            "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason,
+                        }
+                    )
+                )
             else:
                 print(c.text)
         return 0
@@ -68,7 +81,9 @@ def chat_command(p: argparse.ArgumentParser) -> Handler:
         from baton import LLM
 
         params = _sampling_params(args)
-        history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+        history: list[dict[str, str]] = (
+            [{"role": "system", "content": args.system}] if args.system else []
+        )
         with LLM(config=args.config, **engine_overrides(args)) as llm:
             while True:
                 if args.message is not None:
@@ -99,7 +114,13 @@ def plugins_command(p: argparse.ArgumentParser) -> Handler:
 
         reg = get_registry()
         rows = [
-            {"kind": e.kind, "name": e.name, "distribution": e.distribution, "version": e.version, "plugin": e.plugin}
+            {
+                "kind": e.kind,
+                "name": e.name,
+                "distribution": e.distribution,
+                "version": e.version,
+                "plugin": e.plugin,
+            }
             for e in sorted(reg.entries.values(), key=lambda e: (e.kind, e.name))
         ]
         failed = [{"plugin": p, "distribution": d, "error": r} for p, d, r in reg.failed]

@@ -26,7 +26,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "--tp", type=int)
     g.add_argument("--pipeline-parallel-size", "--pp", type=int)
     g.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
         help="any other setting, e.g. --set cache.block_size=32 (repeatable)",
     )
 
@@ -34,14 +37,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The overrides for BatonConfig.load from add_engine_arguments' flags."""
     names = (
-        "model", "dtype", "max_model_len", "transport", "executor", "device", "policy",
-        "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+        "model",
+        "dtype",
+        "max_model_len",
+        "transport",
+        "executor",
+        "device",
+        "policy",
+        "max_num_seqs",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
     )
     overrides: dict[str, Any] = {n: getattr(args, n, None) for n in names}
     for item in getattr(args, "set", None) or ():
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
-            raise BatonError(f"--set {item!r}: use SECTION.FIELD=VALUE, e.g. --set cache.block_size=32")
+            raise BatonError(
+                f"--set {item!r}: use SECTION.FIELD=VALUE, e.g. --set cache.block_size=32"
+            )
         overrides[key.strip()] = value.strip()
     return overrides
 
@@ -50,12 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     from baton import __version__
     from baton.plugins import get_registry
 
-    parser = argparse.ArgumentParser(prog="baton", description="baton: a plugin-first LLM inference engine")
+    parser = argparse.ArgumentParser(
+        prog="baton", description="baton: a plugin-first LLM inference engine"
+    )
     parser.add_argument("--version", action="version", version=f"baton {__version__}")
     parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for entry in get_registry().of_kind("command"):
-        p = sub.add_parser(entry.name, help=(entry.factory.__doc__ or "").strip().splitlines()[0] or None)
+        p = sub.add_parser(
+            entry.name, help=(entry.factory.__doc__ or "").strip().splitlines()[0] or None
+        )
         p.add_argument("--config", help="a TOML or YAML config file (default: $BATON_CONFIG)")
         p.set_defaults(_handler=entry.create(p), _entry=entry)
     return parser
@@ -68,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
         logging.basicConfig(
-            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
         )
         if not getattr(args, "_handler", None):
             parser.print_help()

@@ -44,7 +44,9 @@ class EngineCoreClient(ABC):
 
     # asyncio face; sync clients do not implement it
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError(f"{type(self).__name__} is synchronous; use make_client(..., asyncio_mode=True)")
+        raise NotImplementedError(
+            f"{type(self).__name__} is synchronous; use make_client(..., asyncio_mode=True)"
+        )
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         raise NotImplementedError(f"{type(self).__name__} is synchronous")
@@ -75,19 +77,25 @@ class InprocClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         if method not in UTILITY_METHODS:
-            raise InvalidRequestError(f"unknown utility method {method!r} (known: {', '.join(sorted(UTILITY_METHODS))})")
+            raise InvalidRequestError(
+                f"unknown utility method {method!r} (known: {', '.join(sorted(UTILITY_METHODS))})"
+            )
         return getattr(self.core, method)(*args)
 
     def shutdown(self) -> None:
         self.core.shutdown()
 
 
-def make_client(config: BatonConfig, *, asyncio_mode: bool = False, **core_kwargs: Any) -> EngineCoreClient:
+def make_client(
+    config: BatonConfig, *, asyncio_mode: bool = False, **core_kwargs: Any
+) -> EngineCoreClient:
     """The client face for this config's transport and the caller's mode."""
     from baton.plugins import get_registry
 
     entry = get_registry().get("transport", config.transport.name)
-    transport = entry.create(config, config.plugin_settings("transport", entry.name, entry.settings_model))
+    transport = entry.create(
+        config, config.plugin_settings("transport", entry.name, entry.settings_model)
+    )
     if not transport.multiprocess and not asyncio_mode:
         return InprocClient(config, **core_kwargs)
     from baton.engine import mp_client

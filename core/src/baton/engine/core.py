@@ -55,23 +55,37 @@ class EngineCore:
         self.config = config
         self.engine_index = engine_index
         self.registry = registry or get_registry()
-        check_config_plugins(config, self.registry, skip=frozenset({"executor"}) if executor else frozenset())
+        check_config_plugins(
+            config, self.registry, skip=frozenset({"executor"}) if executor else frozenset()
+        )
         if executor is None:
             entry = self.registry.get("executor", config.executor.backend)
             settings = config.plugin_settings("executor", entry.name, entry.settings_model)
             executor = entry.create(config, settings)
         self.executor: Executor = executor
         try:
-            self.info: ModelInfo = info or getattr(executor, "model_info", None) or model_info(config)
+            self.info: ModelInfo = (
+                info or getattr(executor, "model_info", None) or model_info(config)
+            )
             self.config = config = self._apply_model_capabilities(config)
             self.num_blocks = self._initialize_kv_cache()
             entry = self.registry.get("scheduler_policy", config.scheduler.policy)
-            policy = entry.create(config, config.plugin_settings("scheduler", entry.name, entry.settings_model))
+            policy = entry.create(
+                config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
+            )
             self.batch_queue_size = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
-            per_batch = -(-config.scheduler.max_num_seqs // self.batch_queue_size) if self.batch_queue_size > 1 else None
+            per_batch = (
+                -(-config.scheduler.max_num_seqs // self.batch_queue_size)
+                if self.batch_queue_size > 1
+                else None
+            )
             self.scheduler = Scheduler(
-                config, policy, self.num_blocks, max_model_len=self.info.max_model_len, max_num_seqs_per_batch=per_batch
+                config,
+                policy,
+                self.num_blocks,
+                max_model_len=self.info.max_model_len,
+                max_num_seqs_per_batch=per_batch,
             )
             self.structured_output = StructuredOutputManager(config, self.registry, self.info)
         except BaseException:
@@ -101,7 +115,9 @@ class EngineCore:
     def _initialize_kv_cache(self) -> int:
         specs = self.executor.get_kv_cache_specs()
         available = self.executor.determine_available_memory()
-        num_blocks = min(mem // spec.page_size_bytes for spec, mem in zip(specs, available, strict=True))
+        num_blocks = min(
+            mem // spec.page_size_bytes for spec, mem in zip(specs, available, strict=True)
+        )
         block_size = self.config.cache.block_size
         needed = -(-self.info.max_model_len // block_size)
         if num_blocks < needed:
@@ -110,11 +126,16 @@ class EngineCore:
                 f"model.max_model_len={self.info.max_model_len} needs {needed}: raise cache.kv_cache_memory "
                 "or lower model.max_model_len"
             )
-        self.executor.initialize_kv_cache(KVCacheConfig(num_blocks=num_blocks, block_size=block_size))
+        self.executor.initialize_kv_cache(
+            KVCacheConfig(num_blocks=num_blocks, block_size=block_size)
+        )
         per_worker = ", ".join(f"{num_blocks * s.page_size_bytes / 2**20:.0f} MiB" for s in specs)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s per worker)",
-            num_blocks, block_size, num_blocks * block_size, per_worker,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            per_worker,
         )
         return num_blocks
 
@@ -133,7 +154,9 @@ class EngineCore:
             )
         vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise InvalidRequestError(f"request {rid!r}: a prompt token id is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                f"request {rid!r}: a prompt token id is outside the vocabulary [0, {vocab})"
+            )
         req = Request.from_engine_core_request(request, max_model_len=limit)
         if req.use_structured_output:
             self.structured_output.add_request(req)  # -> WAITING_FOR_FSM, compiles off the hot path
@@ -145,9 +168,13 @@ class EngineCore:
 
     def abort_all(self) -> list[EngineCoreOutput]:
         """Abort everything in flight and report each with finish reason abort (shutdown in abort mode)."""
-        finished = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED)
+        finished = self.scheduler.finish_requests(
+            list(self.scheduler.requests), RequestStatus.FINISHED_ABORTED
+        )
         return [
-            EngineCoreOutput(request_id=r.request_id, new_token_ids=[], finish_reason=r.finish_reason)
+            EngineCoreOutput(
+                request_id=r.request_id, new_token_ids=[], finish_reason=r.finish_reason
+            )
             for r in finished
         ]
 
@@ -163,9 +190,13 @@ class EngineCore:
             return self._outputs(errors), False
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            time.sleep(IDLE_YIELD_S)  # e.g. only grammars compiling: the runner still learns of finished ids
+            time.sleep(
+                IDLE_YIELD_S
+            )  # e.g. only grammars compiling: the runner still learns of finished ids
         future = self.executor.execute_model(scheduler_output, non_block=True)
-        grammar_output = self.structured_output.grammar_bitmask(self.scheduler, scheduler_output)  # overlaps
+        grammar_output = self.structured_output.grammar_bitmask(
+            self.scheduler, scheduler_output
+        )  # overlaps
         model_output = future.result()
         if model_output is None:
             model_output = self.executor.sample_tokens(grammar_output)
@@ -193,10 +224,14 @@ class EngineCore:
                 queue.appendleft((future, so))
                 scheduled = True
                 if len(queue) < self.batch_queue_size and not queue[-1][0].done():
-                    return self._outputs(errors), True  # room for another batch: fill the queue first
+                    return self._outputs(
+                        errors
+                    ), True  # room for another batch: fill the queue first
         if not queue:
             if not scheduled and self.scheduler.has_unfinished_requests():
-                time.sleep(IDLE_YIELD_S)  # pending but unschedulable (e.g. grammars compiling): don't spin
+                time.sleep(
+                    IDLE_YIELD_S
+                )  # pending but unschedulable (e.g. grammars compiling): don't spin
             return self._outputs(errors), False
         in_flight = len(queue)  # including the batch about to complete
         future, so = queue.pop()
@@ -212,12 +247,17 @@ class EngineCore:
             if self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR):
                 outs.append(
                     EngineCoreOutput(
-                        request_id=req.request_id, new_token_ids=[], finish_reason=req.finish_reason, error=message
+                        request_id=req.request_id,
+                        new_token_ids=[],
+                        finish_reason=req.finish_reason,
+                        error=message,
                     )
                 )
         return outs
 
-    def _outputs(self, outputs: list[EngineCoreOutput], in_flight: int = 0) -> EngineCoreOutputs | None:
+    def _outputs(
+        self, outputs: list[EngineCoreOutput], in_flight: int = 0
+    ) -> EngineCoreOutputs | None:
         if self.aborts_to_report:
             outputs = self.aborts_to_report + outputs
             self.aborts_to_report = []
@@ -227,7 +267,10 @@ class EngineCore:
         if stats is not None:
             stats.num_batches_in_flight = in_flight
         return EngineCoreOutputs(
-            engine_index=self.engine_index, outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic()
+            engine_index=self.engine_index,
+            outputs=outputs,
+            scheduler_stats=stats,
+            timestamp=time.monotonic(),
         )
 
     # ------------------------------------------------------------------ utilities (callable remotely)

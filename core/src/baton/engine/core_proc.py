@@ -49,7 +49,10 @@ class EngineCoreProc:
     """Runs an EngineCore against an engine channel until shutdown."""
 
     def __init__(
-        self, core: EngineCore, channel: EngineChannel, engine_index: int = 0,
+        self,
+        core: EngineCore,
+        channel: EngineChannel,
+        engine_index: int = 0,
         shutdown_event: threading.Event | None = None,
     ) -> None:
         self.core = core
@@ -85,7 +88,9 @@ class EngineCoreProc:
                 return
             if frames is None:
                 if os.getppid() != parent:  # re-parented: the frontend died without closing us
-                    self.input_queue.put((RequestType.EXECUTOR_FAILED, TransportError("the frontend process exited")))
+                    self.input_queue.put(
+                        (RequestType.EXECUTOR_FAILED, TransportError("the frontend process exited"))
+                    )
                     return
                 continue
             try:
@@ -94,7 +99,12 @@ class EngineCoreProc:
                 self.input_queue.put((rtype, decoder.decode(frames[1:])))
             except (ValueError, KeyError, IndexError, ProtocolError) as e:
                 # garbage must never take the engine down: log it and keep serving
-                log.warning("engine %d: dropped a malformed message (%d frames): %s", self.engine_index, len(frames), e)
+                log.warning(
+                    "engine %d: dropped a malformed message (%d frames): %s",
+                    self.engine_index,
+                    len(frames),
+                    e,
+                )
 
     def _output_loop(self) -> None:
         encoder = MsgpackEncoder()
@@ -125,7 +135,9 @@ class EngineCoreProc:
                 self._drain_input(block=not core.has_work())
                 outputs, _ = core.step_fn()
                 busy = core.has_work()
-                if outputs is not None and (outputs.outputs or outputs.utility_output or busy or was_busy):
+                if outputs is not None and (
+                    outputs.outputs or outputs.utility_output or busy or was_busy
+                ):
                     # stats while busy, and once more on going idle (e.g. after an abort), so
                     # the frontend's gauges (running, KV usage) do not stay at their last busy value
                     self.output_queue.put(outputs)
@@ -139,7 +151,10 @@ class EngineCoreProc:
 
     def _ready_frames(self) -> list[bytes]:
         ready = EngineReady(
-            engine_index=self.engine_index, pid=os.getpid(), num_blocks=self.core.num_blocks, info=self.core.info
+            engine_index=self.engine_index,
+            pid=os.getpid(),
+            num_blocks=self.core.num_blocks,
+            info=self.core.info,
         )
         return [READY, *MsgpackEncoder().encode(ready)]
 
@@ -170,20 +185,33 @@ class EngineCoreProc:
     def _add(self, req: EngineCoreRequest) -> None:
         error: str | None = None
         if self.shutdown_requested.is_set():
-            error = "EngineShuttingDownError: the engine is shutting down and accepts no new requests"
+            error = (
+                "EngineShuttingDownError: the engine is shutting down and accepts no new requests"
+            )
         else:
             try:
                 self.core.add_request(req)
             except BatonError as e:  # a bad request fails alone; the engine keeps serving
                 error = f"{type(e).__name__}: {e}"
         if error is not None:
-            out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error)
-            self.output_queue.put(EngineCoreOutputs(engine_index=self.engine_index, outputs=[out], timestamp=time.monotonic()))
+            out = EngineCoreOutput(
+                request_id=req.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=error,
+            )
+            self.output_queue.put(
+                EngineCoreOutputs(
+                    engine_index=self.engine_index, outputs=[out], timestamp=time.monotonic()
+                )
+            )
 
     def _utility(self, call: UtilityRequest) -> None:
         result, failure = None, None
         if self.shutdown_requested.is_set():
-            failure = "EngineShuttingDownError: the engine is shutting down and accepts no utility calls"
+            failure = (
+                "EngineShuttingDownError: the engine is shutting down and accepts no utility calls"
+            )
         elif call.method not in UTILITY_METHODS:
             failure = f"InvalidRequestError: unknown utility method {call.method!r} (known: {', '.join(sorted(UTILITY_METHODS))})"
         else:
@@ -194,7 +222,9 @@ class EngineCoreProc:
         self.output_queue.put(
             EngineCoreOutputs(
                 engine_index=self.engine_index,
-                utility_output=UtilityOutput(call_id=call.call_id, result=result, failure_message=failure),
+                utility_output=UtilityOutput(
+                    call_id=call.call_id, result=result, failure_message=failure
+                ),
                 timestamp=time.monotonic(),
             )
         )
@@ -210,12 +240,20 @@ class EngineCoreProc:
         timeout = self.core.config.server.shutdown_timeout
         if self._shutdown_deadline is None:
             self._shutdown_deadline = time.monotonic() + timeout
-            log.info("engine %d: shutting down (%s mode)", self.engine_index, "drain" if timeout > 0 else "abort")
+            log.info(
+                "engine %d: shutting down (%s mode)",
+                self.engine_index,
+                "drain" if timeout > 0 else "abort",
+            )
         if timeout > 0 and self.core.has_work() and time.monotonic() < self._shutdown_deadline:
             return False  # drain mode: keep stepping in-flight requests
         aborted = self.core.abort_all()
         if aborted:
-            self.output_queue.put(EngineCoreOutputs(engine_index=self.engine_index, outputs=aborted, timestamp=time.monotonic()))
+            self.output_queue.put(
+                EngineCoreOutputs(
+                    engine_index=self.engine_index, outputs=aborted, timestamp=time.monotonic()
+                )
+            )
         return True
 
     def _on_executor_failure(self, error: BaseException) -> None:
@@ -224,7 +262,9 @@ class EngineCoreProc:
 
     def _send_dead(self, error: BaseException) -> None:
         message = f"{type(error).__name__}: {error}".encode()
-        log.error("engine %d died: %s", self.engine_index, "".join(traceback.format_exception(error)))
+        log.error(
+            "engine %d died: %s", self.engine_index, "".join(traceback.format_exception(error))
+        )
         self.output_queue.put([ENGINE_CORE_DEAD, message])
 
     def _close(self) -> None:
@@ -248,13 +288,21 @@ def run_engine_core(
 ) -> None:
     """Entry point of an engine process (or thread): connect, build the core, serve."""
     if not in_thread:
-        logging.basicConfig(level=config.observability.log_level, format=f"%(asctime)s %(levelname)s engine{engine_index} %(name)s: %(message)s")
+        logging.basicConfig(
+            level=config.observability.log_level,
+            format=f"%(asctime)s %(levelname)s engine{engine_index} %(name)s: %(message)s",
+        )
     registry = get_registry()  # plugins load in every process the kernel spawns
     entry = registry.get("transport", config.transport.name)
-    transport = entry.create(config, config.plugin_settings("transport", entry.name, entry.settings_model))
+    transport = entry.create(
+        config, config.plugin_settings("transport", entry.name, entry.settings_model)
+    )
     channel = transport.connect_engine(address, engine_index)
     try:
-        if parent_fingerprint is not None and [tuple(x) for x in parent_fingerprint] != registry.fingerprint():
+        if (
+            parent_fingerprint is not None
+            and [tuple(x) for x in parent_fingerprint] != registry.fingerprint()
+        ):
             ours, theirs = set(registry.fingerprint()), {tuple(x) for x in parent_fingerprint}
             raise BatonError(
                 "the engine process sees other plugins than the frontend: only in frontend "
@@ -264,7 +312,9 @@ def run_engine_core(
         core = EngineCore(config, registry=registry, engine_index=engine_index)
     except BaseException as e:
         log.error("engine %d failed to start: %s", engine_index, e)
-        channel.send([ENGINE_CORE_DEAD, f"engine failed to start: {type(e).__name__}: {e}".encode()])
+        channel.send(
+            [ENGINE_CORE_DEAD, f"engine failed to start: {type(e).__name__}: {e}".encode()]
+        )
         time.sleep(0.1)  # let the frame leave before the channel closes
         channel.close()
         if in_thread:

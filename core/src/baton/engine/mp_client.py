@@ -10,6 +10,7 @@ Resources are released by weakref.finalize, even after a half-finished start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -27,7 +28,13 @@ from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
 from baton.engine.core import UTILITY_METHODS
 from baton.engine.core_proc import READY, run_engine_core
-from baton.errors import BatonError, EngineDeadError, InvalidRequestError, ProtocolError, error_from_message
+from baton.errors import (
+    BatonError,
+    EngineDeadError,
+    InvalidRequestError,
+    ProtocolError,
+    error_from_message,
+)
 from baton.interfaces import ClientChannel, Transport
 from baton.plugins import get_registry
 from baton.protocol import (
@@ -107,21 +114,30 @@ class MPClient(EngineCoreClient):
         for i in range(self.num_engines):
             if transport.multiprocess:
                 p: Any = ctx.Process(
-                    target=run_engine_core, args=(config, channel.address, i, fingerprint),
+                    target=run_engine_core,
+                    args=(config, channel.address, i, fingerprint),
                     name=f"baton-engine-{i}",
                 )
             else:
                 p = threading.Thread(
                     target=run_engine_core,
-                    kwargs=dict(config=config, address=channel.address, engine_index=i, in_thread=True,
-                                shutdown_event=res.stop_event),
-                    name=f"baton-engine-{i}", daemon=True,
+                    kwargs=dict(
+                        config=config,
+                        address=channel.address,
+                        engine_index=i,
+                        in_thread=True,
+                        shutdown_event=res.stop_event,
+                    ),
+                    name=f"baton-engine-{i}",
+                    daemon=True,
                 )
             p.start()
             res.procs.append(p)
         self.ready = self._wait_ready(channel)
         self.info: ModelInfo = self.ready[0].info
-        res.reader = threading.Thread(target=self._output_loop, name="baton-client-output", daemon=True)
+        res.reader = threading.Thread(
+            target=self._output_loop, name="baton-client-output", daemon=True
+        )
         res.reader.start()
 
     def _wait_ready(self, channel: ClientChannel) -> list[EngineReady]:
@@ -135,7 +151,9 @@ class MPClient(EngineCoreClient):
                 if dead:
                     raise EngineDeadError(f"the engine failed to start: {dead}")
                 if time.monotonic() > deadline:
-                    raise EngineDeadError(f"the engine did not report READY within {STARTUP_TIMEOUT_S:.0f} s")
+                    raise EngineDeadError(
+                        f"the engine did not report READY within {STARTUP_TIMEOUT_S:.0f} s"
+                    )
                 continue
             head = bytes(frames[0])
             if head == ENGINE_CORE_DEAD:
@@ -149,8 +167,9 @@ class MPClient(EngineCoreClient):
         for i, p in enumerate(self.resources.procs):
             if not p.is_alive():
                 code = getattr(p, "exitcode", None)
-                return f"engine {i} ({'pid ' + str(p.pid) if hasattr(p, 'pid') and p.pid else 'thread'}) exited" + (
-                    f" with code {code}" if code is not None else ""
+                return (
+                    f"engine {i} ({'pid ' + str(p.pid) if hasattr(p, 'pid') and p.pid else 'thread'}) exited"
+                    + (f" with code {code}" if code is not None else "")
                 )
         return None
 
@@ -240,14 +259,20 @@ class MPClient(EngineCoreClient):
             for idx, ids in by_engine.items():
                 self._send(RequestType.ABORT, ids, idx)
 
-    def _utility_future(self, method: str, args: tuple[Any, ...], engine_index: int = 0) -> Future[Any]:
+    def _utility_future(
+        self, method: str, args: tuple[Any, ...], engine_index: int = 0
+    ) -> Future[Any]:
         self._check_alive()
         call_id = next(self._call_ids)
         fut: Future[Any] = Future()
         fut.result_type = UTILITY_METHODS.get(method)  # type: ignore[attr-defined]
         self._pending[call_id] = fut
         try:
-            self._send(RequestType.UTILITY, UtilityRequest(call_id=call_id, method=method, args=list(args)), engine_index)
+            self._send(
+                RequestType.UTILITY,
+                UtilityRequest(call_id=call_id, method=method, args=list(args)),
+                engine_index,
+            )
         except BaseException:
             self._pending.pop(call_id, None)
             raise
@@ -289,7 +314,10 @@ class AsyncMPClient(MPClient):
     """asyncio face: outputs land in an asyncio.Queue of the loop that created the client."""
 
     def __init__(
-        self, config: BatonConfig, transport: Transport, num_engines: int = 1,
+        self,
+        config: BatonConfig,
+        transport: Transport,
+        num_engines: int = 1,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._loop = loop or asyncio.get_running_loop()
@@ -297,10 +325,9 @@ class AsyncMPClient(MPClient):
         super().__init__(config, transport, num_engines)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        try:
+        # a RuntimeError means the loop is closed: nobody is listening any more
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._outputs_async.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
     def get_output(self) -> EngineCoreOutputs:
         raise InvalidRequestError("AsyncMPClient is asynchronous: await get_output_async()")
@@ -327,7 +354,10 @@ class DPAsyncMPClient(AsyncMPClient):
     """Data parallel: several engines, each request routed to the one with the fewest in flight."""
 
     def __init__(
-        self, config: BatonConfig, transport: Transport, num_engines: int,
+        self,
+        config: BatonConfig,
+        transport: Transport,
+        num_engines: int,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._owner: dict[str, int] = {}
@@ -376,13 +406,19 @@ def _dead_message(frames: list[Any]) -> str:
 
 
 def make_mp_client(
-    config: BatonConfig, transport: Transport, *, asyncio_mode: bool,
-    loop: asyncio.AbstractEventLoop | None = None, **_: Any,
+    config: BatonConfig,
+    transport: Transport,
+    *,
+    asyncio_mode: bool,
+    loop: asyncio.AbstractEventLoop | None = None,
+    **_: Any,
 ) -> EngineCoreClient:
     num_engines = config.executor.data_parallel_size
     if not asyncio_mode:
         if num_engines > 1:
-            raise InvalidRequestError("executor.data_parallel_size > 1 needs the asyncio client (AsyncLLM / baton serve)")
+            raise InvalidRequestError(
+                "executor.data_parallel_size > 1 needs the asyncio client (AsyncLLM / baton serve)"
+            )
         return SyncMPClient(config, transport)
     if num_engines > 1:
         return DPAsyncMPClient(config, transport, num_engines, loop)

@@ -11,7 +11,9 @@ SECTION_KINDS = {section: kind for kind, (section, _) in PLUGIN_SELECTORS.items(
 }
 
 
-def check_config_plugins(config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()) -> None:
+def check_config_plugins(
+    config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()
+) -> None:
     """Raise PluginNotFoundError / ConfigError naming the field when the config asks for a missing plugin.
 
     ``skip``: plugin kinds the caller supplies itself (e.g. an executor instance).
@@ -25,7 +27,9 @@ def check_config_plugins(config: BatonConfig, registry: Registry, skip: frozense
         registry.get(kind, name)
     for name in config.observability.stat_loggers:
         registry.get("stat_logger", name)
-    config.check_extras({section: set(registry.names(kind)) for section, kind in SECTION_KINDS.items()})
+    config.check_extras(
+        {section: set(registry.names(kind)) for section, kind in SECTION_KINDS.items()}
+    )
 
 
 def resolve_structured_output_backend(config: BatonConfig, registry: Registry) -> str | None:

@@ -69,7 +69,9 @@ class UniprocExecutor:
         if self._closed:
             raise ExecutorError("the uniproc executor is shut down")
         if self._failure is not None:
-            raise ExecutorError(f"the uniproc executor failed earlier: {self._failure!r}") from self._failure
+            raise ExecutorError(
+                f"the uniproc executor failed earlier: {self._failure!r}"
+            ) from self._failure
         return self._thread.submit(self._guarded, fn, *args, **kwargs)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -94,12 +96,16 @@ class UniprocExecutor:
             except Exception:
                 log.exception("executor failure callback %r raised", cb)
 
-    def _call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _call(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
         future = self._submit(fn, *args, **kwargs)
         try:
             return future.result(timeout)
         except FutureTimeout:
-            raise ExecutorError(f"{getattr(fn, '__name__', fn)} did not finish within {timeout} s") from None
+            raise ExecutorError(
+                f"{getattr(fn, '__name__', fn)} did not finish within {timeout} s"
+            ) from None
 
     # ------------------------------------------------------------------ Executor
 
@@ -125,7 +131,10 @@ class UniprocExecutor:
         return future if non_block else future.result()
 
     def collective_rpc(
-        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
         if isinstance(method, str):
@@ -133,8 +142,10 @@ class UniprocExecutor:
             if fn is None or not callable(fn):
                 raise ExecutorError(f"the worker has no method {method!r}")
         else:
+
             def fn(*a: Any, **k: Any) -> Any:
                 return method(self.worker, *a, **k)
+
         return [self._call(fn, *args, timeout=timeout, **(kwargs or {}))]
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:

@@ -55,9 +55,16 @@ class AsyncLLM:
 
     @classmethod
     async def create(
-        cls, model: str | None = None, config: str | os.PathLike[str] | BatonConfig | None = None, **overrides: Any
+        cls,
+        model: str | None = None,
+        config: str | os.PathLike[str] | BatonConfig | None = None,
+        **overrides: Any,
     ) -> AsyncLLM:
-        cfg = config if isinstance(config, BatonConfig) else BatonConfig.load(config, model=model, **overrides)
+        cfg = (
+            config
+            if isinstance(config, BatonConfig)
+            else BatonConfig.load(config, model=model, **overrides)
+        )
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:
@@ -100,7 +107,9 @@ class AsyncLLM:
         rid = request_id or f"req-{next(self._ids)}"
         if self.output_processor.is_live(rid):
             # a second request under a live id would take over the first one's outputs
-            raise InvalidRequestError(f"request id {rid!r} is already in flight; request ids must be unique")
+            raise InvalidRequestError(
+                f"request id {rid!r} is already in flight; request ids must be unique"
+            )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._ensure_handler()
         arrival = time.monotonic()
@@ -108,9 +117,19 @@ class AsyncLLM:
         try:
             for child_id, index, p, parent in children:
                 self.output_processor.add_request(
-                    child_id, text, ids, p, arrival, index=index, parent=parent, user=user, sink=queue.put_nowait
+                    child_id,
+                    text,
+                    ids,
+                    p,
+                    arrival,
+                    index=index,
+                    parent=parent,
+                    user=user,
+                    sink=queue.put_nowait,
                 )
-                req = self.input_processor.process(child_id, ids, p, arrival_time=arrival, priority=priority, user=user)
+                req = self.input_processor.process(
+                    child_id, ids, p, arrival_time=arrival, priority=priority, user=user
+                )
                 await self.engine.add_request_async(req)
             while True:
                 item = queue.get_nowait() if not queue.empty() else await queue.get()
@@ -135,7 +154,9 @@ class AsyncLLM:
         if not engine_ids:
             return
         if stats is not None:
-            self.stat_loggers.record(None, stats)  # client aborts count as finished with reason "abort"
+            self.stat_loggers.record(
+                None, stats
+            )  # client aborts count as finished with reason "abort"
         if self.dead_error is None:
             await self.engine.abort_requests_async(engine_ids)
 
@@ -143,9 +164,13 @@ class AsyncLLM:
 
     def _ensure_handler(self) -> None:
         if self._handler is None or self._handler.done():
-            self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="baton-output-handler")
+            self._handler = asyncio.get_running_loop().create_task(
+                self._output_handler(), name="baton-output-handler"
+            )
         if self._logger_task is None and self.stat_loggers.loggers:
-            self._logger_task = asyncio.get_running_loop().create_task(self._log_loop(), name="baton-stat-logger")
+            self._logger_task = asyncio.get_running_loop().create_task(
+                self._log_loop(), name="baton-stat-logger"
+            )
 
     async def _output_handler(self) -> None:
         try:

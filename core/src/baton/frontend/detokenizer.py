@@ -30,7 +30,9 @@ class IncrementalDetokenizer:
         "stop_reason",
     )
 
-    def __init__(self, tokenizer: Any, params: SamplingParams, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, params: SamplingParams, prompt_token_ids: list[int] | None = None
+    ) -> None:
         # the Rust tokenizer behind a transformers fast tokenizer
         self._tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
@@ -77,7 +79,11 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """The text not handed out yet (minus the stop-string holdback while running)."""
-        end = len(self.output_text) if finished else max(len(self.output_text) - self._hold, self.sent_offset)
+        end = (
+            len(self.output_text)
+            if finished
+            else max(len(self.output_text) - self._hold, self.sent_offset)
+        )
         delta = self.output_text[self.sent_offset : end]
         self.sent_offset = end
         return delta

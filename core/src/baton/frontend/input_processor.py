@@ -21,13 +21,19 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.info = info
 
-    def render_chat(self, messages: ChatMessages, add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def render_chat(
+        self, messages: ChatMessages, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Apply the tokenizer's chat template and tokenise."""
         if not messages:
-            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
+            raise InvalidRequestError(
+                "messages must be a non-empty list of {'role', 'content'} dicts"
+            )
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m:
-                raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
+                raise InvalidRequestError(
+                    f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}"
+                )
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
                 f"the tokenizer of {self.info.path} has no chat template: use generate() with a text prompt"
@@ -47,10 +53,14 @@ class InputProcessor:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
-            raise InvalidRequestError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}")
+            raise InvalidRequestError(
+                f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}"
+            )
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise InvalidRequestError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise InvalidRequestError(
+            f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
 
     def process(
         self,
@@ -98,4 +108,6 @@ class InputProcessor:
         vocab = self.info.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+            )

@@ -30,7 +30,12 @@ class LLM:
     ``scheduler={"policy": "priority"}``, ``**{"cache.block_size": 32}``); see BatonConfig.load.
     """
 
-    def __init__(self, model: str | None = None, config: str | os.PathLike[str] | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        config: str | os.PathLike[str] | None = None,
+        **overrides: Any,
+    ) -> None:
         self.config = BatonConfig.load(config, model=model, **overrides)
         self.info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, self.info)
@@ -120,20 +125,32 @@ class LLM:
             raise
 
     def _add_request(
-        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, priority: int, user: str | None
+        self,
+        request_id: str,
+        prompt: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        user: str | None,
     ) -> list[str]:
         arrival = time.monotonic()
         children = split_request(request_id, params)
         for rid, index, p, parent in children:
-            self.output_processor.add_request(rid, prompt, ids, p, arrival, index=index, parent=parent, user=user)
-            req = self.input_processor.process(rid, ids, p, arrival_time=arrival, priority=priority, user=user)
+            self.output_processor.add_request(
+                rid, prompt, ids, p, arrival, index=index, parent=parent, user=user
+            )
+            req = self.input_processor.process(
+                rid, ids, p, arrival_time=arrival, priority=priority, user=user
+            )
             self.engine.add_request(req)
         return [c[0] for c in children]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True
+        )
         try:
             while len(finished) < len(wanted):
                 out = self.engine.get_output()
@@ -163,6 +180,8 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != n:
-            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts: give one, or one per prompt")
+            raise InvalidRequestError(
+                f"{name} has {len(value)} entries for {n} prompts: give one, or one per prompt"
+            )
         return list(value)
     return [value] * n

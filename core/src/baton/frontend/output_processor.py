@@ -47,7 +47,12 @@ def split_request(
     parent = ParentRequest(request_id, params.n, params.output_kind)
     # each child samples independently; seeded children stay reproducible
     return [
-        (parent.child_id(i), i, params.clone(n=1, seed=None if params.seed is None else params.seed + i), parent)
+        (
+            parent.child_id(i),
+            i,
+            params.clone(n=1, seed=None if params.seed is None else params.seed + i),
+            parent,
+        )
         for i in range(params.n)
     ]
 
@@ -102,8 +107,16 @@ class OutputProcessor:
     ) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, params) if detokenize else None
         self.states[request_id] = RequestState(
-            request_id, index, parent, prompt, prompt_token_ids, params, detok,
-            RequestMetrics(arrival_time=arrival_time), user, sink=sink,
+            request_id,
+            index,
+            parent,
+            prompt,
+            prompt_token_ids,
+            params,
+            detok,
+            RequestMetrics(arrival_time=arrival_time),
+            user,
+            sink=sink,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
         )
@@ -135,7 +148,9 @@ class OutputProcessor:
                     engine_ids.append(eid)
                     if iteration_stats is not None:
                         state.metrics.finished_time = now
-                        iteration_stats.finished_requests.append(self._finished_stats(state, FinishReason.ABORT))
+                        iteration_stats.finished_requests.append(
+                            self._finished_stats(state, FinishReason.ABORT)
+                        )
         return engine_ids
 
     def is_live(self, request_id: str) -> bool:
@@ -168,7 +183,9 @@ class OutputProcessor:
             if finished:
                 del self.states[out.request_id]
                 if iteration_stats is not None:
-                    iteration_stats.finished_requests.append(self._finished_stats(state, finish_reason))
+                    iteration_stats.finished_requests.append(
+                        self._finished_stats(state, finish_reason)
+                    )
             ro = self._make_output(state, finish_reason, stop_reason, out, finished)
             if ro is None:
                 continue
@@ -218,7 +235,9 @@ class OutputProcessor:
             m.num_generation_tokens += n_new
             if stats is not None:
                 stats.num_generation_tokens += n_new
-        if out.finish_reason is not None or (state.detokenizer is not None and state.detokenizer.stop_reason):
+        if out.finish_reason is not None or (
+            state.detokenizer is not None and state.detokenizer.stop_reason
+        ):
             m.finished_time = now
 
     def _finished_stats(self, state: RequestState, reason: FinishReason) -> FinishedRequestStats:

@@ -24,7 +24,12 @@ class StatLoggers:
                 self.loggers.append(entry.create(config, settings, engine_index))
         self._next_log = time.monotonic() + self.interval
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_index: int = 0) -> None:
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
         for logger in self.loggers:
             logger.record(scheduler_stats, iteration_stats, engine_index)
 

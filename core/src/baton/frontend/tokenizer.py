@@ -16,7 +16,11 @@ def load_tokenizer(config: BatonConfig, info: ModelInfo) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load a tokenizer from {source!r} (model.tokenizer): {e}") from e
+        raise ModelLoadError(
+            f"could not load a tokenizer from {source!r} (model.tokenizer): {e}"
+        ) from e
     if getattr(tok, "_tokenizer", None) is None:
-        raise ModelLoadError(f"the tokenizer in {source!r} has no fast (Rust) implementation; baton needs one")
+        raise ModelLoadError(
+            f"the tokenizer in {source!r} has no fast (Rust) implementation; baton needs one"
+        )
     return tok

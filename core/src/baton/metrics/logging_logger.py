@@ -29,7 +29,10 @@ class LoggingStatLogger:
         self.num_preemptions = 0
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_index: int = 0
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
     ) -> None:
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens

@@ -42,7 +42,9 @@ class FCFSPolicy:
         head = self._queue.popleft()
         if head is not request:
             self._queue.appendleft(head)
-            raise ValueError(f"pop({request.request_id!r}): not the head of the queue ({head.request_id!r})")
+            raise ValueError(
+                f"pop({request.request_id!r}): not the head of the queue ({head.request_id!r})"
+            )
 
     def remove(self, request_ids: set[str]) -> list[Request]:
         removed = [r for r in self._queue if r.request_id in request_ids]

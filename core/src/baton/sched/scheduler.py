@@ -74,7 +74,9 @@ class Scheduler:
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
         self.block_size = config.cache.block_size
         self.enable_caching = config.cache.enable_prefix_caching
-        self.max_model_len = max_model_len if max_model_len is not None else config.model.max_model_len
+        self.max_model_len = (
+            max_model_len if max_model_len is not None else config.model.max_model_len
+        )
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
 
         #: Every unfinished request by id (finished ones are dropped when they finish).
@@ -106,10 +108,15 @@ class Scheduler:
         """Queue a request (WAITING, or WAITING_FOR_FSM until ``request.grammar`` is set)."""
         rid = request.request_id
         if rid in self.requests:
-            raise InvalidRequestError(f"request id {rid!r} is already in use by an unfinished request")
+            raise InvalidRequestError(
+                f"request id {rid!r} is already in use by an unfinished request"
+            )
         check_request(
-            request, max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill, kv=self.kv,
+            request,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            kv=self.kv,
         )
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
@@ -121,7 +128,9 @@ class Scheduler:
             request.status = _WAITING
             self.policy.add(request)
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
         """Finish requests in any state (aborts). Unknown or finished ids are ignored."""
         if not status.finished:
             raise ValueError(f"finish_requests needs a finished status, got {status.name}")
@@ -264,16 +273,28 @@ class Scheduler:
         total = self.max_num_batched_tokens - budget
         self._last_num_scheduled = total
         return SchedulerOutput(
-            step_id=step_id, scheduled_new_reqs=new_reqs,
+            step_id=step_id,
+            scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(
-                req_ids=c_ids, new_token_ids=c_tokens, new_block_ids=c_blocks, num_computed_tokens=c_computed
+                req_ids=c_ids,
+                new_token_ids=c_tokens,
+                new_block_ids=c_blocks,
+                num_computed_tokens=c_computed,
             ),
-            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total, finished_req_ids=finished_ids,
-            preempted_req_ids=preempted, structured_output_req_ids=so_ids,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_ids,
+            preempted_req_ids=preempted,
+            structured_output_req_ids=so_ids,
         )
 
     def _admit(
-        self, now: float, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], so_ids: list[str]
+        self,
+        now: float,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        so_ids: list[str],
     ) -> int:
         """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
         policy = self.policy
@@ -304,11 +325,16 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.record_event(EngineCoreEventType.SCHEDULED, now)
-            new_reqs.append(NewRequestData(
-                req_id=rid, prompt_token_ids=req.prompt_token_ids, sampling_params=req.sampling_params,
-                block_ids=list(kv.get_block_ids(rid)), num_computed_tokens=num_hit,
-                output_token_ids=tokens[req.num_prompt_tokens :],
-            ))
+            new_reqs.append(
+                NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=list(kv.get_block_ids(rid)),
+                    num_computed_tokens=num_hit,
+                    output_token_ids=tokens[req.num_prompt_tokens :],
+                )
+            )
             self._num_sent[rid] = ntok
             num_scheduled[rid] = n
             budget -= n
@@ -320,10 +346,14 @@ class Scheduler:
     def _preempt_for(self, req: Request, now: float, preempted: list[str]) -> Request:
         """Preempt the policy's victim among running requests not in flight (``req`` included)."""
         in_flight = self._in_flight
-        candidates = [r for r in self.running if r.status == _RUNNING and r.request_id not in in_flight]
+        candidates = [
+            r for r in self.running if r.status == _RUNNING and r.request_id not in in_flight
+        ]
         victim = self.policy.select_victim(candidates)
         if victim.status != _RUNNING or victim.request_id in in_flight:
-            raise RuntimeError(f"scheduler policy chose {victim!r}, which is not a preemption candidate")
+            raise RuntimeError(
+                f"scheduler policy chose {victim!r}, which is not a preemption candidate"
+            )
         self.kv.free(victim)
         victim.status = _PREEMPTED
         victim.num_computed_tokens = 0
@@ -355,7 +385,9 @@ class Scheduler:
         step_id = scheduler_output.step_id
         self._steps_in_flight.discard(step_id)
         if model_runner_output is not None and model_runner_output.req_ids:
-            sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True))
+            sampled = dict(
+                zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
+            )
             logprobs = model_runner_output.logprobs
         else:
             sampled, logprobs = {}, None
@@ -376,7 +408,9 @@ class Scheduler:
                 new = sampled.get(rid)
                 if not new:
                     req.status = _ERROR
-                    req.error = f"the model runner returned no token for request {rid!r} at step {step_id}"
+                    req.error = (
+                        f"the model runner returned no token for request {rid!r} at step {step_id}"
+                    )
                     new = []
                 else:
                     new = append_and_check_stop(req, new, self.max_model_len)
@@ -391,11 +425,18 @@ class Scheduler:
             events = req.events
             if events is not None:
                 req.events = None
-            outputs.append(EngineCoreOutput(
-                request_id=rid, new_token_ids=new, new_logprobs=logprobs.get(rid) if logprobs else None,
-                finish_reason=status.finish_reason if finished else None, stop_reason=req.stop_reason,
-                num_cached_tokens=req.num_cached_tokens, events=events, error=req.error,
-            ))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=new,
+                    new_logprobs=logprobs.get(rid) if logprobs else None,
+                    finish_reason=status.finish_reason if finished else None,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                    events=events,
+                    error=req.error,
+                )
+            )
             if finished:
                 self._release(req)
         return outputs
@@ -415,13 +456,26 @@ class Scheduler:
             self._queries_seen, self._hits_seen = kv.prefix_cache_queries, kv.prefix_cache_hits
             preemptions, self._num_preemptions = self._num_preemptions, 0
         else:
-            queries, hits, preemptions = kv.prefix_cache_queries, kv.prefix_cache_hits, self.total_preemptions
-        num_running = sum(1 for r in self.running if r.status == _RUNNING) if self._running_dirty else len(self.running)
+            queries, hits, preemptions = (
+                kv.prefix_cache_queries,
+                kv.prefix_cache_hits,
+                self.total_preemptions,
+            )
+        num_running = (
+            sum(1 for r in self.running if r.status == _RUNNING)
+            if self._running_dirty
+            else len(self.running)
+        )
         return SchedulerStats(
-            step=self._step, num_running_reqs=num_running,
+            step=self._step,
+            num_running_reqs=num_running,
             num_waiting_reqs=len(self.policy) + len(self._waiting_for_fsm),
-            num_scheduled_tokens=self._last_num_scheduled, kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_total_blocks,
-            prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions,
+            num_scheduled_tokens=self._last_num_scheduled,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
             num_batches_in_flight=len(self._steps_in_flight),
         )

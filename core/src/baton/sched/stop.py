@@ -34,7 +34,8 @@ def append_and_check_stop(req: Request, new: list[int], max_model_len: int | Non
                 req.status = _STOPPED
                 req.stop_reason = tok
         if req.status < _FINISHED and (
-            num_out >= req.max_tokens or (max_model_len is not None and len(tokens) >= max_model_len)
+            num_out >= req.max_tokens
+            or (max_model_len is not None and len(tokens) >= max_model_len)
         ):
             req.status = _LENGTH
         if req.status >= _FINISHED:
@@ -43,7 +44,9 @@ def append_and_check_stop(req: Request, new: list[int], max_model_len: int | Non
     if grammar is not None:
         if not grammar.accept_tokens(new):
             req.status = _ERROR
-            req.error = f"request {req.request_id!r}: sampled tokens {new} were rejected by its grammar"
+            req.error = (
+                f"request {req.request_id!r}: sampled tokens {new} were rejected by its grammar"
+            )
         elif grammar.is_terminated():
             req.status = _STOPPED
     return new

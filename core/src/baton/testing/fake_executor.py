@@ -69,7 +69,9 @@ class FakeExecutorSettings(BaseModel):
 class _ReqState:
     __slots__ = ("block_ids", "num_computed", "num_prompt", "sampled", "tokens")
 
-    def __init__(self, tokens: list[int], num_prompt: int, block_ids: list[int], num_computed: int) -> None:
+    def __init__(
+        self, tokens: list[int], num_prompt: int, block_ids: list[int], num_computed: int
+    ) -> None:
         self.tokens = tokens
         self.num_prompt = num_prompt
         self.block_ids = block_ids
@@ -100,12 +102,22 @@ class FakeExecutor:
         self._worker: ThreadPoolExecutor | None = None
         self._pending: tuple[SchedulerOutput, list[str]] | None = None
         self.reqs: dict[str, _ReqState] = {}
-        self.initialize_kv_cache(KVCacheConfig(num_blocks=self.settings.num_blocks, block_size=block_size))
+        self.initialize_kv_cache(
+            KVCacheConfig(num_blocks=self.settings.num_blocks, block_size=block_size)
+        )
 
     # ------------------------------------------------------------- set-up
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
-        return [KVCacheSpec(block_size=self.block_size, num_layers=1, num_kv_heads=1, head_size=1, dtype="float32")]
+        return [
+            KVCacheSpec(
+                block_size=self.block_size,
+                num_layers=1,
+                num_kv_heads=1,
+                head_size=1,
+                dtype="float32",
+            )
+        ]
 
     def determine_available_memory(self) -> list[int]:
         return [self.settings.num_blocks * self.get_kv_cache_specs()[0].page_size_bytes]
@@ -136,7 +148,9 @@ class FakeExecutor:
     def _submit(self, fn: Callable[..., Any], arg: Any) -> Future[Any]:
         # one worker thread: steps run in submission order, like a pipeline's stages
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-fake-executor")
+            self._worker = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="baton-fake-executor"
+            )
         return self._worker.submit(fn, arg)
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -147,7 +161,9 @@ class FakeExecutor:
         if self.settings.fail_at_step == step:
             self._fail(step)
         if self._pending is not None:
-            raise AssertionError("execute_model called while the previous step still waits for sample_tokens")
+            raise AssertionError(
+                "execute_model called while the previous step still waits for sample_tokens"
+            )
         self._apply(so)
         samplers = self._run(so)
         if so.structured_output_req_ids:
@@ -166,7 +182,9 @@ class FakeExecutor:
         if self.settings.fail_mode == "die":
             self._dead = err
             for cb in list(self._callbacks):
-                threading.Thread(target=cb, args=(err,), name="baton-fake-failure", daemon=True).start()
+                threading.Thread(
+                    target=cb, args=(err,), name="baton-fake-failure", daemon=True
+                ).start()
         raise err
 
     def _apply(self, so: SchedulerOutput) -> None:
@@ -180,13 +198,19 @@ class FakeExecutor:
                 self._drop_blocks(st.block_ids)
         for rid in so.preempted_req_ids:
             st = reqs.pop(rid, None)
-            assert st is not None or not check, f"preempted request {rid!r} is unknown to the runner"
+            assert st is not None or not check, (
+                f"preempted request {rid!r} is unknown to the runner"
+            )
             if st is not None:
                 self._drop_blocks(st.block_ids)
         for new in so.scheduled_new_reqs:
-            assert new.req_id not in reqs or not check, f"new request {new.req_id!r} is already known"
+            assert new.req_id not in reqs or not check, (
+                f"new request {new.req_id!r} is already known"
+            )
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            st = _ReqState(tokens, len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens)
+            st = _ReqState(
+                tokens, len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
             reqs[new.req_id] = st
             for b in st.block_ids:
                 assert 0 < b < self.num_blocks, f"request {new.req_id!r}: block id {b} out of range"
@@ -215,7 +239,9 @@ class FakeExecutor:
                 st.block_ids.append(b)
         if check:
             n_new, n_cached = len(so.scheduled_new_reqs), len(cached.req_ids)
-            assert len(so.num_scheduled_tokens) == n_new + n_cached, "num_scheduled_tokens != new + cached"
+            assert len(so.num_scheduled_tokens) == n_new + n_cached, (
+                "num_scheduled_tokens != new + cached"
+            )
             assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
 
     def _drop_blocks(self, block_ids: list[int]) -> None:
@@ -231,7 +257,9 @@ class FakeExecutor:
         bs, kv, tokens, blocks = self.block_size, self._kv, st.tokens, st.block_ids
         for pos in range(upto):
             got = kv[blocks[pos // bs] * bs + pos % bs]
-            assert got == tokens[pos], f"request {rid!r}: KV at position {pos} holds {got}, expected {tokens[pos]}"
+            assert got == tokens[pos], (
+                f"request {rid!r}: KV at position {pos} holds {got}, expected {tokens[pos]}"
+            )
 
     def _run(self, so: SchedulerOutput) -> list[str]:
         """'Compute' the scheduled tokens (write the shadow KV); return who samples."""
@@ -243,13 +271,19 @@ class FakeExecutor:
             st = self.reqs[rid]
             start, end = st.num_computed, st.num_computed + n
             tokens, blocks = st.tokens, st.block_ids
-            assert n > 0 and end <= len(tokens), f"request {rid!r}: {n} tokens from {start}, has {len(tokens)}"
-            assert len(blocks) * bs >= end, f"request {rid!r}: {len(blocks)} blocks for {end} tokens"
+            assert n > 0 and end <= len(tokens), (
+                f"request {rid!r}: {n} tokens from {start}, has {len(tokens)}"
+            )
+            assert len(blocks) * bs >= end, (
+                f"request {rid!r}: {len(blocks)} blocks for {end} tokens"
+            )
             if deep:
                 self._verify_context(rid, st, start)
             if check:
                 for b in blocks[start // bs : (end - 1) // bs + 1]:
-                    assert owners.get(b) == 1, f"request {rid!r} writes block {b}, held by {owners.get(b)} requests"
+                    assert owners.get(b) == 1, (
+                        f"request {rid!r} writes block {b}, held by {owners.get(b)} requests"
+                    )
             for pos in range(start, end):
                 kv[blocks[pos // bs] * bs + pos % bs] = tokens[pos]
             st.num_computed = end
@@ -280,7 +314,9 @@ class FakeExecutor:
             return s.token_ids[num_out % len(s.token_ids)]
         return 1 + (31 * tokens[-1] + len(tokens)) % (s.vocab_size - 1)
 
-    def _sample(self, so: SchedulerOutput, samplers: list[str], grammar: GrammarOutput | None) -> ModelRunnerOutput:
+    def _sample(
+        self, so: SchedulerOutput, samplers: list[str], grammar: GrammarOutput | None
+    ) -> ModelRunnerOutput:
         rows = {rid: i for i, rid in enumerate(grammar.req_ids)} if grammar is not None else {}
         sampling = set(samplers)
         req_ids, sampled = [], []
@@ -300,10 +336,17 @@ class FakeExecutor:
     # ---------------------------------------------------------- lifecycle
 
     def collective_rpc(
-        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        fn = getattr(self, method) if isinstance(method, str) else (lambda *a, **k: method(self, *a, **k))
+        fn = (
+            getattr(self, method)
+            if isinstance(method, str)
+            else (lambda *a, **k: method(self, *a, **k))
+        )
         return [fn(*args, **(kwargs or {}))]
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:

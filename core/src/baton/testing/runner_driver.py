@@ -37,7 +37,9 @@ class Req:
 
 
 class Driver:
-    def __init__(self, runner, num_blocks: int, block_size: int, budget: int, seed: int = 0) -> None:
+    def __init__(
+        self, runner, num_blocks: int, block_size: int, budget: int, seed: int = 0
+    ) -> None:
         self.runner = runner
         self.bs = block_size
         self.budget = budget
@@ -50,8 +52,15 @@ class Driver:
         self.all: dict[str, Req] = {}
         self.refs: dict[int, int] = {}  # block -> number of requests using it
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: SamplingParams | None = None,
-            prefix_from: Req | None = None, prefix_tokens: int = 0) -> Req:
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        params: SamplingParams | None = None,
+        prefix_from: Req | None = None,
+        prefix_tokens: int = 0,
+    ) -> Req:
         r = Req(req_id, list(prompt), params or SamplingParams(temperature=0.0), max_tokens)
         if prefix_from is not None:  # borrow full blocks holding an identical prefix
             nb = prefix_tokens // self.bs
@@ -94,21 +103,33 @@ class Driver:
             num_sched[r.req_id] = n
             budget -= n
             if r.is_new:
-                new.append(NewRequestData(
-                    req_id=r.req_id, prompt_token_ids=r.prompt, sampling_params=r.params,
-                    block_ids=list(r.blocks), num_computed_tokens=r.computed, output_token_ids=list(r.output)))
+                new.append(
+                    NewRequestData(
+                        req_id=r.req_id,
+                        prompt_token_ids=r.prompt,
+                        sampling_params=r.params,
+                        block_ids=list(r.blocks),
+                        num_computed_tokens=r.computed,
+                        output_token_ids=list(r.output),
+                    )
+                )
                 r.is_new = False
             else:
                 cached.req_ids.append(r.req_id)
-                cached.new_token_ids.append((r.prompt + r.output)[r.sent_tokens:])
-                cached.new_block_ids.append(r.blocks[r.sent_blocks:])
+                cached.new_token_ids.append((r.prompt + r.output)[r.sent_tokens :])
+                cached.new_block_ids.append(r.blocks[r.sent_blocks :])
                 cached.num_computed_tokens.append(r.computed)
             r.sent_tokens = r.num_tokens
             r.sent_blocks = len(r.blocks)
         so = SchedulerOutput(
-            step_id=self.step_id, scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_sched, total_num_scheduled_tokens=sum(num_sched.values()),
-            finished_req_ids=self.finished, preempted_req_ids=self.preempted)
+            step_id=self.step_id,
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_req_ids=self.finished,
+            preempted_req_ids=self.preempted,
+        )
         self.finished, self.preempted = [], []
         self.step_id += 1
         out = self.runner.execute_model(so)

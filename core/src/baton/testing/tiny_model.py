@@ -83,7 +83,11 @@ def make_tiny_model(
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)
-    dest = Path(dest_dir) if dest_dir is not None else Path(tempfile.mkdtemp(prefix=f"baton-tiny-{arch}-"))
+    dest = (
+        Path(dest_dir)
+        if dest_dir is not None
+        else Path(tempfile.mkdtemp(prefix=f"baton-tiny-{arch}-"))
+    )
     dest.mkdir(parents=True, exist_ok=True)
     src = Path(tokenizer_dir) if tokenizer_dir is not None else _default_tokenizer_dir()
     with torch.random.fork_rng(devices=[]):
@@ -91,9 +95,13 @@ def make_tiny_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(dest)
     for name in TOKENIZER_FILES:
-        if (src / name).is_file() and not (name == "generation_config.json" and (dest / name).exists()):
+        if (src / name).is_file() and not (
+            name == "generation_config.json" and (dest / name).exists()
+        ):
             shutil.copy2(src / name, dest / name)
-    (dest / "baton-tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, "overrides": overrides}))
+    (dest / "baton-tiny.json").write_text(
+        json.dumps({"arch": arch, "seed": seed, "overrides": overrides})
+    )
     return dest
 
 

@@ -47,7 +47,9 @@ class DecodeGroup:
     start: int
     n: int
     max_len: int  # keys per request after the gather: blocks_per_req * block_size
-    blocks: torch.Tensor  # [n * blocks_per_req] int64: each request's blocks, padded with its last one
+    blocks: (
+        torch.Tensor
+    )  # [n * blocks_per_req] int64: each request's blocks, padded with its last one
     ctx_lens: torch.Tensor  # [n] int64: number of keys of each request (position + 1)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -88,7 +90,11 @@ class PrefillSeq:
         else:
             q_pos = torch.arange(self.prefix_len, s, device=device)[:, None]
             k_pos = torch.arange(s, device=device)[None, :]
-            m = k_pos <= q_pos if causal else torch.ones(self.q_len, s, dtype=torch.bool, device=device)
+            m = (
+                k_pos <= q_pos
+                if causal
+                else torch.ones(self.q_len, s, dtype=torch.bool, device=device)
+            )
             if window is not None:
                 m = m & (k_pos > q_pos - window)
         self._masks[key] = m
@@ -130,20 +136,26 @@ def paged_attention(
             "extra keyword arguments through to its attention layers"
         )
     if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError("baton attention supports neither attention sinks nor logit soft-capping")
+        raise NotImplementedError(
+            "baton attention supports neither attention sinks nor logit soft-capping"
+        )
     window = kwargs.get("sliding_window")
     causal = getattr(module, "is_causal", True)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if meta.out is not None and meta.out.numel() >= num_tokens * num_heads * head_dim:
-        out = meta.out.view(-1)[: num_tokens * num_heads * head_dim].view(1, num_tokens, num_heads, head_dim)
+        out = meta.out.view(-1)[: num_tokens * num_heads * head_dim].view(
+            1, num_tokens, num_heads, head_dim
+        )
     else:
         out = query.new_empty(1, num_tokens, num_heads, head_dim)
 
     cache = meta.kv_caches[module.layer_idx] if meta.kv_caches is not None else None
     if cache is None:  # profiling run: one causal sequence, nothing cached
-        o = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            query, key, value, is_causal=causal, scale=scale, enable_gqa=True
+        )
         out[0] = o[0].transpose(0, 1)
         return out, None
 
@@ -162,23 +174,42 @@ def paged_attention(
 
 
 def _decode(
-    query: torch.Tensor, paged: torch.Tensor, g: DecodeGroup, window: int | None, scale: float,
-    group: int, num_kv_heads: int, out: torch.Tensor,
+    query: torch.Tensor,
+    paged: torch.Tensor,
+    g: DecodeGroup,
+    window: int | None,
+    scale: float,
+    group: int,
+    num_kv_heads: int,
+    out: torch.Tensor,
 ) -> None:
     head_dim = query.shape[-1]
     # [H, n, D] -> [KVH, n, G, D]: the G query heads sharing a KV head form one matrix.
-    q = query[0, :, g.start : g.start + g.n].reshape(num_kv_heads, group, g.n, head_dim).transpose(1, 2)
+    q = (
+        query[0, :, g.start : g.start + g.n]
+        .reshape(num_kv_heads, group, g.n, head_dim)
+        .transpose(1, 2)
+    )
     kv = paged.index_select(1, g.blocks).view(2, num_kv_heads, g.n, g.max_len, head_dim)
     scores = torch.matmul(q * scale, kv[0].transpose(-1, -2))  # [KVH, n, G, L]
     scores.add_(g.mask(window))
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, kv[1])  # [KVH, n, G, D]
-    out[0, g.start : g.start + g.n] = o.permute(1, 0, 2, 3).reshape(g.n, num_kv_heads * group, head_dim)
+    out[0, g.start : g.start + g.n] = o.permute(1, 0, 2, 3).reshape(
+        g.n, num_kv_heads * group, head_dim
+    )
 
 
 def _prefill(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, paged: torch.Tensor, p: PrefillSeq,
-    window: int | None, causal: bool, scale: float, out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    paged: torch.Tensor,
+    p: PrefillSeq,
+    window: int | None,
+    causal: bool,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     end = p.start + p.q_len
     q = query[:, :, p.start : end]
@@ -187,7 +218,9 @@ def _prefill(
         v = value[:, :, p.start : end]
     else:
         kvh, d = key.shape[1], key.shape[-1]
-        kv = paged.index_select(1, p.blocks).view(2, 1, kvh, -1, d)[..., : p.prefix_len + p.q_len, :]
+        kv = paged.index_select(1, p.blocks).view(2, 1, kvh, -1, d)[
+            ..., : p.prefix_len + p.q_len, :
+        ]
         k, v = kv[0], kv[1]
     mask = p.mask(window, causal, query.device)
     o = F.scaled_dot_product_attention(
@@ -225,7 +258,11 @@ def model_capabilities(hf_config: Any) -> tuple[bool, bool, str]:
     """
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     if getattr(text, "use_bidirectional_attention", False):
-        return False, False, f"{text.model_type}: use_bidirectional_attention=True (layers are not causal)"
+        return (
+            False,
+            False,
+            f"{text.model_type}: use_bidirectional_attention=True (layers are not causal)",
+        )
     if getattr(text, "is_causal", True) is False:
         return False, False, f"{text.model_type}: is_causal=False"
     return True, True, ""

@@ -63,11 +63,15 @@ class InputBatch:
             raise ExecutorError(f"request {req.req_id!r} is already in the model runner's batch")
         row = self.num_reqs
         if row >= self.max_num_reqs:
-            raise ExecutorError(f"more than max_num_seqs={self.max_num_reqs} requests scheduled at once")
+            raise ExecutorError(
+                f"more than max_num_seqs={self.max_num_reqs} requests scheduled at once"
+            )
         n_prompt = len(req.prompt_token_ids)
         n = n_prompt + len(req.output_token_ids)
         if n > self.max_model_len:
-            raise ExecutorError(f"request {req.req_id!r} has {n} tokens > max_model_len={self.max_model_len}")
+            raise ExecutorError(
+                f"request {req.req_id!r} has {n} tokens > max_model_len={self.max_model_len}"
+            )
         self.req_ids.append(req.req_id)
         self.req_id_to_index[req.req_id] = row
         self.token_ids[row, :n_prompt] = req.prompt_token_ids
@@ -98,17 +102,25 @@ class InputBatch:
         self.min_tokens_stop_ids[row] = stop_ids if sp.min_tokens > 0 and stop_ids else None
 
     def update_cached(
-        self, req_id: str, new_token_ids: Sequence[int], new_block_ids: Sequence[int], num_computed_tokens: int
+        self,
+        req_id: str,
+        new_token_ids: Sequence[int],
+        new_block_ids: Sequence[int],
+        num_computed_tokens: int,
     ) -> int:
         """Apply one CachedRequestData entry; return the row."""
         row = self.req_id_to_index.get(req_id)
         if row is None:
-            raise ExecutorError(f"scheduled cached request {req_id!r} is not in the model runner's batch")
+            raise ExecutorError(
+                f"scheduled cached request {req_id!r} is not in the model runner's batch"
+            )
         if new_token_ids:
             start = int(self.num_tokens[row])
             end = start + len(new_token_ids)
             if end > self.max_model_len:
-                raise ExecutorError(f"request {req_id!r} grew to {end} tokens > max_model_len={self.max_model_len}")
+                raise ExecutorError(
+                    f"request {req_id!r} grew to {end} tokens > max_model_len={self.max_model_len}"
+                )
             self.token_ids[row, start:end] = new_token_ids
             self.num_tokens[row] = end
         if new_block_ids:
@@ -147,10 +159,21 @@ class InputBatch:
         nb = int(self.num_blocks[src])
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         for arr in (
-            self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
-            self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
-            self.frequency_penalty, self.repetition_penalty, self.seed, self.has_seed,
-            self.num_logprobs, self.min_tokens,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.num_blocks,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.seed,
+            self.has_seed,
+            self.num_logprobs,
+            self.min_tokens,
         ):
             arr[dst] = arr[src]
         self.min_tokens_stop_ids[dst] = self.min_tokens_stop_ids[src]

@@ -77,7 +77,9 @@ def alias_gguf(alias: str) -> Path:
         )
     path = Path(spec.origin).parent / filename
     if not path.is_file():
-        raise ModelLoadError(f"model {alias!r}: {path} is missing from the installed wheel; reinstall it: `{how}`")
+        raise ModelLoadError(
+            f"model {alias!r}: {path} is missing from the installed wheel; reinstall it: `{how}`"
+        )
     return path
 
 
@@ -95,18 +97,20 @@ def resolve_model(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
         return convert_gguf_cached(path, model_cache_dir(cache_dir) / key)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"model folder {str(path)!r} has no config.json: not a Hugging Face model folder")
+            raise ModelLoadError(
+                f"model folder {str(path)!r} has no config.json: not a Hugging Face model folder"
+            )
         return path
     if path.exists():
-        raise ModelLoadError(f"model {name!r} is a file but not a .gguf file; give a model folder or a .gguf file")
+        raise ModelLoadError(
+            f"model {name!r} is a file but not a .gguf file; give a model folder or a .gguf file"
+        )
     return _from_hub_cache(name)
 
 
 def _from_hub_cache(name: str) -> Path:
     known = ", ".join(sorted(ALIASES))
-    hint = (
-        f"use a built-in alias ({known}), a local Hugging Face model folder, or a .gguf file"
-    )
+    hint = f"use a built-in alias ({known}), a local Hugging Face model folder, or a .gguf file"
     if name.count("/") != 1:
         raise ModelLoadError(f"model {name!r} not found: {hint}")
     try:
@@ -150,7 +154,9 @@ def convert_gguf_cached(
         convert(gguf, tmp)
         st = gguf.stat()
         (tmp / MARKER).write_text(
-            json.dumps({"source": str(gguf), "size": st.st_size, "mtime": int(st.st_mtime)}, indent=1)
+            json.dumps(
+                {"source": str(gguf), "size": st.st_size, "mtime": int(st.st_mtime)}, indent=1
+            )
         )
         try:
             os.rename(tmp, dest)
@@ -211,9 +217,13 @@ def check_architecture(hf_config: Any) -> type:
 
     model_type = getattr(hf_config, "model_type", "?")
     if getattr(hf_config, "auto_map", None):
-        raise ModelLoadError(f"model type {model_type!r} needs remote code (auto_map), which baton does not run")
+        raise ModelLoadError(
+            f"model type {model_type!r} needs remote code (auto_map), which baton does not run"
+        )
     if getattr(hf_config, "is_encoder_decoder", False):
-        raise ModelLoadError(f"model type {model_type!r} is an encoder-decoder; baton runs decoder-only causal LMs")
+        raise ModelLoadError(
+            f"model type {model_type!r} is an encoder-decoder; baton runs decoder-only causal LMs"
+        )
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
@@ -226,7 +236,9 @@ def check_architecture(hf_config: Any) -> type:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     why = UNSUPPORTED_MODEL_TYPES.get(getattr(text, "model_type", ""))
     if why:
-        raise ModelLoadError(f"{cls.__name__} uses {why}, which baton's paged attention does not implement")
+        raise ModelLoadError(
+            f"{cls.__name__} uses {why}, which baton's paged attention does not implement"
+        )
     layer_types = set(getattr(text, "layer_types", None) or ())
     if layer_types - SUPPORTED_LAYER_TYPES:
         raise ModelLoadError(
@@ -235,7 +247,9 @@ def check_architecture(hf_config: Any) -> type:
         )
     for attr in ("attn_logit_softcapping", "attention_chunk_size"):
         if getattr(text, attr, None):
-            raise ModelLoadError(f"{cls.__name__} sets {attr}={getattr(text, attr)!r}, which baton does not implement")
+            raise ModelLoadError(
+                f"{cls.__name__} sets {attr}={getattr(text, attr)!r}, which baton does not implement"
+            )
     return cls
 
 
@@ -265,7 +279,9 @@ def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
 
 
 def load_model(
-    cfg: BatonConfig, device: torch.device, dtype: torch.dtype | None = None,
+    cfg: BatonConfig,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
     prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """Load ``cfg.model.name`` onto ``device`` with attn_implementation="baton", in eval mode.
@@ -284,7 +300,9 @@ def load_model(
     attention.register()
     t0 = time.monotonic()
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL
+        )
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
     if prepare is not None:
@@ -295,7 +313,11 @@ def load_model(
     n = sum(p.numel() for p in model.parameters())
     log.info(
         "loaded %s (%s, %.1f M parameters, %s) on %s in %.1f s",
-        cfg.model.name, type(model).__name__, n / 1e6, str(dtype).removeprefix("torch."), device,
+        cfg.model.name,
+        type(model).__name__,
+        n / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
         time.monotonic() - t0,
     )
     return model

@@ -46,7 +46,11 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}.get(dtype)
+    np_dtype = {
+        torch.float32: np.float32,
+        torch.float16: np.float16,
+        torch.float64: np.float64,
+    }.get(dtype)
     if np_dtype is None:  # bfloat16: same size as int16, zero bits are 0.0
         return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(dtype)
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
@@ -166,28 +170,49 @@ class ModelRunner:
         pos = torch.arange(n, device=self.device)[None]
         meta = AttentionMetadata(None, None, self.block_size, [], [], n)
         keep = torch.tensor([n - 1], device=self.device)
-        self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{META_KWARG: meta})
+        self.model(
+            input_ids=ids,
+            position_ids=pos,
+            logits_to_keep=keep,
+            use_cache=False,
+            **{META_KWARG: meta},
+        )
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         """Allocate ``config.num_blocks`` blocks for every layer, then warm up."""
         if config.block_size != self.block_size:
-            raise ExecutorError(f"KV cache block_size {config.block_size} != cache.block_size {self.block_size}")
+            raise ExecutorError(
+                f"KV cache block_size {config.block_size} != cache.block_size {self.block_size}"
+            )
         if config.num_blocks <= 0:
-            raise ExecutorError(f"KV cache needs at least one block, got num_blocks={config.num_blocks}")
+            raise ExecutorError(
+                f"KV cache needs at least one block, got num_blocks={config.num_blocks}"
+            )
         num_slots = config.num_blocks * self.block_size
         # [layers, K/V, kv_heads, slots, head_dim]: a gather by block is contiguous per KV head.
         cache = zeros_lazy(
-            (self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim), self.dtype, self.device
+            (self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim),
+            self.dtype,
+            self.device,
         )
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = config.num_blocks
-        attn_out = torch.empty(self.max_num_tokens * self.num_heads * self.head_dim, dtype=self.dtype,
-                               device=self.device)
+        attn_out = torch.empty(
+            self.max_num_tokens * self.num_heads * self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.inputs.set_kv_caches(self.kv_caches, attn_out)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head dim %d, %s)",
-            config.num_blocks, self.block_size, num_slots, cache.numel() * cache.element_size() / 2**20,
-            self.num_layers, self.num_kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."),
+            config.num_blocks,
+            self.block_size,
+            num_slots,
+            cache.numel() * cache.element_size() / 2**20,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            str(self.dtype).removeprefix("torch."),
         )
         self._warmup()
 
@@ -201,14 +226,34 @@ class ModelRunner:
         blocks = torch.arange(nb, device=self.device)
         ctx = torch.tensor([n], device=self.device)
         for meta, ids, pos in (
-            (AttentionMetadata(self.kv_caches, slots, self.block_size, [], [PrefillSeq(0, n, 0, None)], n),
-             torch.zeros(1, n, dtype=torch.long, device=self.device), slots[None]),
-            (AttentionMetadata(self.kv_caches, slots[n - 1 :], self.block_size,
-                               [DecodeGroup(0, 1, nb * self.block_size, blocks, ctx)], [], 1),
-             torch.zeros(1, 1, dtype=torch.long, device=self.device), slots[None, n - 1 :]),
+            (
+                AttentionMetadata(
+                    self.kv_caches, slots, self.block_size, [], [PrefillSeq(0, n, 0, None)], n
+                ),
+                torch.zeros(1, n, dtype=torch.long, device=self.device),
+                slots[None],
+            ),
+            (
+                AttentionMetadata(
+                    self.kv_caches,
+                    slots[n - 1 :],
+                    self.block_size,
+                    [DecodeGroup(0, 1, nb * self.block_size, blocks, ctx)],
+                    [],
+                    1,
+                ),
+                torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                slots[None, n - 1 :],
+            ),
         ):
             keep = torch.tensor([ids.shape[1] - 1], device=self.device)
-            self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{META_KWARG: meta})
+            self.model(
+                input_ids=ids,
+                position_ids=pos,
+                logits_to_keep=keep,
+                use_cache=False,
+                **{META_KWARG: meta},
+            )
         log.debug("warm-up took %.2f s", time.monotonic() - t0)
 
     # ------------------------------------------------------------------ steps
@@ -233,7 +278,9 @@ class ModelRunner:
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step whose execute_model returned None, with the grammar bitmask applied."""
         if self._pending is None:
-            raise ExecutorError("sample_tokens called without a pending step (execute_model did not return None)")
+            raise ExecutorError(
+                "sample_tokens called without a pending step (execute_model did not return None)"
+            )
         logits, inputs = self._pending
         self._pending = None
         return self.sample(logits, inputs, grammar_output)
@@ -271,19 +318,25 @@ class ModelRunner:
         )
         return out.logits[0]
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample(
+        self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput | None
+    ) -> ModelRunnerOutput:
         sampled: dict[str, list[int]] = {}
         logprobs = None
         if inputs.sample_req_ids:
             if grammar is not None and grammar.req_ids:
                 self._apply_grammar(logits, inputs, grammar)
-            md = sampling_metadata(self.input_batch, inputs.sample_rows, self.vocab_size, self.device)
+            md = sampling_metadata(
+                self.input_batch, inputs.sample_rows, self.vocab_size, self.device
+            )
             out = self.sampler(logits, md)
             tokens = out.token_ids.tolist()
             sampled = {rid: [tok] for rid, tok in zip(inputs.sample_req_ids, tokens, strict=True)}
             if out.logprobs is not None:
                 logprobs = {
-                    rid: [lp] for rid, lp in zip(inputs.sample_req_ids, out.logprobs, strict=True) if lp is not None
+                    rid: [lp]
+                    for rid, lp in zip(inputs.sample_req_ids, out.logprobs, strict=True)
+                    if lp is not None
                 }
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
@@ -291,7 +344,9 @@ class ModelRunner:
             logprobs=logprobs,
         )
 
-    def _apply_grammar(self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput) -> None:
+    def _apply_grammar(
+        self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput
+    ) -> None:
         where = {rid: i for i, rid in enumerate(inputs.sample_req_ids)}
         mask_rows, logit_rows = [], []
         for j, rid in enumerate(grammar.req_ids):

@@ -70,7 +70,9 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None  # per row, when any row asked
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> None:
     """Disallow tokens in place: ``bitmask[i]`` (int32, bit set = allowed) masks ``logits[rows[i]]``.
 
     xgrammar's layout: token t is bit ``t % 32`` of word ``t // 32``. Tokens past
@@ -136,7 +138,11 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample_mixed(logits, md)
-        lps = self._logprobs(raw_logprobs, tokens, md.num_logprobs) if raw_logprobs is not None else None
+        lps = (
+            self._logprobs(raw_logprobs, tokens, md.num_logprobs)
+            if raw_logprobs is not None
+            else None
+        )
         return SamplerOutput(tokens, lps)
 
     # ------------------------------------------------------------------ random
@@ -153,13 +159,18 @@ class Sampler:
         tokens[idx] = self._sample_random(logits[idx], md, idx)
         return tokens
 
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata, idx: torch.Tensor | None) -> torch.Tensor:
+    def _sample_random(
+        self, logits: torch.Tensor, md: SamplingMetadata, idx: torch.Tensor | None
+    ) -> torch.Tensor:
         """Sample every row of ``logits`` (the random rows; ``idx`` maps them to batch rows)."""
+
         def sel(t: torch.Tensor | None) -> torch.Tensor | None:
             return t if t is None or idx is None else t[idx]
 
         batch_rows = list(range(logits.shape[0])) if idx is None else idx.tolist()
-        rand = _Randomness([md.seeds[i] if md.seeds else None for i in batch_rows], self.generator, logits.shape[1])
+        rand = _Randomness(
+            [md.seeds[i] if md.seeds else None for i in batch_rows], self.generator, logits.shape[1]
+        )
         x = logits / sel(md.temperature)[:, None]
         min_p = sel(md.min_p)
         if min_p is not None:
@@ -185,7 +196,9 @@ class Sampler:
     # ------------------------------------------------------------------ logprobs
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, num: list[int]) -> list[TokenLogprobs | None]:
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, num: list[int]
+    ) -> list[TokenLogprobs | None]:
         max_k = max(num)
         tok_lp = raw.gather(1, tokens[:, None])
         ranks = (raw > tok_lp).sum(dim=1) + 1
@@ -218,7 +231,9 @@ class _Randomness:
     the last bits of its logits) change; an inverse CDF would not.
     """
 
-    def __init__(self, seeds: list[tuple[int, int] | None], generator: torch.Generator, vocab: int) -> None:
+    def __init__(
+        self, seeds: list[tuple[int, int] | None], generator: torch.Generator, vocab: int
+    ) -> None:
         self.seeds = seeds
         self.vocab = vocab
         self.u = torch.rand(len(seeds), generator=generator, dtype=torch.float64)

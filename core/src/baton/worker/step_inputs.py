@@ -52,12 +52,18 @@ class StepInputBuilder:
         self._ids = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self._pos = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
         self._slots = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=pin)
-        self._ids_np, self._pos_np, self._slots_np = self._ids.numpy(), self._pos.numpy(), self._slots.numpy()
+        self._ids_np, self._pos_np, self._slots_np = (
+            self._ids.numpy(),
+            self._pos.numpy(),
+            self._slots.numpy(),
+        )
         self._arange = np.arange(max(max_num_tokens, batch.max_model_len) + 1, dtype=np.int64)
         self._kv_caches: list[torch.Tensor | None] | None = None
         self._attn_out: torch.Tensor | None = None
 
-    def set_kv_caches(self, kv_caches: list[torch.Tensor | None], attn_out: torch.Tensor | None = None) -> None:
+    def set_kv_caches(
+        self, kv_caches: list[torch.Tensor | None], attn_out: torch.Tensor | None = None
+    ) -> None:
         """The paged caches, and a buffer of max_num_tokens * heads * head_dim for attention outputs."""
         self._kv_caches = kv_caches
         self._attn_out = attn_out
@@ -73,7 +79,9 @@ class StepInputBuilder:
         try:
             rows = np.fromiter((b.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=n)
         except KeyError as e:
-            raise ExecutorError(f"scheduled request {e.args[0]!r} is not in the model runner's batch") from None
+            raise ExecutorError(
+                f"scheduled request {e.args[0]!r} is not in the model runner's batch"
+            ) from None
         q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=n)
         start = b.num_computed_tokens[rows]
         end = start + q_lens
@@ -86,7 +94,9 @@ class StepInputBuilder:
             )
         total = int(q_lens.sum())
         if total > self.max_num_tokens:
-            raise ExecutorError(f"{total} tokens scheduled > max_num_batched_tokens={self.max_num_tokens}")
+            raise ExecutorError(
+                f"{total} tokens scheduled > max_num_batched_tokens={self.max_num_tokens}"
+            )
 
         is_dec = q_lens == 1
         dec = np.nonzero(is_dec)[0]
@@ -101,7 +111,11 @@ class StepInputBuilder:
         positions = self._pos_np[:total]
         np.add(np.repeat(start_o - q_start, q_o), self._arange[:total], out=positions)
         token_rows = rows_o[tok_req]
-        np.take(b.token_ids.reshape(-1), token_rows * b.max_model_len + positions, out=self._ids_np[:total])
+        np.take(
+            b.token_ids.reshape(-1),
+            token_rows * b.max_model_len + positions,
+            out=self._ids_np[:total],
+        )
         blocks = b.block_table[token_rows, positions // bs]
         np.add(blocks * bs, positions % bs, out=self._slots_np[:total])
 
@@ -148,7 +162,9 @@ class StepInputBuilder:
         while i < nd:
             longest = int(ctx[i])
             j = i + 1
-            while j < nd and (ctx[j] >= DECODE_GROUP_MIN_FILL * longest or nd - j < DECODE_GROUP_MIN_SIZE):
+            while j < nd and (
+                ctx[j] >= DECODE_GROUP_MIN_FILL * longest or nd - j < DECODE_GROUP_MIN_SIZE
+            ):
                 j += 1
             nb = -(-longest // bs)
             # each request's blocks, padded with its own last block (masked out, always finite)
@@ -194,15 +210,23 @@ def sampling_metadata(
         has_seed = batch.has_seed[rows]
         if has_seed.any():
             seeds = batch.seed[rows]
-            md.seeds = [(int(seeds[i]), int(n_out[i])) if has_seed[i] else None for i in range(len(rows))]
+            md.seeds = [
+                (int(seeds[i]), int(n_out[i])) if has_seed[i] else None for i in range(len(rows))
+            ]
 
-    pres, freq, rep = batch.presence_penalty[rows], batch.frequency_penalty[rows], batch.repetition_penalty[rows]
+    pres, freq, rep = (
+        batch.presence_penalty[rows],
+        batch.frequency_penalty[rows],
+        batch.repetition_penalty[rows],
+    )
     pen = (pres != 0) | (freq != 0) | (rep != 1)
     if pen.any():
         p_idx = np.nonzero(pen)[0]
         p_rows = rows[p_idx]
         md.penalty_rows = t(p_idx)
-        md.prompt_ids = t(_padded([batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in p_rows], vocab_size))
+        md.prompt_ids = t(
+            _padded([batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in p_rows], vocab_size)
+        )
         md.output_ids = t(_padded([batch.output_token_ids(r) for r in p_rows], vocab_size))
         md.presence_penalty = t(pres[p_idx]) if (pres[p_idx] != 0).any() else None
         md.frequency_penalty = t(freq[p_idx]) if (freq[p_idx] != 0).any() else None

@@ -28,7 +28,9 @@ def select_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ExecutorError(f"executor.device={name!r} but torch sees no CUDA device; use 'cpu' or 'auto'")
+            raise ExecutorError(
+                f"executor.device={name!r} but torch sees no CUDA device; use 'cpu' or 'auto'"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ExecutorError(
                 f"executor.device={name!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
@@ -81,7 +83,9 @@ class Worker:
             # ~15% faster prefill on the 2-core reference machine (scripts/profile_runner.py --malloc-tune)
             log.debug("glibc malloc tuned for large activations: %s", tune_malloc())
         torch.manual_seed(self.cfg.model.seed)
-        log.info("worker %d on %s (%d torch threads)", self.rank, self.device, torch.get_num_threads())
+        log.info(
+            "worker %d on %s (%d torch threads)", self.rank, self.device, torch.get_num_threads()
+        )
         self.model_runner = self.runner_cls(self.cfg, self.device)
 
     def load_model(self) -> None:

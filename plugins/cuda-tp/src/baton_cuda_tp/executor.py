@@ -7,7 +7,6 @@ from baton.errors import ConfigError
 from baton.executor.multiproc import MultiprocExecutor
 from baton.executor.workers import MultiprocSettings
 from baton.worker.model_loader import load_hf_config
-
 from baton_cuda_tp.sharding import check_shardable
 
 

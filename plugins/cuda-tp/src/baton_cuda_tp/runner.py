@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+
 from baton.config import BatonConfig
 from baton.protocol import GrammarOutput, ModelRunnerOutput
 from baton.worker.model_runner import ModelRunner
 from baton.worker.parallel import get_parallel_context
 from baton.worker.step_inputs import StepInputs
-
 from baton_cuda_tp.sharding import adjust_runner, shard_model
 
 

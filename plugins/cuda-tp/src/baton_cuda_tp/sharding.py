@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from baton.errors import ConfigError, ExecutorError
 from baton.worker.parallel import ParallelContext
 

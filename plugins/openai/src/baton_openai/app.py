@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+
 from baton import AsyncLLM, __version__
 from baton.config import BatonConfig
 from baton.errors import BatonError
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
-
 from baton_openai import __version__ as plugin_version
 from baton_openai.chat import router as chat_router
 from baton_openai.completions import router as completions_router

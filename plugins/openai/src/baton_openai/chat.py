@@ -8,9 +8,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from baton.errors import BatonError, InvalidRequestError
 from fastapi import APIRouter, Request, Response
 
+from baton.errors import BatonError, InvalidRequestError
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error

@@ -49,7 +49,6 @@ def _show_server_logs() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from baton.config import BatonConfig
-
     from baton_openai.server import OpenAIServer
 
     config = BatonConfig.load(args.config, **serve_overrides(args))

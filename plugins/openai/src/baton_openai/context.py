@@ -7,9 +7,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from baton import AsyncLLM
 from fastapi import Request
 
+from baton import AsyncLLM
 from baton_openai.errors import OpenAIError
 from baton_openai.protocol import SamplingFields
 

@@ -11,6 +11,11 @@ import re
 from http import HTTPStatus
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from baton.errors import (
     BatonError,
     EngineDeadError,
@@ -18,10 +23,6 @@ from baton.errors import (
     InvalidRequestError,
     StructuredOutputError,
 )
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from baton.errors import BatonError, InvalidRequestError, StructuredOutputError
 from baton.outputs import CompletionOutput, RequestOutput
-
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.params import BuiltParams
 from baton_openai.protocol import Usage

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from baton.outputs import Logprob, SampleLogprobs
-
 from baton_openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 

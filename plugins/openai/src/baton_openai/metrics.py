@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from baton.config import BatonConfig
 from baton.metrics.stats import IterationStats
 from baton.protocol import SchedulerStats
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TTFT_BUCKETS = (
     0.001,

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from baton.errors import InvalidRequestError, StructuredOutputError
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
-
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.protocol import SamplingFields
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+
 from baton import AsyncLLM
 from baton.config import BatonConfig
-
 from baton_openai.app import build_app
 
 log = logging.getLogger("baton_openai")

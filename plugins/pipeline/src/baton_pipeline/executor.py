@@ -11,7 +11,6 @@ from baton.config import BatonConfig
 from baton.executor.multiproc import MultiprocExecutor
 from baton.executor.workers import MultiprocSettings
 from baton.worker.model_loader import load_hf_config
-
 from baton_pipeline.runner import tp_sharding
 from baton_pipeline.stages import layer_ranges
 

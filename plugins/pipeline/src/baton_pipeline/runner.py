@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.protocol import GrammarOutput, ModelRunnerOutput
 from baton.worker.model_runner import ModelRunner
 from baton.worker.parallel import get_parallel_context
 from baton.worker.step_inputs import StepInputs
-
 from baton_pipeline.stages import StageIO, cut_stage
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from baton.errors import ConfigError, ExecutorError
 
 

@@ -19,7 +19,6 @@ from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.closing import release_when_idle
 from baton.transport.peer import PeerWatch
-
 from baton_shm.plugin import ShmSettings
 from baton_shm.ring import RingReader
 from baton_shm.segment import Segment, unlink_files

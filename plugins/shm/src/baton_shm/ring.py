@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from baton.errors import TransportError
 from baton.interfaces import Frame
-
 from baton_shm.pool import BufferPool
 
 # int64 indices into a ring's control block: one cache line (8 int64) each

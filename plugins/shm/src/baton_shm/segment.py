@@ -28,7 +28,6 @@ import mmap
 import os
 
 from baton.errors import TransportError
-
 from baton_shm.ring import CONTROL_BYTES
 
 SHM_DIR = "/dev/shm"

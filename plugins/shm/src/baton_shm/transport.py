@@ -25,7 +25,6 @@ from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.peer import PeerWatch
 from baton.transport.sweep import sweep_stale
-
 from baton_shm.channel import Channel
 from baton_shm.plugin import ShmSettings
 from baton_shm.ring import RingReader, RingWriter, signal

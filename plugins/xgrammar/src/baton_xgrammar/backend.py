@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar as xgr
+
 from baton.errors import StructuredOutputError
 
 if TYPE_CHECKING:
     from baton.sampling_params import StructuredOutputSpec
-
     from baton_xgrammar.plugin import XGrammarSettings
 
 #: xgrammar prefixes its messages with "[time] /path/file.cc:line: "; users need only the text.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.hookspecs import hookimpl
 from pydantic import BaseModel, ConfigDict, Field
+
+from baton.hookspecs import hookimpl
 
 BATON_PLUGIN_API = 1
 

@@ -18,12 +18,12 @@ import weakref
 from collections.abc import Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.closing import release_when_idle
 from baton.transport.peer import POLL_SLICE, PeerWatch
-from zmq.utils.monitor import recv_monitor_message
-
 from baton_zmq.plugin import ZmqSettings
 
 #: After a peer exits, how long recv still waits for messages it sent just before.

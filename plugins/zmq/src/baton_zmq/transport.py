@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+
 from baton.errors import TransportError
 from baton.interfaces import Frame
 from baton.transport.peer import PeerWatch
 from baton.transport.sweep import sweep_stale
-
 from baton_zmq.channel import Channel, check_not_empty, recv_frames
 from baton_zmq.plugin import ZmqSettings
 
