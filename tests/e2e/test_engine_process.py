@@ -15,6 +15,7 @@ import pytest
 from baton import LLM, AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError
 from baton.plugins import reset_plugins
+from baton.testing.faults import kill_on_first_output
 from baton.testing.tiny_model import tiny_model
 
 TRANSPORTS = ["inproc", "zmq", "shm"]
@@ -67,18 +68,7 @@ def _engine_pid(llm) -> int:
 def test_sigkill_mid_generation_raises_engine_dead_in_sync_client(transport, model_dir, no_leaks):
     llm = LLM(model=model_dir, max_model_len=256, transport=transport)
     try:
-        # kill the engine once the first outputs arrived: a timer would race a fast machine
-        killed_at: list[float] = []
-        get_output = llm.engine.get_output
-
-        def get_output_then_kill():
-            out = get_output()
-            if not killed_at:
-                os.kill(_engine_pid(llm), signal.SIGKILL)
-                killed_at.append(time.monotonic())
-            return out
-
-        llm.engine.get_output = get_output_then_kill
+        killed_at = kill_on_first_output(llm.engine, _engine_pid(llm))
         with pytest.raises(EngineDeadError):
             llm.generate(
                 ["x " * 10] * 4,

@@ -14,6 +14,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.errors import EngineDeadError, ExecutorError
 from baton.testing.conformance.executor import ExecutorConformance
+from baton.testing.faults import kill_on_first_output
 from tests.e2e.conftest import _children
 from tests.e2e.parity import PROMPTS, assert_parity
 
@@ -88,17 +89,7 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
         workers = [p for p in engine.children() if "resource_tracker" not in " ".join(p.cmdline())]
         assert len(workers) >= 2, workers
         victim = workers[-1].pid
-        killed_at: list[float] = []
-        get_output = llm.engine.get_output
-
-        def get_output_then_kill():  # kill once tokens flow: a timer would race a fast machine
-            out = get_output()
-            if not killed_at:
-                os.kill(victim, signal.SIGKILL)
-                killed_at.append(time.monotonic())
-            return out
-
-        llm.engine.get_output = get_output_then_kill
+        killed_at = kill_on_first_output(llm.engine, victim)
         with pytest.raises(dead):
             llm.generate(
                 ["x " * 10] * 4,
