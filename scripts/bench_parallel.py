@@ -160,7 +160,7 @@ def main() -> None:
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--configs", default="tp1,tp2,pp2")
+    p.add_argument("--configs", default="tp1,tp3,pp2")
     p.add_argument("--transports", default="shm,zmq", help="worker-channel transports to compare")
     p.add_argument("--json", action="store_true")
     p.add_argument(

@@ -56,7 +56,7 @@ class CacheSection(_Section):
     block_size: int = Field(16, gt=0, le=1024)
     """Tokens per KV-cache block (the unit of allocation and of prefix caching)."""
     kv_cache_memory: ByteSize | None = None
-    """KV cache size, e.g. "2GiB". None: memory_utilization on CUDA, 2GiB-or-what-is-needed on CPU."""
+    """KV cache size, e.g. "2GiB". None: memory_utilization on CUDA; on CPU what max_num_seqs full-length sequences need, at most 1GiB."""
     memory_utilization: float | None = Field(None, gt=0, le=1)
     """On CUDA: the fraction of device memory the model and the KV cache may use (default 0.9)."""
     enable_prefix_caching: bool = True

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 #: KV cache on CPU when nothing is configured: enough for every sequence at full length, at most this.
-CPU_DEFAULT_KV_BYTES = 2 * GiB
+CPU_DEFAULT_KV_BYTES = 1 * GiB
 #: Fraction of device memory on CUDA when neither kv_cache_memory nor memory_utilization is set.
 CUDA_DEFAULT_UTILIZATION = 0.9
 
