@@ -47,7 +47,7 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
     batch = InputBatch(len(reqs), max_len, block_size)
     builder = StepInputBuilder(batch, sum(n for _, n in reqs), torch.device("cpu"))
     # finite garbage where nothing was written: gathered with whole blocks, it must be masked out
-    cache = torch.randn(1, 2, kv_heads, num_blocks * block_size, D, generator=g) * 100
+    cache = torch.randn(1, 2, num_blocks, kv_heads, block_size, D, generator=g) * 100
     builder.set_kv_caches([cache[0]])
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
@@ -61,9 +61,9 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
         q = torch.randn(heads, n, D, generator=g)
         kv[rid] = (q, k, v, p)
         for pos in range(p):  # the cached prefix, written by "an earlier step"
-            slot = blocks[pos // block_size] * block_size + pos % block_size
-            cache[0, 0, :, slot] = k[:, pos]
-            cache[0, 1, :, slot] = v[:, pos]
+            block, offset = blocks[pos // block_size], pos % block_size
+            cache[0, 0, block, :, offset] = k[:, pos]
+            cache[0, 1, block, :, offset] = v[:, pos]
         new.append(
             NewRequestData(
                 req_id=rid,
@@ -155,7 +155,7 @@ def test_decodes_of_very_different_lengths_form_groups():
 def test_new_keys_are_written_by_slot():
     batch = InputBatch(2, 64, 4)
     builder = StepInputBuilder(batch, 64, torch.device("cpu"))
-    cache = torch.zeros(1, 2, 1, 40, D)
+    cache = torch.zeros(1, 2, 10, 1, 4, D)  # 10 blocks of 4 slots, 1 KV head
     builder.set_kv_caches([cache[0]])
     r = NewRequestData(
         req_id="a",
@@ -181,7 +181,7 @@ def test_new_keys_are_written_by_slot():
         baton_attn=inputs.attn,
     )
     slots = [28, 29, 30, 31, 8, 9]  # block 7 then block 2, block size 4
-    assert cache[0, 0, 0, slots, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert cache[0, 0, :, 0, :, 0].reshape(-1)[slots].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 def test_missing_metadata_is_a_clear_error():

@@ -283,7 +283,13 @@ def test_kv_cache_spec_and_memory():
     assert runner.determine_available_memory() == min(
         2 * 2**30, 8 * runner.max_model_len * per_token
     )
-    assert runner.kv_caches[0].shape == (2, 2, NUM_BLOCKS * 4, 16)
+    assert runner.kv_caches[0].shape == (
+        2,
+        NUM_BLOCKS,
+        2,
+        4,
+        16,
+    )  # K/V, blocks, KV heads, slots, dim
 
 
 @pytest.mark.slow

@@ -187,3 +187,21 @@ def check_hang_is_detected(executor: Any) -> None:
             future.result(timeout=5)
     finally:
         os.kill(victim, signal.SIGCONT)
+
+
+def check_stopped_worker_is_detected(executor) -> None:
+    """A worker stopped (SIGSTOP) while the executor is idle misses its heartbeats: failure < 5 s."""
+    failed = threading.Event()
+    errors: list[BaseException] = []
+    executor.register_failure_callback(lambda e: (errors.append(e), failed.set()))
+    victim = executor.worker_pids()[-1]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert failed.wait(10.0), "the stopped worker was not detected"
+        assert time.monotonic() - t0 < 5.0
+        assert "heartbeat" in str(errors[0]), errors
+        with pytest.raises(ExecutorError, match="heartbeat"):
+            executor.check_health()
+    finally:
+        os.kill(victim, signal.SIGCONT)

@@ -8,7 +8,11 @@ from baton.config import BatonConfig
 from baton.testing.tiny_model import tiny_model
 from baton_cuda_tp.executor import TensorParallelExecutor
 from baton_cuda_tp.plugin import CudaTPSettings
-from tests.plugins.parallel_common import check_hang_is_detected, sigkill_worker_is_engine_dead
+from tests.plugins.parallel_common import (
+    check_hang_is_detected,
+    check_stopped_worker_is_detected,
+    sigkill_worker_is_engine_dead,
+)
 
 
 @pytest.mark.parametrize("transport", ["inproc", "shm"])  # engine in our process / in its own
@@ -30,5 +34,21 @@ def test_a_hung_worker_fails_the_executor_after_step_timeout(no_leaks):
     ex = TensorParallelExecutor(cfg, CudaTPSettings(step_timeout=2.0))
     try:
         check_hang_is_detected(ex)
+    finally:
+        ex.shutdown()
+
+
+def test_a_stopped_worker_is_detected_by_its_heartbeat_within_5_s(no_leaks):
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        executor="cuda-tp",
+        tensor_parallel_size=2,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+    )
+    ex = TensorParallelExecutor(cfg, CudaTPSettings())  # default step_timeout: 120 s
+    try:
+        check_stopped_worker_is_detected(ex)
     finally:
         ex.shutdown()

@@ -12,6 +12,7 @@ from baton_pipeline.plugin import PipelineSettings
 from tests.plugins.parallel_common import (
     _children,
     check_hang_is_detected,
+    check_stopped_worker_is_detected,
     sigkill_worker_is_engine_dead,
 )
 
@@ -35,6 +36,22 @@ def test_a_hung_stage_fails_the_executor_after_step_timeout(no_leaks):
     ex = PipelineExecutor(cfg, PipelineSettings(step_timeout=2.0))
     try:
         check_hang_is_detected(ex)
+    finally:
+        ex.shutdown()
+
+
+def test_a_stopped_stage_is_detected_by_its_heartbeat_within_5_s(no_leaks):
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        executor="pipeline",
+        pipeline_parallel_size=2,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+    )
+    ex = PipelineExecutor(cfg, PipelineSettings())  # default step_timeout: 120 s
+    try:
+        check_stopped_worker_is_detected(ex)
     finally:
         ex.shutdown()
 

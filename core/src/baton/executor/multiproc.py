@@ -10,8 +10,9 @@ rank answers it. The torch.distributed rendezvous is a TCPStore the executor
 binds on 127.0.0.1 at a free port.
 
 One thread reads the workers' answers and watches their processes: a worker
-that exits, reports an error, or leaves a step unanswered for
-``step_timeout`` seconds fails the executor: every pending call raises
+that exits, reports an error, misses its heartbeats for ``heartbeat_timeout``
+seconds (a stopped or frozen process), or leaves a step unanswered for
+``step_timeout`` seconds (stuck in its main thread) fails the executor: every pending call raises
 ExecutorError and the failure callbacks run once. Step results are delivered
 on a second thread, so a callback that calls ``sample_tokens`` (the core's batch
 queue does) never blocks the reader it waits for.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import pickle
 import queue
 import threading
@@ -97,6 +99,9 @@ class MultiprocExecutor:
             queue.SimpleQueue()
         )
         self.procs: list[Any] = []
+        #: time.monotonic() of each worker's last heartbeat (0.0: not started yet), in shared
+        #: memory without a lock: each slot has one writer, its worker.
+        self.heartbeats: Any = multiprocessing.get_context("spawn").RawArray("d", self.world_size)
         self.channel: Any = None
         self._store: Any = None
         #: Seconds each step's broadcast took here: encode the SchedulerOutput, send it to every worker.
@@ -275,6 +280,17 @@ class MultiprocExecutor:
         dead = self._dead_workers()
         if dead:
             self._fail(ExecutorError(dead))
+            return
+        limit = self.settings.heartbeat_timeout
+        silent = [(r, t) for r, t in enumerate(self.heartbeats[:]) if t and now - t > limit]
+        if silent:
+            rank, last = silent[0]
+            self._fail(
+                ExecutorError(
+                    f"worker {rank} (pid {self.procs[rank].pid}) sent no heartbeat for "
+                    f"{now - last:.1f} s: it is stopped or frozen (executor heartbeat_timeout={limit})"
+                )
+            )
             return
         with self._lock:
             late = [c for c in self._calls.values() if c.deadline is not None and now > c.deadline]

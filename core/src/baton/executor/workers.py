@@ -32,6 +32,9 @@ class MultiprocSettings(BaseModel):
     """torch.distributed backend; "auto" is nccl on CUDA, gloo on CPU."""
     step_timeout: float = Field(120.0, gt=0)
     """Seconds a step may stay unanswered before the executor declares a worker hung and fails."""
+    heartbeat_timeout: float = Field(4.0, gt=0)
+    """Seconds without a heartbeat (every 0.5 s, from a thread of each worker, so long steps and
+    collectives keep beating) before the executor declares the worker stopped and fails."""
     startup_timeout: float = Field(600.0, gt=0)
     """Seconds the workers may take to load their shards, size and warm up the KV cache."""
     dist_timeout: float = Field(600.0, gt=0)
@@ -118,6 +121,7 @@ def spawn_workers(
             parent_fingerprint=fingerprint,
             parent_pid=os.getpid(),
             dist_timeout_s=ex.settings.dist_timeout,
+            heartbeats=ex.heartbeats,
         )
         p = ctx.Process(
             target=worker_main, args=(boot,), name=f"baton-{ex.name}-worker-{rank}", daemon=True

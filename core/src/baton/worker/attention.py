@@ -8,20 +8,24 @@ into the paged cache by slot (``slot = block_id * block_size + offset``), then
 each request attends over its own blocks:
 
 - decode tokens (one query per request) come first in the flattened sequence
-  and are attended in groups of similar context length with two batched
-  matmuls, padded to the longest context of the group;
+  and are attended in groups of similar context length, block by block: the
+  scores of every (request, block) pair in one batched matmul, one softmax over
+  each request's blocks (padded to the longest context of the group), the
+  probabilities times each block's values in a second batched matmul, summed
+  over the blocks;
 - prefill chunks (a prompt, or a chunk after a cached prefix) are attended one
   request at a time with ``scaled_dot_product_attention``.
 
 GQA is never expanded in memory: decode folds the query heads of one KV head
 into a matrix; prefill uses SDPA's ``enable_gqa``.
 
-Cache layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
-(stored flat over slots for the writes). Reads gather whole blocks: 3x faster
-than gathering slots, and the result is already ``[kv_heads, keys, head_dim]``.
-A gathered block may hold slots past a request's context; they are masked out,
-and the cache is zero-initialised so that they are always finite (0 * NaN
-would poison the output).
+Cache layout per layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``.
+Reads gather whole blocks along the first dimension (one contiguous copy per
+block: 2.2x faster than gathering along an inner dimension, and 3x faster than
+gathering slots); decode consumes the gathered blocks as they are, which is why
+it works block by block. A gathered block may hold slots past a request's
+context; they are masked out, and the cache is zero-initialised so that they
+are always finite (0 * NaN would poison the output).
 """
 
 from __future__ import annotations
@@ -105,10 +109,10 @@ class PrefillSeq:
 class AttentionMetadata:
     """What every layer needs for one step; built once per step by the model runner."""
 
-    #: Per layer index: the layer's cache [2, kv_heads, num_blocks * block_size, head_dim], or None
+    #: Per layer index: the layer's cache [2, num_blocks, kv_heads, block_size, head_dim], or None
     #: (no cache: a profiling run of one causal sequence).
     kv_caches: list[torch.Tensor | None] | None
-    slot_mapping: torch.Tensor | None  # [num_tokens] int64
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64: block_id * block_size + offset
     block_size: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
@@ -116,6 +120,14 @@ class AttentionMetadata:
     #: Reused by every layer for its output (each layer's o_proj reads it before the next layer
     #: writes): a fresh multi-MB tensor per layer costs page faults on CPU. None: allocate.
     out: torch.Tensor | None = None
+    #: slot_mapping split into (block, offset), once per step for every layer's writes.
+    slot_blocks: torch.Tensor | None = field(init=False, default=None)
+    slot_offsets: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.slot_mapping is not None:
+            self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+            self.slot_offsets = self.slot_mapping - self.slot_blocks * self.block_size
 
 
 def paged_attention(
@@ -159,52 +171,51 @@ def paged_attention(
         out[0] = o[0].transpose(0, 1)
         return out, None
 
-    # index_put, not index_copy_: index_copy_ along dim 1 of a strided source is ~30x slower on CPU
-    cache[0][:, meta.slot_mapping] = key[0]
-    cache[1][:, meta.slot_mapping] = value[0]
-    # [2 * kv_heads, num_blocks, block_size, head_dim]: K and V gathered in one call
-    paged = cache.view(2 * num_kv_heads, -1, meta.block_size, head_dim)
+    k_cache, v_cache = cache[0], cache[1]  # [num_blocks, kv_heads, block_size, head_dim]
+    # index_put by (block, offset): [T, kv_heads, head_dim] rows (index_copy_ is ~30x slower on CPU)
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = key[0].transpose(0, 1)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = value[0].transpose(0, 1)
 
     group = num_heads // num_kv_heads
     for g in meta.decode_groups:
-        _decode(query, paged, g, window, scale, group, num_kv_heads, out)
+        _decode(query, k_cache, v_cache, g, window, scale, group, out)
     for p in meta.prefills:
-        _prefill(query, key, value, paged, p, window, causal, scale, out)
+        _prefill(query, key, value, k_cache, v_cache, p, window, causal, scale, out)
     return out, None
 
 
 def _decode(
     query: torch.Tensor,
-    paged: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     g: DecodeGroup,
     window: int | None,
     scale: float,
     group: int,
-    num_kv_heads: int,
     out: torch.Tensor,
 ) -> None:
-    head_dim = query.shape[-1]
-    # [H, n, D] -> [KVH, n, G, D]: the G query heads sharing a KV head form one matrix.
-    q = (
-        query[0, :, g.start : g.start + g.n]
-        .reshape(num_kv_heads, group, g.n, head_dim)
-        .transpose(1, 2)
-    )
-    kv = paged.index_select(1, g.blocks).view(2, num_kv_heads, g.n, g.max_len, head_dim)
-    scores = torch.matmul(q * scale, kv[0].transpose(-1, -2))  # [KVH, n, G, L]
-    scores.add_(g.mask(window))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, kv[1])  # [KVH, n, G, D]
-    out[0, g.start : g.start + g.n] = o.permute(1, 0, 2, 3).reshape(
-        g.n, num_kv_heads * group, head_dim
-    )
+    _, kvh, bs, d = k_cache.shape
+    n, nb = g.n, g.max_len // bs
+    # [H, n, D] -> [n, 1, KVH, G, D]: the G query heads sharing a KV head form one matrix,
+    # broadcast over the request's blocks.
+    q = query[0, :, g.start : g.start + n].reshape(kvh, group, n, d).permute(2, 0, 1, 3)
+    q = (q * scale).unsqueeze(1)
+    k = k_cache.index_select(0, g.blocks).view(n, nb, kvh, bs, d)
+    v = v_cache.index_select(0, g.blocks).view(n, nb, kvh, bs, d)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [n, nb, KVH, G, bs]
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(n, kvh, group, nb * bs)
+    scores.add_(g.mask(window).unsqueeze(1))  # [n, 1, 1, L]
+    probs = torch.softmax(scores, dim=-1).view(n, kvh, group, nb, bs).permute(0, 3, 1, 2, 4)
+    o = torch.matmul(probs, v).sum(1)  # [n, KVH, G, D]
+    out[0, g.start : g.start + n] = o.reshape(n, kvh * group, d)
 
 
 def _prefill(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    paged: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     p: PrefillSeq,
     window: int | None,
     causal: bool,
@@ -216,12 +227,11 @@ def _prefill(
     if p.blocks is None:
         k = key[:, :, p.start : end]
         v = value[:, :, p.start : end]
-    else:
-        kvh, d = key.shape[1], key.shape[-1]
-        kv = paged.index_select(1, p.blocks).view(2, 1, kvh, -1, d)[
-            ..., : p.prefix_len + p.q_len, :
-        ]
-        k, v = kv[0], kv[1]
+    else:  # [blocks, KVH, bs, D] -> [1, KVH, keys, D]
+        _, kvh, _, d = k_cache.shape
+        s = p.prefix_len + p.q_len
+        k = k_cache.index_select(0, p.blocks).transpose(0, 1).reshape(kvh, -1, d)[None, :, :s]
+        v = v_cache.index_select(0, p.blocks).transpose(0, 1).reshape(kvh, -1, d)[None, :, :s]
     mask = p.mask(window, causal, query.device)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale, enable_gqa=True

@@ -57,16 +57,36 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 class TransposedLMHead(torch.nn.Module):
-    """``x @ W^T`` with ``W^T`` stored contiguous: on CPU twice as fast as F.linear for few rows."""
+    """The LM head on CPU, shaped for the number of rows (measured, SmolLM2's 49152 x 576 head).
+
+    Few rows: ``x @ W^T`` with ``W^T`` stored contiguous, twice as fast as F.linear.
+    More rows: F.linear over slices of the vocabulary, each slice's weights still in cache
+    for every row (64 rows: 27 ms against 36 ms in one call).
+    """
+
+    #: Rows from which the head runs slice by slice.
+    SLICED_FROM_ROWS = 8
+    #: Vocabulary rows per slice (1536 x 576 fp32 = 3.4 MiB).
+    SLICE = 1536
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
+        self.weight = linear.weight  # shared (tied embeddings stay tied)
         self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
         self.bias = linear.bias
         self.out_features = linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight_t)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < self.SLICED_FROM_ROWS:
+            y = torch.matmul(x, self.weight_t)
+        else:
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            w = self.weight.detach()
+            for lo in range(0, self.out_features, self.SLICE):
+                hi = min(lo + self.SLICE, self.out_features)
+                torch.mm(rows, w[lo:hi].t(), out=out[:, lo:hi])
+            y = out.view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
 
@@ -188,10 +208,16 @@ class ModelRunner:
             raise ExecutorError(
                 f"KV cache needs at least one block, got num_blocks={config.num_blocks}"
             )
-        num_slots = config.num_blocks * self.block_size
-        # [layers, K/V, kv_heads, slots, head_dim]: a gather by block is contiguous per KV head.
+        # [layers, K/V, blocks, kv_heads, block_size, head_dim]: a block is one contiguous gather
         cache = zeros_lazy(
-            (self.num_layers, 2, self.num_kv_heads, num_slots, self.head_dim),
+            (
+                self.num_layers,
+                2,
+                config.num_blocks,
+                self.num_kv_heads,
+                self.block_size,
+                self.head_dim,
+            ),
             self.dtype,
             self.device,
         )
@@ -207,7 +233,7 @@ class ModelRunner:
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head dim %d, %s)",
             config.num_blocks,
             self.block_size,
-            num_slots,
+            config.num_blocks * self.block_size,
             cache.numel() * cache.element_size() / 2**20,
             self.num_layers,
             self.num_kv_heads,

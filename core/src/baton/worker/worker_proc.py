@@ -58,6 +58,7 @@ class WorkerBootstrap:
     parent_fingerprint: list[tuple[str, str, str, str]]
     parent_pid: int
     dist_timeout_s: float
+    heartbeats: Any = None  # shared array of doubles: this rank writes time.monotonic() to its slot
 
 
 class StepStats:
@@ -122,9 +123,16 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, heartbeats: Any = None, rank: int = 0) -> None:
+    """A thread that beats (the executor's hang check) and exits when the engine process is gone.
+
+    It runs while the main thread is inside a step or a collective (torch releases the GIL), so
+    only a stopped or frozen process misses its beats."""
+
     def watch() -> None:
         while True:
+            if heartbeats is not None:
+                heartbeats[rank] = time.monotonic()
             time.sleep(0.5)
             if os.getppid() != parent_pid:  # re-parented: the engine process is gone
                 os._exit(3)
@@ -291,7 +299,7 @@ def worker_main(boot: WorkerBootstrap) -> None:
         level=cfg.observability.log_level,
         format=f"%(asctime)s %(levelname)s worker{boot.rank} %(name)s: %(message)s",
     )
-    _watch_parent(boot.parent_pid)
+    _watch_parent(boot.parent_pid, boot.heartbeats, boot.rank)
     channel = boot.transport.connect_engine(boot.address, boot.rank)
     try:
         proc = WorkerProc(boot, channel)
