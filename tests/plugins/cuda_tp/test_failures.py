@@ -15,6 +15,19 @@ from tests.plugins.parallel_common import (
 )
 
 
+def _executor(**settings) -> TensorParallelExecutor:
+    """Two workers of the tiny model on the CPU, one thread each."""
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        executor="cuda-tp",
+        tensor_parallel_size=2,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+    )
+    return TensorParallelExecutor(cfg, CudaTPSettings(**settings))
+
+
 @pytest.mark.parametrize("transport", ["inproc", "shm"])  # engine in our process / in its own
 def test_sigkill_of_a_worker_is_engine_dead_within_5_s(transport, no_leaks):
     sigkill_worker_is_engine_dead(
@@ -23,15 +36,7 @@ def test_sigkill_of_a_worker_is_engine_dead_within_5_s(transport, no_leaks):
 
 
 def test_a_hung_worker_fails_the_executor_after_step_timeout(no_leaks):
-    cfg = BatonConfig.load(
-        model=str(tiny_model("llama")),
-        executor="cuda-tp",
-        tensor_parallel_size=2,
-        device="cpu",
-        num_threads=1,
-        kv_cache_memory="16MiB",
-    )
-    ex = TensorParallelExecutor(cfg, CudaTPSettings(step_timeout=2.0))
+    ex = _executor(step_timeout=2.0)
     try:
         check_hang_is_detected(ex)
     finally:
@@ -39,15 +44,7 @@ def test_a_hung_worker_fails_the_executor_after_step_timeout(no_leaks):
 
 
 def test_a_stopped_worker_is_detected_by_its_heartbeat_within_5_s(no_leaks):
-    cfg = BatonConfig.load(
-        model=str(tiny_model("llama")),
-        executor="cuda-tp",
-        tensor_parallel_size=2,
-        device="cpu",
-        num_threads=1,
-        kv_cache_memory="16MiB",
-    )
-    ex = TensorParallelExecutor(cfg, CudaTPSettings())  # default step_timeout: 120 s
+    ex = _executor()  # default step_timeout: 120 s
     try:
         check_stopped_worker_is_detected(ex)
     finally:

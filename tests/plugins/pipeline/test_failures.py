@@ -17,6 +17,19 @@ from tests.plugins.parallel_common import (
 )
 
 
+def _executor(**settings) -> PipelineExecutor:
+    """Two workers of the tiny model on the CPU, one thread each."""
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        executor="pipeline",
+        pipeline_parallel_size=2,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+    )
+    return PipelineExecutor(cfg, PipelineSettings(**settings))
+
+
 @pytest.mark.parametrize("transport", ["inproc", "zmq"])
 def test_sigkill_of_a_stage_is_engine_dead_within_5_s(transport, no_leaks):
     sigkill_worker_is_engine_dead(
@@ -25,15 +38,7 @@ def test_sigkill_of_a_stage_is_engine_dead_within_5_s(transport, no_leaks):
 
 
 def test_a_hung_stage_fails_the_executor_after_step_timeout(no_leaks):
-    cfg = BatonConfig.load(
-        model=str(tiny_model("llama")),
-        executor="pipeline",
-        pipeline_parallel_size=2,
-        device="cpu",
-        num_threads=1,
-        kv_cache_memory="16MiB",
-    )
-    ex = PipelineExecutor(cfg, PipelineSettings(step_timeout=2.0))
+    ex = _executor(step_timeout=2.0)
     try:
         check_hang_is_detected(ex)
     finally:
@@ -41,15 +46,7 @@ def test_a_hung_stage_fails_the_executor_after_step_timeout(no_leaks):
 
 
 def test_a_stopped_stage_is_detected_by_its_heartbeat_within_5_s(no_leaks):
-    cfg = BatonConfig.load(
-        model=str(tiny_model("llama")),
-        executor="pipeline",
-        pipeline_parallel_size=2,
-        device="cpu",
-        num_threads=1,
-        kv_cache_memory="16MiB",
-    )
-    ex = PipelineExecutor(cfg, PipelineSettings())  # default step_timeout: 120 s
+    ex = _executor()  # default step_timeout: 120 s
     try:
         check_stopped_worker_is_detected(ex)
     finally:
