@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from baton.bench.common import CpuMonitor, WorkloadRequest, emit, percentile
@@ -111,15 +112,8 @@ def run_scheduler_bench(
         for n in {w.max_new_tokens for w in workload}
     }
     perf = time.perf_counter
-    step_s: list[float] = []
-    sched_s: list[float] = []
-    update_s: list[float] = []
-    running: list[int] = []
-    add_s = 0.0
-    num_tokens_out = preemptions = queries = hits = 0
+    tally = _Tally()
     first_token: dict[str, float] = {}
-    e2e: list[float] = []
-    ttft: list[float] = []
     arrival = {w.id: w.arrival_time for w in workload}
     wall0 = perf()
     while pending or sched.has_unfinished_requests():
@@ -138,7 +132,7 @@ def run_scheduler_bench(
             )
             t0 = perf()
             sched.add_request(req)
-            add_s += perf() - t0
+            tally.add_s += perf() - t0
         t0 = perf()
         so = sched.schedule()
         t1 = perf()
@@ -146,64 +140,56 @@ def run_scheduler_bench(
         t2 = perf()
         outs = sched.update_from_output(so, mro)
         t3 = perf()
-        step_s.append(t1 - t0 + t3 - t2)
-        sched_s.append(t1 - t0)
-        update_s.append(t3 - t2)
-        running.append(len(so.num_scheduled_tokens))
+        tally.step_s.append(t1 - t0 + t3 - t2)
+        tally.sched_s.append(t1 - t0)
+        tally.update_s.append(t3 - t2)
+        tally.running.append(len(so.num_scheduled_tokens))
         stats = sched.make_stats()
-        preemptions += stats.num_preemptions
-        queries += stats.prefix_cache_queries
-        hits += stats.prefix_cache_hits
+        tally.preemptions += stats.num_preemptions
+        tally.queries += stats.prefix_cache_queries
+        tally.hits += stats.prefix_cache_hits
         t = ex.simulated_time
         for o in outs:
-            num_tokens_out += len(o.new_token_ids)
+            tally.num_tokens_out += len(o.new_token_ids)
             if o.request_id not in first_token:
                 first_token[o.request_id] = t
-                ttft.append(t - arrival[o.request_id])
+                tally.ttft.append(t - arrival[o.request_id])
             if o.finish_reason is not None:
-                e2e.append(t - arrival[o.request_id])
+                tally.e2e.append(t - arrival[o.request_id])
     wall = perf() - wall0
-    if num_tokens_out != sum(w.max_new_tokens for w in workload):
-        raise AssertionError(f"the bench lost tokens: {num_tokens_out} generated")
-    return _figures(
-        workload,
-        config,
-        num_blocks,
-        step_s,
-        sched_s,
-        update_s,
-        running,
-        add_s,
-        num_tokens_out,
-        preemptions,
-        queries,
-        hits,
-        wall,
-        ex.simulated_time,
-        ttft,
-        e2e,
-    )
+    if tally.num_tokens_out != sum(w.max_new_tokens for w in workload):
+        raise AssertionError(f"the bench lost tokens: {tally.num_tokens_out} generated")
+    return _figures(workload, config, num_blocks, tally, wall, ex.simulated_time)
+
+
+@dataclass
+class _Tally:
+    """What one bench run counts, step by step (seconds; simulated seconds for ttft / e2e)."""
+
+    step_s: list[float] = field(default_factory=list)
+    sched_s: list[float] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    add_s: float = 0.0
+    num_tokens_out: int = 0
+    preemptions: int = 0
+    queries: int = 0
+    hits: int = 0
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
 
 
 def _figures(
-    workload,
-    config,
-    num_blocks,
-    step_s,
-    sched_s,
-    update_s,
-    running,
-    add_s,
-    num_tokens_out,
-    preemptions,
-    queries,
-    hits,
-    wall,
-    sim_time,
-    ttft,
-    e2e,
+    workload: list[WorkloadRequest],
+    config: BatonConfig,
+    num_blocks: int,
+    tally: _Tally,
+    wall: float,
+    sim_time: float,
 ) -> dict[str, Any]:
     ms = 1e3
+    step_s, sched_s, update_s, running = tally.step_s, tally.sched_s, tally.update_s, tally.running
+    add_s, ttft, e2e = tally.add_s, tally.ttft, tally.e2e
     full = config.scheduler.max_num_seqs
     busiest = max(running)
     at_full = [s for s, r in zip(step_s, running, strict=True) if r >= full]
@@ -229,9 +215,9 @@ def _figures(
         "add_request_us_mean": round(add_s / len(workload) * 1e6, 2),
         "scheduler_s_total": round(total, 4),
         "requests_per_s_of_scheduler_time": round(len(workload) / total, 1),
-        "output_tokens": num_tokens_out,
-        "num_preemptions": preemptions,
-        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "output_tokens": tally.num_tokens_out,
+        "num_preemptions": tally.preemptions,
+        "prefix_cache_hit_rate": round(tally.hits / tally.queries, 4) if tally.queries else 0.0,
         "wall_s": round(wall, 2),
     }
     if sim_time > 0:
