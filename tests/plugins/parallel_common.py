@@ -146,6 +146,26 @@ class ParallelConformance(ExecutorConformance):
         return True
 
 
+def tiny_executor(name: str, settings: dict[str, Any] | None = None, **parallel: Any) -> Any:
+    """Executor plugin ``name`` over the tiny model on the CPU, one thread per worker, built as
+    the engine builds it (registry entry, ``[executor.<name>]`` settings)."""
+    from baton.config import BatonConfig
+    from baton.plugins import get_registry
+    from baton.testing.tiny_model import tiny_model
+
+    cfg = BatonConfig.load(
+        model=str(tiny_model("llama")),
+        executor=name,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+        **parallel,
+        **({f"executor.{name}": settings} if settings else {}),
+    )
+    entry = get_registry().get("executor", name)
+    return entry.create(cfg, cfg.plugin_settings("executor", name, entry.settings_model))
+
+
 def check_hang_is_detected(executor: Any) -> None:
     """A stopped (SIGSTOP) worker leaves a real step unanswered: the failure callback runs after step_timeout."""
     from baton.protocol import KVCacheConfig

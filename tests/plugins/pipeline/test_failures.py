@@ -8,26 +8,13 @@ from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.testing.tiny_model import tiny_model
 from baton_pipeline.executor import PipelineExecutor
-from baton_pipeline.plugin import PipelineSettings
 from tests.plugins.parallel_common import (
     _children,
     check_hang_is_detected,
     check_stopped_worker_is_detected,
     sigkill_worker_is_engine_dead,
+    tiny_executor,
 )
-
-
-def _executor(**settings) -> PipelineExecutor:
-    """Two workers of the tiny model on the CPU, one thread each."""
-    cfg = BatonConfig.load(
-        model=str(tiny_model("llama")),
-        executor="pipeline",
-        pipeline_parallel_size=2,
-        device="cpu",
-        num_threads=1,
-        kv_cache_memory="16MiB",
-    )
-    return PipelineExecutor(cfg, PipelineSettings(**settings))
 
 
 @pytest.mark.parametrize("transport", ["inproc", "zmq"])
@@ -38,7 +25,7 @@ def test_sigkill_of_a_stage_is_engine_dead_within_5_s(transport, no_leaks):
 
 
 def test_a_hung_stage_fails_the_executor_after_step_timeout(no_leaks):
-    ex = _executor(step_timeout=2.0)
+    ex = tiny_executor("pipeline", {"step_timeout": 2.0}, pipeline_parallel_size=2)
     try:
         check_hang_is_detected(ex)
     finally:
@@ -46,7 +33,7 @@ def test_a_hung_stage_fails_the_executor_after_step_timeout(no_leaks):
 
 
 def test_a_stopped_stage_is_detected_by_its_heartbeat_within_5_s(no_leaks):
-    ex = _executor()  # default step_timeout: 120 s
+    ex = tiny_executor("pipeline", pipeline_parallel_size=2)  # default step_timeout: 120 s
     try:
         check_stopped_worker_is_detected(ex)
     finally:

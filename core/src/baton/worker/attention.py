@@ -51,9 +51,8 @@ class DecodeGroup:
     start: int
     n: int
     max_len: int  # keys per request after the gather: blocks_per_req * block_size
-    blocks: (
-        torch.Tensor
-    )  # [n * blocks_per_req] int64: each request's blocks, padded with its last one
+    #: [n * blocks_per_req] int64: each request's blocks, padded with its last one
+    blocks: torch.Tensor
     ctx_lens: torch.Tensor  # [n] int64: number of keys of each request (position + 1)
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 

@@ -13,7 +13,8 @@ later step's update would move the batch rows the pending sample reads.
 
 The worker exits when the executor closes the channel, when its parent
 process is gone (a watchdog thread checks ``os.getppid()``, also while the main
-thread is stuck in a collective), and on SHUTDOWN.
+thread is stuck in a collective), and on SHUTDOWN. The same thread writes the
+rank's heartbeat, which the executor watches for a stopped or frozen process.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class WorkerBootstrap:
     parent_fingerprint: list[tuple[str, str, str, str]]
     parent_pid: int
     dist_timeout_s: float
-    heartbeats: Any = None  # shared array of doubles: this rank writes time.monotonic() to its slot
+    heartbeats: Any  # shared array of doubles: this rank writes time.monotonic() to its slot
 
 
 class StepStats:
@@ -123,7 +124,7 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _watch_parent(parent_pid: int, heartbeats: Any = None, rank: int = 0) -> None:
+def _start_watchdog(parent_pid: int, heartbeats: Any, rank: int) -> None:
     """A thread that beats (the executor's hang check) and exits when the engine process is gone.
 
     It runs while the main thread is inside a step or a collective (torch releases the GIL), so
@@ -131,8 +132,7 @@ def _watch_parent(parent_pid: int, heartbeats: Any = None, rank: int = 0) -> Non
 
     def watch() -> None:
         while True:
-            if heartbeats is not None:
-                heartbeats[rank] = time.monotonic()
+            heartbeats[rank] = time.monotonic()
             time.sleep(0.5)
             if os.getppid() != parent_pid:  # re-parented: the engine process is gone
                 os._exit(3)
@@ -299,7 +299,7 @@ def worker_main(boot: WorkerBootstrap) -> None:
         level=cfg.observability.log_level,
         format=f"%(asctime)s %(levelname)s worker{boot.rank} %(name)s: %(message)s",
     )
-    _watch_parent(boot.parent_pid, boot.heartbeats, boot.rank)
+    _start_watchdog(boot.parent_pid, boot.heartbeats, boot.rank)
     channel = boot.transport.connect_engine(boot.address, boot.rank)
     try:
         proc = WorkerProc(boot, channel)
