@@ -132,6 +132,9 @@ def phase_workload(runner, reqs, args, num_blocks) -> dict:
         "steps": len(timed.times),
         "wall_s": round(wall, 2),
         "runner_s": round(sum(timed.times), 2),
+        # steps that carry prompt tokens vs pure decode steps (at most max_num_seqs tokens)
+        "mixed_steps_s": round(sum(t for t, n in zip(timed.times, timed.tokens) if n > args.max_num_seqs), 2),
+        "decode_steps_s": round(sum(t for t, n in zip(timed.times, timed.tokens) if n <= args.max_num_seqs), 2),
         "tok_per_s": round(out / wall, 1),
         "outputs_sha256_16": h.hexdigest()[:16],
     }

@@ -4,11 +4,13 @@ Mixed flattened batches (decodes, fresh prefills, chunks after a cached prefix)
 are built through the real InputBatch + StepInputBuilder from a SchedulerOutput,
 the cached prefix K/V is written into the paged cache by slot beforehand, and
 each request's output is compared with an eager reference (GQA expanded,
-explicit causal / sliding-window mask over prefix + new tokens).
+explicit causal / sliding-window mask over prefix + new tokens). Every case runs
+on torch ops and on baton's C++ kernels (``kernels`` fixture).
 """
 
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -17,11 +19,29 @@ import torch
 
 from baton.protocol import NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
-from baton.worker.attention import model_capabilities, paged_attention
+from baton.worker.attention import key_cache_view, model_capabilities, paged_attention
 from baton.worker.input_batch import InputBatch
 from baton.worker.step_inputs import StepInputBuilder
 
 D = 16
+
+
+@pytest.fixture(params=[False, True], ids=["torch", "kernels"])
+def kernels(request) -> bool:
+    """Run a case on torch ops, then on the C++ kernels (skipped only without a C++ compiler)."""
+    if request.param:
+        cpu_kernels_or_skip()
+    return request.param
+
+
+def cpu_kernels_or_skip() -> None:
+    import shutil
+
+    from baton.kernels import loader
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the C++ kernels cannot be built here")
+    torch.ops.load_library(str(loader.build()))  # a failed build is a failure, not a skip
 
 
 def reference(q, k, v, prefix: int, window: int | None, causal: bool, scale: float) -> torch.Tensor:
@@ -40,15 +60,28 @@ def reference(q, k, v, prefix: int, window: int | None, causal: bool, scale: flo
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_blocks=400, seed=0):
+def run_case(
+    reqs,
+    block_size,
+    heads,
+    kv_heads,
+    window=None,
+    causal=True,
+    num_blocks=400,
+    seed=0,
+    kernels=False,
+    head_dim=D,
+):
     """``reqs``: list of (prefix_len, new_len). Returns max abs error over all requests."""
+    D = head_dim
     g = torch.Generator().manual_seed(seed)
     max_len = max(p + n for p, n in reqs) + 1
     batch = InputBatch(len(reqs), max_len, block_size)
-    builder = StepInputBuilder(batch, sum(n for _, n in reqs), torch.device("cpu"))
+    builder = StepInputBuilder(batch, sum(n for _, n in reqs), torch.device("cpu"), kernels=kernels)
     # finite garbage where nothing was written: gathered with whole blocks, it must be masked out
     cache = torch.randn(1, 2, num_blocks, kv_heads, block_size, D, generator=g) * 100
     builder.set_kv_caches([cache[0]])
+    k_cache = key_cache_view(cache[0])  # [blocks, kv_heads, D, block_size]
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
     kv, new, num = {}, [], {}
@@ -62,7 +95,7 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
         kv[rid] = (q, k, v, p)
         for pos in range(p):  # the cached prefix, written by "an earlier step"
             block, offset = blocks[pos // block_size], pos % block_size
-            cache[0, 0, block, :, offset] = k[:, pos]
+            k_cache[block, :, :, offset] = k[:, pos]
             cache[0, 1, block, :, offset] = v[:, pos]
         new.append(
             NewRequestData(
@@ -112,7 +145,6 @@ def run_case(reqs, block_size, heads, kv_heads, window=None, causal=True, num_bl
         n = q.shape[1]
         want = reference(q, k, v, p, window, causal, scale)
         err = max(err, (out[0, start : start + n] - want).abs().max().item())
-    # the new tokens' K/V landed in their slots
     return err
 
 
@@ -134,27 +166,38 @@ MIXED = [
 
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
-def test_mixed_batch_matches_reference(block_size, heads, kv_heads):
-    assert run_case(MIXED, block_size, heads, kv_heads) < 1e-5
+def test_mixed_batch_matches_reference(block_size, heads, kv_heads, kernels):
+    assert run_case(MIXED, block_size, heads, kv_heads, kernels=kernels) < 1e-5
 
 
 @pytest.mark.parametrize("window", [1, 4, 9])
-def test_sliding_window(window):
-    assert run_case(MIXED, 4, 4, 2, window=window) < 1e-5
+def test_sliding_window(window, kernels):
+    assert run_case(MIXED, 4, 4, 2, window=window, kernels=kernels) < 1e-5
 
 
-def test_non_causal_layers_attend_to_the_whole_chunk():
-    assert run_case([(0, 8), (0, 3), (6, 1)], 4, 4, 2, causal=False) < 1e-5
+def test_non_causal_layers_attend_to_the_whole_chunk(kernels):
+    assert run_case([(0, 8), (0, 3), (6, 1)], 4, 4, 2, causal=False, kernels=kernels) < 1e-5
 
 
-def test_decodes_of_very_different_lengths_form_groups():
+def test_decodes_of_very_different_lengths_form_groups(kernels):
     reqs = [(200, 1), (190, 1), (90, 1), (80, 1), (10, 1), (9, 1), (3, 1), (0, 1), (40, 5)]
-    assert run_case(reqs, 8, 4, 2) < 1e-5
+    assert run_case(reqs, 8, 4, 2, kernels=kernels) < 1e-5
 
 
-def test_new_keys_are_written_by_slot():
+# the kernels' compiled fast paths (head_dim 64 / 128 with 16-slot blocks) next to the generic one
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (64, 8), (80, 16)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_kernel_sizes_match_reference(head_dim, block_size, window, kernels):
+    reqs = [(300, 1), (161, 1), (15, 1), (16, 1), (17, 1), (0, 1), (40, 9), (0, 33)]
+    err = run_case(
+        reqs, block_size, 9, 3, window=window, head_dim=head_dim, kernels=kernels, num_blocks=80
+    )
+    assert err < 1e-5
+
+
+def test_new_keys_are_written_by_slot(kernels):
     batch = InputBatch(2, 64, 4)
-    builder = StepInputBuilder(batch, 64, torch.device("cpu"))
+    builder = StepInputBuilder(batch, 64, torch.device("cpu"), kernels=kernels)
     cache = torch.zeros(1, 2, 10, 1, 4, D)  # 10 blocks of 4 slots, 1 KV head
     builder.set_kv_caches([cache[0]])
     r = NewRequestData(
@@ -181,7 +224,10 @@ def test_new_keys_are_written_by_slot():
         baton_attn=inputs.attn,
     )
     slots = [28, 29, 30, 31, 8, 9]  # block 7 then block 2, block size 4
-    assert cache[0, 0, :, 0, :, 0].reshape(-1)[slots].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    keys = key_cache_view(cache[0])  # [blocks, kv_heads, D, block_size]
+    assert keys[:, 0, 0, :].reshape(-1)[slots].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert cache[0, 1, :, 0, :, 0].reshape(-1)[slots].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert keys.count_nonzero() == 5 * D  # key 0.0 is zero too: nothing else was written
 
 
 def test_missing_metadata_is_a_clear_error():

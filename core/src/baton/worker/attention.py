@@ -7,25 +7,32 @@ to ``paged_attention`` in every layer. There the new keys/values are written
 into the paged cache by slot (``slot = block_id * block_size + offset``), then
 each request attends over its own blocks:
 
-- decode tokens (one query per request) come first in the flattened sequence
-  and are attended in groups of similar context length, block by block: the
-  scores of every (request, block) pair in one batched matmul, one softmax over
-  each request's blocks (padded to the longest context of the group), the
-  probabilities times each block's values in a second batched matmul, summed
-  over the blocks;
+- decode tokens (one query per request) come first in the flattened sequence,
+  in groups (one group when the C++ kernels run; otherwise groups of similar
+  context length, whose blocks are padded to the group's longest);
 - prefill chunks (a prompt, or a chunk after a cached prefix) are attended one
   request at a time with ``scaled_dot_product_attention``.
 
 GQA is never expanded in memory: decode folds the query heads of one KV head
 into a matrix; prefill uses SDPA's ``enable_gqa``.
 
-Cache layout per layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``.
-Reads gather whole blocks along the first dimension (one contiguous copy per
-block: 2.2x faster than gathering along an inner dimension, and 3x faster than
-gathering slots); decode consumes the gathered blocks as they are, which is why
-it works block by block. A gathered block may hold slots past a request's
-context; they are masked out, and the cache is zero-initialised so that they
-are always finite (0 * NaN would poison the output).
+Cache layout per layer: a ``[2, num_blocks, kv_heads, block_size, head_dim]``
+allocation whose K half holds each block's keys transposed, ``[head_dim,
+block_size]`` (``key_cache_view``): the scores of a block's tokens are then one
+matmul (torch) or vertical FMAs (C++) without transposing anything. V blocks
+are ``[block_size, head_dim]``. A block may hold slots past a request's context;
+they are masked out, and the cache is zero-initialised so that they are always
+finite (0 * NaN would poison the output).
+
+Two implementations of the cache writes and of decode:
+
+- ``meta.kernels`` (CPU, float32, the C++ kernels built; ``baton.kernels``):
+  ``torch.ops.baton.paged_write`` and ``paged_decode``, which reads each
+  request's blocks in place, once;
+- torch ops everywhere else (CUDA, other dtypes, no compiler): index_put writes;
+  decode gathers whole blocks along the first dimension (one contiguous copy per
+  block: 2.2x faster than gathering along an inner dimension) and attends block
+  by block in batched matmuls.
 """
 
 from __future__ import annotations
@@ -119,12 +126,14 @@ class AttentionMetadata:
     #: Reused by every layer for its output (each layer's o_proj reads it before the next layer
     #: writes): a fresh multi-MB tensor per layer costs page faults on CPU. None: allocate.
     out: torch.Tensor | None = None
+    #: Cache writes and decode through baton's C++ CPU kernels (float32 on CPU only).
+    kernels: bool = False
     #: slot_mapping split into (block, offset), once per step for every layer's writes.
     slot_blocks: torch.Tensor | None = field(init=False, default=None)
     slot_offsets: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.slot_mapping is not None:
+        if self.slot_mapping is not None and not self.kernels:
             self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
             self.slot_offsets = self.slot_mapping - self.slot_blocks * self.block_size
 
@@ -170,17 +179,38 @@ def paged_attention(
         out[0] = o[0].transpose(0, 1)
         return out, None
 
-    k_cache, v_cache = cache[0], cache[1]  # [num_blocks, kv_heads, block_size, head_dim]
-    # index_put by (block, offset): [T, kv_heads, head_dim] rows (index_copy_ is ~30x slower on CPU)
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = key[0].transpose(0, 1)
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = value[0].transpose(0, 1)
-
-    group = num_heads // num_kv_heads
-    for g in meta.decode_groups:
-        _decode(query, k_cache, v_cache, g, window, scale, group, out)
+    k_cache, v_cache = key_cache_view(cache), cache[1]
+    if meta.kernels:
+        torch.ops.baton.paged_write(
+            key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
+        )
+        for g in meta.decode_groups:
+            torch.ops.baton.paged_decode(
+                query[0, :, g.start : g.start + g.n].transpose(0, 1),
+                k_cache,
+                v_cache,
+                g.blocks.view(g.n, -1),
+                g.ctx_lens,
+                window or 0,
+                scale,
+                out[0, g.start : g.start + g.n],
+            )
+    else:
+        # index_put by (block, offset): [T, kv_heads, head_dim] (index_copy_ is ~30x slower on CPU)
+        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key[0].transpose(0, 1)
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = value[0].transpose(0, 1)
+        group = num_heads // num_kv_heads
+        for g in meta.decode_groups:
+            _decode(query, k_cache, v_cache, g, window, scale, group, out)
     for p in meta.prefills:
         _prefill(query, key, value, k_cache, v_cache, p, window, causal, scale, out)
     return out, None
+
+
+def key_cache_view(cache: torch.Tensor) -> torch.Tensor:
+    """The K half of a layer's cache as it is stored: [num_blocks, kv_heads, head_dim, block_size]."""
+    _, num_blocks, kv_heads, block_size, head_dim = cache.shape
+    return cache[0].view(num_blocks, kv_heads, head_dim, block_size)
 
 
 def _decode(
@@ -193,15 +223,15 @@ def _decode(
     group: int,
     out: torch.Tensor,
 ) -> None:
-    _, kvh, bs, d = k_cache.shape
+    _, kvh, d, bs = k_cache.shape
     n, nb = g.n, g.max_len // bs
     # [H, n, D] -> [n, 1, KVH, G, D]: the G query heads sharing a KV head form one matrix,
     # broadcast over the request's blocks.
     q = query[0, :, g.start : g.start + n].reshape(kvh, group, n, d).permute(2, 0, 1, 3)
     q = (q * scale).unsqueeze(1)
-    k = k_cache.index_select(0, g.blocks).view(n, nb, kvh, bs, d)
+    k = k_cache.index_select(0, g.blocks).view(n, nb, kvh, d, bs)
     v = v_cache.index_select(0, g.blocks).view(n, nb, kvh, bs, d)
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [n, nb, KVH, G, bs]
+    scores = torch.matmul(q, k)  # [n, nb, KVH, G, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(n, kvh, group, nb * bs)
     scores.add_(g.mask(window).unsqueeze(1))  # [n, 1, 1, L]
     probs = torch.softmax(scores, dim=-1).view(n, kvh, group, nb, bs).permute(0, 3, 1, 2, 4)
@@ -226,10 +256,10 @@ def _prefill(
     if p.blocks is None:
         k = key[:, :, p.start : end]
         v = value[:, :, p.start : end]
-    else:  # [blocks, KVH, bs, D] -> [1, KVH, keys, D]
-        _, kvh, _, d = k_cache.shape
+    else:  # K [blocks, KVH, D, bs] / V [blocks, KVH, bs, D] -> [1, KVH, keys, D]
+        _, kvh, d, _ = k_cache.shape
         s = p.prefix_len + p.q_len
-        k = k_cache.index_select(0, p.blocks).transpose(0, 1).reshape(kvh, -1, d)[None, :, :s]
+        k = k_cache.index_select(0, p.blocks).permute(1, 0, 3, 2).reshape(kvh, -1, d)[None, :, :s]
         v = v_cache.index_select(0, p.blocks).transpose(0, 1).reshape(kvh, -1, d)[None, :, :s]
     mask = p.mask(window, causal, query.device)
     o = F.scaled_dot_product_attention(

@@ -25,6 +25,7 @@ from baton.protocol import (
     SchedulerOutput,
 )
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
+from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
 from baton.worker.input_batch import InputBatch
 from baton.worker.sampler import Sampler, apply_bitmask
 from baton.worker.step_inputs import StepInputBuilder, StepInputs, sampling_metadata
@@ -54,40 +55,6 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     if np_dtype is None:  # bfloat16: same size as int16, zero bits are 0.0
         return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(dtype)
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
-
-
-class TransposedLMHead(torch.nn.Module):
-    """The LM head on CPU, shaped for the number of rows (measured, SmolLM2's 49152 x 576 head).
-
-    Few rows: ``x @ W^T`` with ``W^T`` stored contiguous, twice as fast as F.linear.
-    More rows: F.linear over slices of the vocabulary, each slice's weights still in cache
-    for every row (64 rows: 27 ms against 36 ms in one call).
-    """
-
-    #: Rows from which the head runs slice by slice.
-    SLICED_FROM_ROWS = 8
-    #: Vocabulary rows per slice (1536 x 576 fp32 = 3.4 MiB).
-    SLICE = 1536
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight  # shared (tied embeddings stay tied)
-        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
-        self.bias = linear.bias
-        self.out_features = linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] < self.SLICED_FROM_ROWS:
-            y = torch.matmul(x, self.weight_t)
-        else:
-            out = rows.new_empty(rows.shape[0], self.out_features)
-            w = self.weight.detach()
-            for lo in range(0, self.out_features, self.SLICE):
-                hi = min(lo + self.SLICE, self.out_features)
-                torch.mm(rows, w[lo:hi].t(), out=out[:, lo:hi])
-            y = out.view(*x.shape[:-1], self.out_features)
-        return y + self.bias if self.bias is not None else y
 
 
 class ModelRunner:
@@ -123,11 +90,24 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = self.model_info.max_model_len
         self.eos_token_ids = list(self.model_info.eos_token_ids)
-        if self.device.type == "cpu":
-            self._transpose_lm_head()
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size)
-        self.inputs = StepInputBuilder(self.input_batch, self.max_num_tokens, self.device)
+        self.kernels = self._use_kernels()
+        if self.device.type == "cpu":
+            self._cpu_linears()
+        self.inputs = StepInputBuilder(
+            self.input_batch, self.max_num_tokens, self.device, kernels=self.kernels
+        )
         self.sampler = Sampler(self.device, self.cfg.model.seed)
+
+    def _use_kernels(self) -> bool:
+        """Whether attention runs through baton's C++ kernels: float32 on CPU, when they build."""
+        if not self.cfg.executor.cpu_kernels:
+            return False
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False
+        from baton.kernels import loader
+
+        return loader.load()
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Hook: change the loaded model (still on CPU) before it moves to the device.
@@ -135,10 +115,13 @@ class ModelRunner:
         Parallel runners shard or prune it here; the default leaves it as loaded.
         """
 
-    def _transpose_lm_head(self) -> None:
+    def _cpu_linears(self) -> None:
+        """Decode-shaped linears on CPU: the LM head by row count; with the kernels, every layer's too."""
         head = self.model.get_output_embeddings()
+        if self.kernels:
+            use_small_batch_linears(self.model, skip=head)
         if type(head) is torch.nn.Linear:  # exactly nn.Linear: we know what its forward does
-            self.model.set_output_embeddings(TransposedLMHead(head))
+            self.model.set_output_embeddings(CpuLMHead(head, kernels=self.kernels))
 
     # ------------------------------------------------------------------ KV cache
 

@@ -43,9 +43,13 @@ class StepInputs:
 class StepInputBuilder:
     """Builds StepInputs; owns the staging buffers sized by max_num_batched_tokens."""
 
-    def __init__(self, batch: InputBatch, max_num_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self, batch: InputBatch, max_num_tokens: int, device: torch.device, kernels: bool = False
+    ) -> None:
         self.batch = batch
         self.device = device
+        #: attention runs through the C++ kernels: one decode group (they read no padding)
+        self.kernels = kernels
         self.max_num_tokens = max_num_tokens
         pin = device.type == "cuda"
         # CPU staging buffers; on CPU they are the step tensors themselves (sliced).
@@ -141,6 +145,7 @@ class StepInputBuilder:
             prefills=prefills,
             num_tokens=total,
             out=self._attn_out,
+            kernels=self.kernels,
         )
         return StepInputs(
             input_ids=self._to_device(self._ids[:total]),
@@ -163,7 +168,9 @@ class StepInputBuilder:
             longest = int(ctx[i])
             j = i + 1
             while j < nd and (
-                ctx[j] >= DECODE_GROUP_MIN_FILL * longest or nd - j < DECODE_GROUP_MIN_SIZE
+                self.kernels
+                or ctx[j] >= DECODE_GROUP_MIN_FILL * longest
+                or nd - j < DECODE_GROUP_MIN_SIZE
             ):
                 j += 1
             nb = -(-longest // bs)

@@ -1,0 +1,1 @@
+"""baton's C++ kernels for the CPU, compiled on first use (see ``loader``)."""

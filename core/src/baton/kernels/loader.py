@@ -1,0 +1,159 @@
+"""Build and load baton's CPU kernels (the ``*.cpp`` next to this file) as torch operators.
+
+The sources ship with baton-core and are compiled once per machine with the
+system's C++ compiler (``$CXX``, else ``c++``) against the installed torch, for
+this CPU (``-march=native``). The library lands in the kernel cache
+(``$BATON_KERNEL_DIR``, else ``<user cache>/baton/kernels``) under a key made of
+everything that shapes it: sources, torch version, compiler, flags and CPU
+features, so another machine or torch never loads a stale build. Concurrent
+builders (tensor-parallel workers, test processes) serialise on a file lock
+and publish the library by an atomic rename.
+
+``load()`` never raises for a missing compiler or a failed build: it logs a
+warning naming the cause and returns False, and attention runs on torch ops.
+Registered operators (documented in the sources): ``torch.ops.baton.paged_decode``
+and ``paged_write`` (paged_attention.cpp), ``linear_small`` (small_gemm.cpp).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from baton.errors import BatonError
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+LIBRARY = "baton_cpu_kernels.so"
+KERNEL_DIR_ENV = "BATON_KERNEL_DIR"
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
+
+_loaded: bool | None = None
+
+
+class KernelBuildError(BatonError):
+    """The CPU kernels could not be compiled or loaded."""
+
+
+def kernel_dir() -> Path:
+    """Where built kernels are kept: $BATON_KERNEL_DIR, else the user cache."""
+    env = os.environ.get(KERNEL_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("baton")) / "kernels"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise KernelBuildError(
+            f"no C++ compiler {cxx!r} on PATH: install g++ (apt install g++) or set CXX"
+        )
+    return path
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _command(cxx: str, sources: tuple[Path, ...], out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    inc = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib_dirs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [
+        cxx,
+        *CXX_FLAGS,
+        abi,
+        *inc,
+        *map(str, sources),
+        "-o",
+        str(out),
+        *lib_dirs,
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
+def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) -> Path:
+    """The path of the library compiled from ``sources``, compiling it if no build matches."""
+    if not sources:
+        raise KernelBuildError(
+            f"no kernel sources next to {__file__}: a broken install of baton-core"
+        )
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *(p.read_text() for p in sources),
+                torch.__version__,
+                version,
+                " ".join(CXX_FLAGS),
+                platform.machine(),
+                _cpu_features(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
+    folder = (directory or kernel_dir()) / key
+    lib = folder / LIBRARY
+    if lib.exists():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
+        if lib.exists():
+            return lib
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(fd)
+        cmd = _command(cxx, sources, Path(tmp))
+        log.info("compiling baton's CPU kernels (once per machine and torch version) ...")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            Path(tmp).unlink(missing_ok=True)
+            tail = (proc.stderr or proc.stdout).strip()[-2000:]
+            raise KernelBuildError(
+                f"compiling {', '.join(p.name for p in sources)} failed (exit {proc.returncode}): {tail}\ncommand: {' '.join(cmd)}"
+            )
+        os.replace(tmp, lib)
+        log.info("built %s in %.1f s", lib, time.perf_counter() - t0)
+    return lib
+
+
+def load() -> bool:
+    """Build (if needed) and load the kernels once per process; False, with a warning, if they cannot be."""
+    global _loaded
+    if _loaded is None:
+        try:
+            torch.ops.load_library(str(build()))
+            _loaded = True
+        except (KernelBuildError, OSError, RuntimeError) as e:
+            log.warning(
+                "baton's C++ CPU kernels are unavailable, attention runs on torch ops (slower): %s",
+                e,
+            )
+            _loaded = False
+    return _loaded

@@ -1,0 +1,277 @@
+// baton's CPU paged-attention kernels (float32), compiled on first use by baton.kernels.loader.
+//
+// Cache layout per layer, as baton.worker.attention allocates it:
+//   K: [num_blocks, kv_heads, head_dim, block_size]  (keys transposed within a block)
+//   V: [num_blocks, kv_heads, block_size, head_dim]
+// Transposed keys make a block's scores vertical FMAs over its tokens (no horizontal sums);
+// values stay row-major because the output accumulates whole rows.
+//
+// paged_decode: one query token per request attends over its blocks, in place (no gather copy):
+//   scores for every block, softmax over the request's context, then probabilities x values.
+// paged_write: the step's new keys/values into their slots (slot = block * block_size + offset).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// exp for the softmax, vectorisable (std::exp is a libm call per element): 2^(x log2 e) split
+// into 2^integer (exponent bits) times 2^fraction (degree-6 polynomial, relative error < 3e-7).
+inline float exp_approx(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float pow2;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  return p * pow2;
+}
+
+// Scores of one block's tokens for one query head: keys stored [D, BS] (transposed), so every
+// step is a vertical FMA over the block's BS tokens; DC/BSC are compile-time sizes or 0.
+template <int64_t DC, int64_t BSC>
+inline void block_scores(const float* __restrict qr, const float* __restrict kt, float* __restrict s,
+                         int64_t D_, int64_t BS_, const float* next) {
+  constexpr int64_t U = 4;  // independent accumulators: an FMA's latency, not its throughput, bounds one chain
+  const int64_t D = DC > 0 ? DC : D_, BS = BSC > 0 ? BSC : BS_;
+  if constexpr (BSC > 0) {
+    float acc[U][BSC] = {};
+    int64_t d = 0;
+    for (; d + U <= D; d += U) {
+      for (int64_t u = 0; u < U; ++u) {
+        if (next) __builtin_prefetch(next + (d + u) * BSC, 0, 3);
+        const float qd = qr[d + u];
+        const float* kr = kt + (d + u) * BSC;
+#pragma omp simd
+        for (int64_t t = 0; t < BSC; ++t) acc[u][t] += qd * kr[t];
+      }
+    }
+    for (; d < D; ++d)
+#pragma omp simd
+      for (int64_t t = 0; t < BSC; ++t) acc[0][t] += qr[d] * kt[d * BSC + t];
+#pragma omp simd
+    for (int64_t t = 0; t < BSC; ++t) s[t] = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t]);
+  } else {
+    for (int64_t t = 0; t < BS; ++t) s[t] = 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < BS; ++t) s[t] += qr[d] * kt[d * BS + t];
+  }
+}
+
+// acc[D] += sum over tokens [t0, t1) of p[t] * v[t, :]
+template <int64_t DC>
+inline void accumulate_values(const float* __restrict p, const float* __restrict v, int64_t t0,
+                              int64_t t1, float* __restrict acc, int64_t D_, const float* next) {
+  const int64_t D = DC > 0 ? DC : D_;
+  if constexpr (DC > 0) {
+    float a0[DC] = {}, a1[DC] = {};  // two chains: consecutive tokens alternate
+    int64_t t = t0;
+    for (; t + 2 <= t1; t += 2) {
+      if (next)
+        for (int64_t j = 0; j < 2 * DC; j += 16) __builtin_prefetch(next + t * DC + j, 0, 3);
+      const float p0 = p[t], p1 = p[t + 1];
+      const float* v0 = v + t * DC;
+      const float* v1 = v0 + DC;
+#pragma omp simd
+      for (int64_t d = 0; d < DC; ++d) {
+        a0[d] += p0 * v0[d];
+        a1[d] += p1 * v1[d];
+      }
+    }
+    if (t < t1) {
+      const float p0 = p[t];
+      const float* v0 = v + t * DC;
+#pragma omp simd
+      for (int64_t d = 0; d < DC; ++d) a0[d] += p0 * v0[d];
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < DC; ++d) acc[d] += a0[d] + a1[d];
+  } else {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * v[t * D + d];
+  }
+}
+
+struct Dims {
+  int64_t H, KVH, G, D, BS;
+};
+
+// One request: all its query heads over keys [lo, L) of its blocks `row`.
+template <int64_t DC, int64_t BSC>
+void decode_request(const float* q, int64_t qs1, const float* k_ptr, const float* v_ptr,
+                    const int64_t* row, int64_t L, int64_t lo, const Dims& dm, float scale,
+                    float* o, int64_t os1, std::vector<float>& scores, std::vector<float>& qbuf) {
+  const int64_t D = DC > 0 ? DC : dm.D, BS = BSC > 0 ? BSC : dm.BS;
+  const int64_t H = dm.H, KVH = dm.KVH, G = dm.G;
+  const int64_t blk = KVH * BS * D, head = BS * D;
+  const int64_t b_lo = lo / BS, b_hi = (L - 1) / BS;
+  const int64_t span = (b_hi - b_lo + 1) * BS;  // whole blocks; slots outside [lo, L) get p = 0
+  const int64_t first = lo - b_lo * BS, last = L - b_lo * BS;
+  scores.resize(H * span);
+  qbuf.resize(H * D * 2);
+  float* qs = qbuf.data();
+  float* acc = qbuf.data() + H * D;
+  for (int64_t hq = 0; hq < H; ++hq)
+    for (int64_t d = 0; d < D; ++d) qs[hq * D + d] = q[hq * qs1 + d] * scale;
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    const float* kb = k_ptr + row[b] * blk;
+    // the next block's keys (or, after the last, this block's values) are fetched while computing
+    const float* kn = b < b_hi ? k_ptr + row[b + 1] * blk : v_ptr + row[b_lo] * blk;
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        // the first query head of each KV head prefetches the next block's rows as it goes
+        block_scores<DC, BSC>(qs + hq * D, kb + h * head, scores.data() + hq * span + (b - b_lo) * BS, D, BS,
+                              g == 0 ? kn + h * head : nullptr);
+      }
+  }
+  for (int64_t hq = 0; hq < H; ++hq) {
+    float* sg = scores.data() + hq * span;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = first; t < last; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = first; t < last; ++t) {
+      const float e = exp_approx(sg[t] - m);
+      sg[t] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = first; t < last; ++t) sg[t] *= inv;
+  }
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    const float* vb = v_ptr + row[b] * blk;
+    const float* vn = b < b_hi ? v_ptr + row[b + 1] * blk : nullptr;
+    const int64_t t0 = b == b_lo ? first : 0;
+    const int64_t t1 = b == b_hi ? last - (b - b_lo) * BS : BS;
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        accumulate_values<DC>(scores.data() + hq * span + (b - b_lo) * BS, vb + h * head, t0, t1, acc + hq * D, D,
+                              vn && g == 0 ? vn + h * head : nullptr);
+      }
+  }
+  for (int64_t hq = 0; hq < H; ++hq)
+    std::memcpy(o + hq * os1, acc + hq * D, D * sizeof(float));
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "baton kernels: CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "baton kernels: float32 caches only");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "baton kernels: caches must be contiguous [blocks, kv_heads, ., .]");
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "baton kernels: K must be [blocks, kv_heads, head_dim, block_size] and V [blocks, kv_heads, block_size, head_dim]");
+}
+
+void paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t window,
+                  double scale, at::Tensor out) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_decode: query and out must be [n, heads, head_dim]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_decode: float32 only");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_decode: head_dim must be contiguous");
+  TORCH_CHECK(query.size(2) == v_cache.size(3) && query.size(1) % v_cache.size(1) == 0,
+              "paged_decode: query heads must be a multiple of the cache's kv heads, with its head_dim");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous() &&
+                  block_table.size(0) == query.size(0),
+              "paged_decode: block_table must be contiguous int64 [n, max_blocks]");
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.numel() == query.size(0),
+              "paged_decode: ctx_lens must be contiguous int64 [n]");
+  const Dims dm{query.size(1), v_cache.size(1), query.size(1) / v_cache.size(1), query.size(2), v_cache.size(2)};
+  const int64_t n = query.size(0), max_blocks = block_table.size(1);
+  const float* q_ptr = query.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * dm.BS, "paged_decode: context length ", lens[i],
+                " of request ", i, " outside [1, ", max_blocks * dm.BS, "]");
+  float* o_ptr = out.data_ptr<float>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qbuf;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t L = lens[i];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const auto args = std::make_tuple(q_ptr + i * qs0, qs1, k_ptr, v_ptr, bt + i * max_blocks, L, lo,
+                                        std::cref(dm), fscale, o_ptr + i * os0, os1, std::ref(scores),
+                                        std::ref(qbuf));
+      if (dm.BS == 16 && dm.D == 64)
+        std::apply(decode_request<64, 16>, args);
+      else if (dm.BS == 16 && dm.D == 128)
+        std::apply(decode_request<128, 16>, args);
+      else
+        std::apply(decode_request<0, 0>, args);
+    }
+  });
+}
+
+void paged_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+                 const at::Tensor& slots) {
+  check_cache(k_cache, v_cache);
+  const int64_t T = key.size(0), KVH = v_cache.size(1), BS = v_cache.size(2), D = v_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == KVH && key.size(2) == D && value.sizes() == key.sizes(),
+              "paged_write: key/value must be [tokens, kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "paged_write: float32 only");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "paged_write: head_dim must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+              "paged_write: slots must be contiguous int64 [tokens]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t capacity = v_cache.size(0) * BS;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "paged_write: slot ", sl[t], " outside the cache's ", capacity);
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t blk = KVH * BS * D;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = sl[t] / BS, off = sl[t] % BS;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* kr = k + t * ks0 + h * ks1;
+        float* kt = kc + b * blk + h * BS * D + off;  // column `off` of [D, BS]
+        for (int64_t d = 0; d < D; ++d) kt[d * BS] = kr[d];
+        std::memcpy(vc + b * blk + (h * BS + off) * D, v + t * vs0 + h * vs1, D * sizeof(float));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baton, m) {
+  m.def(
+      "paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor ctx_lens, "
+      "int window, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) {
+  m.impl("paged_decode", paged_decode);
+  m.impl("paged_write", paged_write);
+}

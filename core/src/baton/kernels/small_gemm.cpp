@@ -1,0 +1,90 @@
+// y = x @ w^T for a few rows of x (float32, CPU), compiled on first use by baton.kernels.loader.
+//
+// Decode steps multiply a handful of rows by every weight matrix: the weights stream from memory
+// once per step and MKL's sgemm, built for large M, reaches about half of the memory bandwidth
+// there (and packs the weights on every call). Here each thread takes a range of weight rows and
+// computes MR x NR tiles with vector accumulators over K, reading every weight row once for up
+// to 8 rows of x. Measured on SmolLM2's 30 layers: 1 row 35 -> 17 ms, 8 rows 40 -> 30 ms,
+// 32 rows 66 -> 63 ms (docs/benchmarks.md).
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+inline v16 load16(const float* p) { v16 v; __builtin_memcpy(&v, p, sizeof(v)); return v; }
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+inline float hsum(v16 v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// y[m, n] = x[m, :] . w[n, :] for MR rows of x and NR rows of w; K a multiple of 16 here.
+template <int MR, int NR>
+inline void tile(const float* x, int64_t xs, const float* w, int64_t K, float* y, int64_t ys, int64_t kv) {
+  v16 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = v16{};
+  for (int64_t k = 0; k < kv; k += 16) {
+    v16 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = load16(w + r * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const v16 xv = load16(x + m * xs + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t k = kv; k < K; ++k) s += x[m * xs + k] * w[r * K + k];
+      y[m * ys + r] = s;
+    }
+}
+
+template <int MR>
+void rows(const float* x, int64_t xs, const float* w, int64_t K, float* y, int64_t ys, int64_t n0, int64_t n1) {
+  constexpr int NR = MR <= 4 ? 4 : 2;
+  const int64_t kv = K / 16 * 16;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile<MR, NR>(x, xs, w + n * K, K, y + n, ys, kv);
+  for (; n < n1; ++n) tile<MR, 1>(x, xs, w + n * K, K, y + n, ys, kv);
+}
+
+void linear_small(const at::Tensor& x, const at::Tensor& w, at::Tensor y) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && y.device().is_cpu(), "linear_small: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
+              "linear_small: float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && y.dim() == 2 && x.size(1) == w.size(1) && y.size(0) == x.size(0) &&
+                  y.size(1) == w.size(0),
+              "linear_small: x [M, K], w [N, K], out [M, N]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && y.is_contiguous(), "linear_small: contiguous tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) rows<8>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1);
+    switch (M - m) {
+      case 7: rows<7>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+      case 6: rows<6>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+      case 5: rows<5>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+      case 4: rows<4>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+      case 3: rows<3>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+      case 2: rows<2>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+      case 1: rows<1>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baton, m) { m.def("linear_small(Tensor x, Tensor w, Tensor(a!) out) -> ()"); }
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("linear_small", linear_small); }
