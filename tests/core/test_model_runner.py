@@ -53,6 +53,12 @@ def prompts(seed=1, lens=PROMPT_LENS) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lens]
 
 
+def has_cxx() -> bool:
+    import shutil
+
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 _refs: dict[str, torch.nn.Module] = {}
 
 
@@ -109,9 +115,11 @@ def assert_greedy_parity(got: list[int], want: list[int], logits: torch.Tensor) 
         "qwen2-sliding-some-layers",
     ],
 )
-def test_greedy_matches_transformers(arch, overrides):
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_greedy_matches_transformers(arch, overrides, cpu_kernels):
     path = tiny_model(arch, **overrides)
-    runner = make_runner(path)
+    runner = make_runner(path, cpu_kernels=cpu_kernels)
+    assert runner.kernels is (cpu_kernels and has_cxx())
     d = Driver(runner, NUM_BLOCKS, 4, budget=24)
     ps = prompts()
     for i, p in enumerate(ps):

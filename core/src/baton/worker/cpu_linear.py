@@ -73,11 +73,8 @@ class CpuLMHead(torch.nn.Module):
         self.bias = linear.bias
         self.out_features = linear.out_features
         self.kernels = kernels
-        self.weight_t: torch.Tensor | None = None
-        if not kernels:
-            self.register_buffer(
-                "weight_t", linear.weight.detach().t().contiguous(), persistent=False
-            )
+        w_t = None if kernels else linear.weight.detach().t().contiguous()
+        self.register_buffer("weight_t", w_t, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
