@@ -121,6 +121,7 @@ def phase_workload(runner, reqs, args, num_blocks) -> dict:
     d.run()
     wall = time.perf_counter() - t0
     out = sum(len(r.output) for r in d.all.values())
+    steps = list(zip(timed.times, timed.tokens, strict=True))
     # the digest hf_baselines.py prints (transformers generate gives 97fac8475fa226b2 on workload.json)
     h = hashlib.sha256()
     for r in reqs[: args.max_num_seqs]:
@@ -133,8 +134,8 @@ def phase_workload(runner, reqs, args, num_blocks) -> dict:
         "wall_s": round(wall, 2),
         "runner_s": round(sum(timed.times), 2),
         # steps that carry prompt tokens vs pure decode steps (at most max_num_seqs tokens)
-        "mixed_steps_s": round(sum(t for t, n in zip(timed.times, timed.tokens) if n > args.max_num_seqs), 2),
-        "decode_steps_s": round(sum(t for t, n in zip(timed.times, timed.tokens) if n <= args.max_num_seqs), 2),
+        "mixed_steps_s": round(sum(t for t, n in steps if n > args.max_num_seqs), 2),
+        "decode_steps_s": round(sum(t for t, n in steps if n <= args.max_num_seqs), 2),
         "tok_per_s": round(out / wall, 1),
         "outputs_sha256_16": h.hexdigest()[:16],
     }
