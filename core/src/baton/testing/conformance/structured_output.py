@@ -102,8 +102,10 @@ class StructuredOutputConformance:
         settings = config.plugin_settings("structured_output", entry.name, entry.settings_model)
         return entry.create(config, settings, tokenizer, vocab_size)
 
+    # class-scoped fixtures are classmethods: pytest runs them once per class, on no instance
     @pytest.fixture(scope="class")
-    def tokenizer(self) -> Any:
+    @classmethod
+    def tokenizer(cls) -> Any:
         from transformers import AutoTokenizer
 
         from baton.worker.model_loader import DEFAULT_ALIAS, resolve_model
@@ -111,22 +113,26 @@ class StructuredOutputConformance:
         return AutoTokenizer.from_pretrained(resolve_model(DEFAULT_ALIAS))
 
     @pytest.fixture(scope="class")
-    def vocab_size(self, tokenizer: Any) -> int:
-        return len(tokenizer) + self.extra_vocab
+    @classmethod
+    def vocab_size(cls, tokenizer: Any) -> int:
+        return len(tokenizer) + cls.extra_vocab
 
     @pytest.fixture(scope="class")
-    def backend(self, tokenizer: Any, vocab_size: int) -> Any:
-        return self.make_backend(tokenizer, vocab_size)
+    @classmethod
+    def backend(cls, tokenizer: Any, vocab_size: int) -> Any:
+        return cls().make_backend(tokenizer, vocab_size)
 
     @pytest.fixture(scope="class")
-    def texts(self, tokenizer: Any) -> list[str]:
+    @classmethod
+    def texts(cls, tokenizer: Any) -> list[str]:
         """The text of every token of the tokenizer, alone."""
         return tokenizer.batch_decode(
             [[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False
         )
 
     @pytest.fixture(scope="class")
-    def eos(self, tokenizer: Any) -> int:
+    @classmethod
+    def eos(cls, tokenizer: Any) -> int:
         return tokenizer.eos_token_id
 
     # ------------------------------------------------------------------ helpers
