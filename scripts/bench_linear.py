@@ -19,14 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import loader
+from baton.worker.cpu_linear import linear_small
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-
-
-def small(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], w.shape[0])
-    torch.ops.baton.linear_small(x, w, out)
-    return out
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -66,11 +61,11 @@ def measure(m: int, layers: list[list[torch.Tensor]], head: torch.Tensor, repeat
         "rows": m,
         "layers_ms": {
             "torch": median_ms(layers_with(F.linear), repeats),
-            "kernel": median_ms(layers_with(small), repeats),
+            "kernel": median_ms(layers_with(linear_small), repeats),
         },
         "lm_head_ms": {
             "torch": median_ms(lambda: F.linear(x, head), repeats),
-            "kernel": median_ms(lambda: small(x, head), repeats),
+            "kernel": median_ms(lambda: linear_small(x, head), repeats),
         },
         "threads": torch.get_num_threads(),
     }

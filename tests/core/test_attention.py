@@ -10,7 +10,6 @@ on torch ops and on baton's C++ kernels (``kernels`` fixture).
 
 from __future__ import annotations
 
-import os
 import random
 from types import SimpleNamespace
 
@@ -30,18 +29,8 @@ D = 16
 def kernels(request) -> bool:
     """Run a case on torch ops, then on the C++ kernels (skipped only without a C++ compiler)."""
     if request.param:
-        cpu_kernels_or_skip()
+        request.getfixturevalue("cpu_kernel_ops")
     return request.param
-
-
-def cpu_kernels_or_skip() -> None:
-    import shutil
-
-    from baton.kernels import loader
-
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler: the C++ kernels cannot be built here")
-    torch.ops.load_library(str(loader.build()))  # a failed build is a failure, not a skip
 
 
 def reference(q, k, v, prefix: int, window: int | None, causal: bool, scale: float) -> torch.Tensor:

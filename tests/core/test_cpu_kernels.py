@@ -7,8 +7,6 @@ test_attention.py (every case runs on torch ops and on the kernels).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
 import pytest
 import torch
@@ -22,16 +20,7 @@ from baton.worker.cpu_linear import (
     use_small_batch_linears,
 )
 
-needs_cxx = pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler"
-)
-
-
-@pytest.fixture(scope="module")
-def ops() -> None:
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler: the kernels cannot be built here")
-    torch.ops.load_library(str(loader.build()))  # a failed build fails the test
+needs_cxx = pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler")
 
 
 def small_linear(in_f: int, out_f: int, bias: bool, seed: int = 0) -> SmallBatchLinear:
@@ -44,7 +33,7 @@ def small_linear(in_f: int, out_f: int, bias: bool, seed: int = 0) -> SmallBatch
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize(("in_f", "out_f"), [(576, 192), (100, 7), (16, 1), (1536, 65)])
-def test_linear_small_matches_f_linear(ops, rows, in_f, out_f):
+def test_linear_small_matches_f_linear(cpu_kernel_ops, rows, in_f, out_f):
     lin = small_linear(in_f, out_f, bias=out_f % 2 == 1)
     x = torch.randn(rows, in_f)
     want = F.linear(
@@ -55,13 +44,13 @@ def test_linear_small_matches_f_linear(ops, rows, in_f, out_f):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_f**0.5)
 
 
-def test_leading_dims_and_non_contiguous_input(ops):
+def test_leading_dims_and_non_contiguous_input(cpu_kernel_ops):
     lin = small_linear(64, 32, bias=True)
     x = torch.randn(1, 3, 128)[..., ::2]  # [1, 3, 64], strided
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
-def test_many_rows_and_other_dtypes_use_torch(ops):
+def test_many_rows_and_other_dtypes_use_torch(cpu_kernel_ops):
     lin = small_linear(64, 32, bias=False)
     x = torch.randn(KERNEL_MAX_ROWS + 1, 64)
     assert torch.equal(lin(x), F.linear(x, lin.weight))  # bit-identical: torch's own GEMM ran
@@ -85,7 +74,7 @@ def test_only_plain_linears_are_swapped():
 @pytest.mark.parametrize("kernels", [True, False])
 def test_lm_head_by_row_count(request, rows, kernels):
     if kernels:
-        request.getfixturevalue("ops")
+        request.getfixturevalue("cpu_kernel_ops")
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 5000, bias=False)
     head = CpuLMHead(lin, kernels=kernels)
@@ -94,7 +83,7 @@ def test_lm_head_by_row_count(request, rows, kernels):
     torch.testing.assert_close(head(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-4)
 
 
-def test_kernel_checks_its_arguments(ops):
+def test_kernel_checks_its_arguments(cpu_kernel_ops):
     x = torch.randn(2, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32 only"):
         torch.ops.baton.linear_small(x, torch.randn(4, 8).double(), torch.empty(2, 4).double())

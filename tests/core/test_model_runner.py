@@ -13,6 +13,7 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
+from baton.kernels import loader
 from baton.protocol import (
     CachedRequestData,
     GrammarOutput,
@@ -51,12 +52,6 @@ def make_runner(path, block_size=4, budget=24, max_seqs=8, **overrides) -> Model
 def prompts(seed=1, lens=PROMPT_LENS) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lens]
-
-
-def has_cxx() -> bool:
-    import shutil
-
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 _refs: dict[str, torch.nn.Module] = {}
@@ -119,7 +114,7 @@ def assert_greedy_parity(got: list[int], want: list[int], logits: torch.Tensor) 
 def test_greedy_matches_transformers(arch, overrides, cpu_kernels):
     path = tiny_model(arch, **overrides)
     runner = make_runner(path, cpu_kernels=cpu_kernels)
-    assert runner.kernels is (cpu_kernels and has_cxx())
+    assert runner.kernels is (cpu_kernels and loader.compiler() is not None)
     d = Driver(runner, NUM_BLOCKS, 4, budget=24)
     ps = prompts()
     for i, p in enumerate(ps):

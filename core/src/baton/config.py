@@ -88,8 +88,8 @@ class ExecutorSection(_Section):
     num_threads: int | None = Field(None, gt=0)
     """torch intra-op threads per process; None keeps torch's default."""
     cpu_kernels: bool = True
-    """On CPU in float32, run attention through baton's C++ kernels (compiled once with the system's
-    C++ compiler; without one, a warning and torch ops)."""
+    """On CPU in float32, run decode attention and decode-sized linears through baton's C++ kernels
+    (compiled once with the system's C++ compiler; without one, a warning and torch ops)."""
 
 
 class TransportSection(_Section):

@@ -10,7 +10,8 @@ builders (tensor-parallel workers, test processes) serialise on a file lock
 and publish the library by an atomic rename.
 
 ``load()`` never raises for a missing compiler or a failed build: it logs a
-warning naming the cause and returns False, and attention runs on torch ops.
+warning naming the cause and returns False, and attention and linears run on
+torch ops.
 Registered operators (documented in the sources): ``torch.ops.baton.paged_decode``
 and ``paged_write`` (paged_attention.cpp), ``linear_small`` (small_gemm.cpp).
 """
@@ -56,12 +57,17 @@ def kernel_dir() -> Path:
     return Path(platformdirs.user_cache_dir("baton")) / "kernels"
 
 
+def compiler() -> str | None:
+    """The path of the C++ compiler builds use ($CXX, else c++), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def _compiler() -> str:
-    cxx = os.environ.get("CXX", "c++")
-    path = shutil.which(cxx)
+    path = compiler()
     if path is None:
         raise KernelBuildError(
-            f"no C++ compiler {cxx!r} on PATH: install g++ (apt install g++) or set CXX"
+            f"no C++ compiler {os.environ.get('CXX', 'c++')!r} on PATH: install g++ "
+            "(apt install g++) or set CXX"
         )
     return path
 
@@ -152,7 +158,8 @@ def load() -> bool:
             _loaded = True
         except (KernelBuildError, OSError, RuntimeError) as e:
             log.warning(
-                "baton's C++ CPU kernels are unavailable, attention runs on torch ops (slower): %s",
+                "baton's C++ CPU kernels are unavailable, attention runs on torch ops (slower), "
+                "as do the decode steps' linears: %s",
                 e,
             )
             _loaded = False

@@ -19,9 +19,10 @@ KERNEL_MAX_ROWS = 32
 HEAD_KERNEL_MAX_ROWS = 16
 
 
-def _linear_small(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def linear_small(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """``x2d @ weight.T + bias`` through ``torch.ops.baton.linear_small`` (float32, CPU)."""
     out = x2d.new_empty(x2d.shape[0], weight.shape[0])
     torch.ops.baton.linear_small(x2d.contiguous(), weight, out)
     return out.add_(bias) if bias is not None else out
@@ -34,7 +35,7 @@ class SmallBatchLinear(torch.nn.Linear):
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if 0 < rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-            y = _linear_small(x.reshape(rows, k), self.weight.detach(), self.bias)
+            y = linear_small(x.reshape(rows, k), self.weight.detach(), self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -80,7 +81,7 @@ class CpuLMHead(torch.nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
         if self.kernels and n <= HEAD_KERNEL_MAX_ROWS and x.dtype == torch.float32:
-            y = _linear_small(rows, self.weight.detach(), self.bias)
+            y = linear_small(rows, self.weight.detach(), self.bias)
             return y.view(*x.shape[:-1], self.out_features)
         if self.weight_t is not None and n < self.SLICED_FROM_ROWS:
             y = torch.matmul(x, self.weight_t)

@@ -100,7 +100,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, self.cfg.model.seed)
 
     def _use_kernels(self) -> bool:
-        """Whether attention runs through baton's C++ kernels: float32 on CPU, when they build."""
+        """Whether decode attention and linears run through baton's C++ kernels: float32 on CPU, when they build."""
         if not self.cfg.executor.cpu_kernels:
             return False
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -237,7 +237,13 @@ class ModelRunner:
         for meta, ids, pos in (
             (
                 AttentionMetadata(
-                    self.kv_caches, slots, self.block_size, [], [PrefillSeq(0, n, 0, None)], n
+                    self.kv_caches,
+                    slots,
+                    self.block_size,
+                    [],
+                    [PrefillSeq(0, n, 0, None)],
+                    n,
+                    kernels=self.kernels,
                 ),
                 torch.zeros(1, n, dtype=torch.long, device=self.device),
                 slots[None],
@@ -250,6 +256,7 @@ class ModelRunner:
                     [DecodeGroup(0, 1, nb * self.block_size, blocks, ctx)],
                     [],
                     1,
+                    kernels=self.kernels,  # warm the path the steps take
                 ),
                 torch.zeros(1, 1, dtype=torch.long, device=self.device),
                 slots[None, n - 1 :],
