@@ -199,6 +199,9 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     req_ids: list[str] = msgspec.field(default_factory=list)
     sampled_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     logprobs: dict[str, list[TokenLogprobs]] | None = None
+    #: Requests that failed this step (their preparation or sampling raised) -> "ExceptionType: message".
+    #: They are not in req_ids; the scheduler finishes them with FinishReason.ERROR.
+    failed: dict[str, str] | None = None
 
 
 class KVCacheSpec(msgspec.Struct, **_STRUCT):

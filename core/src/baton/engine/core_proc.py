@@ -189,10 +189,7 @@ class EngineCoreProc:
                 "EngineShuttingDownError: the engine is shutting down and accepts no new requests"
             )
         else:
-            try:
-                self.core.add_request(req)
-            except BatonError as e:  # a bad request fails alone; the engine keeps serving
-                error = f"{type(e).__name__}: {e}"
+            error = self._try_add(req)
         if error is not None:
             out = EngineCoreOutput(
                 request_id=req.request_id,
@@ -205,6 +202,24 @@ class EngineCoreProc:
                     engine_index=self.engine_index, outputs=[out], timestamp=time.monotonic()
                 )
             )
+
+    def _try_add(self, req: EngineCoreRequest) -> str | None:
+        """Add a request; what went wrong, if anything. A bad request fails alone."""
+        rid = req.request_id
+        # a live request under this id is not ours to drop if adding fails
+        known = rid in self.core.scheduler.requests
+        try:
+            self.core.add_request(req)
+        except BatonError as e:  # refused on purpose: the message says why
+            return f"{type(e).__name__}: {e}"
+        except Exception as e:  # a fault on this request's way in: the engine keeps serving
+            log.warning(
+                "engine %d: request %s failed to be added", self.engine_index, rid, exc_info=e
+            )
+            if not known:
+                self.core.abort_requests([rid])  # whatever part of it got in
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _utility(self, call: UtilityRequest) -> None:
         result, failure = None, None

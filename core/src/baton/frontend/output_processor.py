@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from baton.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogpro
 from baton.protocol import EngineCoreEventType, EngineCoreOutput, FinishReason, TokenLogprobs
 from baton.sampling_params import RequestOutputKind, SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class ParentRequest:
     """Joins the n child sequences of one user request (each child is its own engine request)."""
@@ -22,15 +25,18 @@ class ParentRequest:
         self.kind = kind
         self.children: list[CompletionOutput | None] = [None] * n
         self.unfinished = n
+        #: The first child's error ("ExceptionType: message"), reported on every later joined output.
+        self.error: str | None = None
 
     def child_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
 
     def merge(self, child: CompletionOutput) -> list[CompletionOutput] | None:
         """The outputs to report after a child update, or None to report nothing yet."""
+        before = self.children[child.index]
         self.children[child.index] = child
-        if child.finished:
-            self.unfinished -= 1
+        if child.finished and not (before is not None and before.finished):
+            self.unfinished -= 1  # once per child, also when a failed child reports again
         if self.kind == RequestOutputKind.DELTA:
             return [child]
         if self.kind == RequestOutputKind.FINAL_ONLY and self.unfinished:
@@ -160,6 +166,9 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: Iterable[EngineCoreOutput], iteration_stats: IterationStats | None = None
     ) -> ProcessedOutputs:
+        """RequestOutputs for a batch of engine outputs. A request whose output fails to process
+        (detokenisation, logprobs, stop strings) finishes with an error and is aborted in the
+        engine; the others in the batch are processed as usual."""
         now = time.monotonic()
         result: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -167,26 +176,10 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted by the user meanwhile
-            finish_reason = out.finish_reason
-            stop_reason = out.stop_reason
-            new = out.new_token_ids
-            if new:
-                state.token_ids.extend(new)
-                if out.new_logprobs is not None and state.logprobs is not None:
-                    self._add_logprobs(state, out.new_logprobs)
-            if state.detokenizer is not None and new and state.detokenizer.update(new):
-                if finish_reason is None:  # the engine still runs it
-                    to_abort.append(out.request_id)
-                finish_reason, stop_reason = FinishReason.STOP, state.detokenizer.stop_reason
-            self._update_metrics(state, out, now, iteration_stats)
-            finished = finish_reason is not None
-            if finished:
-                del self.states[out.request_id]
-                if iteration_stats is not None:
-                    iteration_stats.finished_requests.append(
-                        self._finished_stats(state, finish_reason)
-                    )
-            ro = self._make_output(state, finish_reason, stop_reason, out, finished)
+            try:
+                ro = self._process_one(state, out, now, iteration_stats, to_abort)
+            except Exception as e:
+                ro = self._fail_one(state, out, e, iteration_stats, to_abort)
             if ro is None:
                 continue
             if state.sink is not None:
@@ -194,6 +187,71 @@ class OutputProcessor:
             else:
                 result.append(ro)
         return ProcessedOutputs(result, to_abort)
+
+    def _process_one(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        iteration_stats: IterationStats | None,
+        to_abort: list[str],
+    ) -> RequestOutput | None:
+        finish_reason = out.finish_reason
+        stop_reason = out.stop_reason
+        new = out.new_token_ids
+        if new:
+            state.token_ids.extend(new)
+            if out.new_logprobs is not None and state.logprobs is not None:
+                self._add_logprobs(state, out.new_logprobs)
+        if state.detokenizer is not None and new and state.detokenizer.update(new):
+            if finish_reason is None:  # the engine still runs it
+                to_abort.append(out.request_id)
+            finish_reason, stop_reason = FinishReason.STOP, state.detokenizer.stop_reason
+        self._update_metrics(state, out, now, iteration_stats)
+        finished = finish_reason is not None
+        if finished:
+            del self.states[out.request_id]
+            if iteration_stats is not None:
+                iteration_stats.finished_requests.append(self._finished_stats(state, finish_reason))
+        return self._make_output(state, finish_reason, stop_reason, out, finished)
+
+    def _fail_one(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        error: Exception,
+        iteration_stats: IterationStats | None,
+        to_abort: list[str],
+    ) -> RequestOutput | None:
+        """Finish a request whose output raised: an error output; the engine drops it."""
+        rid = out.request_id
+        message = f"{type(error).__name__}: {error}"
+        log.warning("request %s failed in the output processor: %s", rid, message)
+        log.debug("request %s: traceback", rid, exc_info=error)
+        if out.finish_reason is None and rid not in to_abort:
+            to_abort.append(rid)
+        if self.states.pop(rid, None) is not None and iteration_stats is not None:
+            state.metrics.finished_time = time.monotonic()
+            iteration_stats.finished_requests.append(
+                self._finished_stats(state, FinishReason.ERROR)
+            )
+        kind = state.params.output_kind
+        token_ids = (
+            state.token_ids[state.sent_tokens :]
+            if kind == RequestOutputKind.DELTA
+            else list(state.token_ids)
+        )
+        state.sent_tokens = len(state.token_ids)
+        completion = CompletionOutput(
+            index=state.index,
+            text="",
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=None,
+            finish_reason=str(FinishReason.ERROR),
+            stop_reason=None,
+        )
+        return self._request_output(state, completion, True, out, message)
 
     # ------------------------------------------------------------------ helpers
 
@@ -285,15 +343,30 @@ class OutputProcessor:
             finish_reason=str(finish_reason) if finish_reason is not None else None,
             stop_reason=stop_reason,
         )
+        return self._request_output(state, completion, finished, out, out.error)
+
+    def _request_output(
+        self,
+        state: RequestState,
+        completion: CompletionOutput,
+        finished: bool,
+        out: EngineCoreOutput,
+        error: str | None,
+    ) -> RequestOutput | None:
+        """The RequestOutput of one sequence's update (joined with its siblings when n > 1)."""
         request_id, completions, all_finished = state.request_id, [completion], finished
-        if state.parent is not None:
-            merged = state.parent.merge(completion)
+        parent = state.parent
+        if parent is not None:
+            if parent.error is None:
+                parent.error = error  # the joined output reports it, whichever child ends last
+            merged = parent.merge(completion)
             if merged is None:
                 return None
-            request_id, completions = state.parent.request_id, merged
-            all_finished = state.parent.unfinished == 0
+            request_id, completions = parent.request_id, merged
+            all_finished = parent.unfinished == 0
             if all_finished:
                 self.parents.pop(request_id, None)
+            error = parent.error
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -302,6 +375,6 @@ class OutputProcessor:
             finished=all_finished,
             num_cached_tokens=out.num_cached_tokens,
             metrics=state.metrics,
-            error=out.error,
+            error=error,
             user=state.user,
         )

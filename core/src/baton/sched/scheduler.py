@@ -21,6 +21,7 @@ What a policy decides (order, admission, victim) is behind
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from baton.protocol import (
     CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -44,6 +46,8 @@ from baton.sched.stop import append_and_check_stop
 if TYPE_CHECKING:
     from baton.config import BatonConfig
     from baton.interfaces import SchedulerPolicy
+
+log = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -380,14 +384,25 @@ class Scheduler:
         """Apply one step's sampled tokens: stop checks, prefix-cache registration, outputs.
 
         Returns one EngineCoreOutput per request that got tokens or finished.
-        Requests finished (aborted) while the step was in flight are skipped.
+        Requests finished (aborted) while the step was in flight are skipped. A
+        request the runner reports failed, or whose update here raises, finishes
+        with FinishReason.ERROR (also in a mid-prompt chunk); the others go on.
         """
         step_id = scheduler_output.step_id
         self._steps_in_flight.discard(step_id)
-        if model_runner_output is not None and model_runner_output.req_ids:
-            sampled = dict(
-                zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
-            )
+        failed = None
+        if model_runner_output is not None:
+            failed = model_runner_output.failed
+            if model_runner_output.req_ids:
+                sampled = dict(
+                    zip(
+                        model_runner_output.req_ids,
+                        model_runner_output.sampled_token_ids,
+                        strict=True,
+                    )
+                )
+            else:
+                sampled = {}
             logprobs = model_runner_output.logprobs
         else:
             sampled, logprobs = {}, None
@@ -401,32 +416,35 @@ class Scheduler:
                 continue
             del in_flight[rid]
             req = requests[rid]
-            tokens = req.all_token_ids
-            computed = req.num_computed_tokens
-            new = None
-            if computed == len(tokens):  # this step reached the end: it sampled
-                new = sampled.get(rid)
-                if not new:
-                    req.status = _ERROR
-                    req.error = (
-                        f"the model runner returned no token for request {rid!r} at step {step_id}"
-                    )
-                    new = []
-                else:
-                    new = append_and_check_stop(req, new, self.max_model_len)
-                if caching and len(tokens) // bs > len(req.block_hashes):
-                    update_block_hashes(req, bs)
-            if caching and computed // bs != (computed - n) // bs:
-                self.kv.cache_blocks(req, computed)
-            if new is None:
-                continue  # a prompt chunk: nothing to report yet
-            status = req.status
-            finished = status >= _FINISHED
-            events = req.events
-            if events is not None:
-                req.events = None
-            outputs.append(
-                EngineCoreOutput(
+            if (
+                failed and rid in failed
+            ):  # the runner left it out: its KV for this step is unwritten
+                outputs.append(self._finish_with_error(req, failed[rid]))
+                continue
+            try:
+                tokens = req.all_token_ids
+                computed = req.num_computed_tokens
+                new = None
+                if computed == len(tokens):  # this step reached the end: it sampled
+                    new = sampled.get(rid)
+                    if not new:
+                        req.status = _ERROR
+                        req.error = f"the model runner returned no token for request {rid!r} at step {step_id}"
+                        new = []
+                    else:
+                        new = append_and_check_stop(req, new, self.max_model_len)
+                    if caching and len(tokens) // bs > len(req.block_hashes):
+                        update_block_hashes(req, bs)
+                if caching and computed // bs != (computed - n) // bs:
+                    self.kv.cache_blocks(req, computed)
+                if new is None:
+                    continue  # a prompt chunk: nothing to report yet
+                status = req.status
+                finished = status >= _FINISHED
+                events = req.events
+                if events is not None:
+                    req.events = None
+                out = EngineCoreOutput(
                     request_id=rid,
                     new_token_ids=new,
                     new_logprobs=logprobs.get(rid) if logprobs else None,
@@ -436,10 +454,28 @@ class Scheduler:
                     events=events,
                     error=req.error,
                 )
-            )
-            if finished:
-                self._release(req)
+                if finished:
+                    self._release(req)
+            except Exception as e:  # a stop check, grammar or hashing fault fails this request only
+                message = f"{type(e).__name__}: {e}"
+                log.warning("request %s failed in the scheduler's update: %s", rid, message)
+                log.debug("request %s: traceback", rid, exc_info=e)
+                out = self._finish_with_error(req, message)
+            outputs.append(out)
         return outputs
+
+    def _finish_with_error(self, req: Request, message: str) -> EngineCoreOutput:
+        """Finish a request that failed this step (FINISHED_ERROR, blocks released); its output."""
+        req.error = message
+        self.finish_requests(req.request_id, _ERROR)  # a no-op if it was released already
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            events=req.take_events(),
+            error=message,
+        )
 
     # ------------------------------------------------------------------ stats
 

@@ -162,7 +162,11 @@ class StructuredOutputManager:
     def grammar_bitmask(
         self, scheduler: Scheduler, scheduler_output: SchedulerOutput
     ) -> GrammarOutput | None:
-        """Fill the bitmask rows of this step's constrained requests (runs while the forward does)."""
+        """Fill the bitmask rows of this step's constrained requests (runs while the forward does).
+
+        A request whose matcher raises gets no row and is reported through ``take_failed``:
+        the core finishes it before this step's tokens are applied. None when no row is filled.
+        """
         req_ids = scheduler_output.structured_output_req_ids
         if not req_ids:
             return None
@@ -172,10 +176,32 @@ class StructuredOutputManager:
             self._bitmask = backend.allocate_bitmask(max(n, self.config.scheduler.max_num_seqs))
         bitmask = self._bitmask
         requests = scheduler.requests
-        for i, rid in enumerate(req_ids):
-            requests[rid].grammar.fill_bitmask(bitmask, i)
+        filled: list[str] = []
+        for rid in req_ids:
+            req = requests[rid]
+            try:
+                req.grammar.fill_bitmask(
+                    bitmask, len(filled)
+                )  # the next row: failures leave no gap
+            except (
+                Exception
+            ) as e:  # this request fails alone (take_failed); the others keep their rows
+                self._report_fill_failure(req, e)
+                continue
+            filled.append(rid)
+        if not filled:
+            return None
         # a copy: with a batch queue the next step refills the buffer before this one samples
-        return GrammarOutput(req_ids=list(req_ids), bitmask=bitmask[:n].clone())
+        return GrammarOutput(req_ids=filled, bitmask=bitmask[: len(filled)].clone())
+
+    def _report_fill_failure(self, request: Request, error: Exception) -> None:
+        message = f"{type(error).__name__}: {error}"
+        log.warning(
+            "request %s: its grammar failed to fill the bitmask: %s", request.request_id, message
+        )
+        log.debug("request %s: traceback", request.request_id, exc_info=error)
+        with self._lock:
+            self._failed.append((request, message))
 
     def shutdown(self) -> None:
         if self._pool is not None:

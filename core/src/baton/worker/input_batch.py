@@ -21,8 +21,12 @@ from baton.sampling_params import SamplingParams
 class InputBatch:
     """Rows ``0 .. num_reqs-1`` are the requests the runner holds, in no particular order."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int | None = None
+    ) -> None:
         self.max_num_reqs = max_num_reqs
+        #: token ids of new requests are checked against it (None: not checked)
+        self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_blocks_per_req = -(-max_model_len // block_size)
@@ -58,7 +62,11 @@ class InputBatch:
     # ------------------------------------------------------------------ changes
 
     def add_request(self, req: NewRequestData, eos_token_ids: Sequence[int] = ()) -> int:
-        """Put a new (or resumed) request in the next free row; return the row."""
+        """Put a new (or resumed) request in the next free row; return the row.
+
+        The row is filled first and registered last, so a request whose values do
+        not fit (an ``OverflowError`` from a sampling parameter) leaves no row behind.
+        """
         if req.req_id in self.req_id_to_index:
             raise ExecutorError(f"request {req.req_id!r} is already in the model runner's batch")
         row = self.num_reqs
@@ -72,17 +80,28 @@ class InputBatch:
             raise ExecutorError(
                 f"request {req.req_id!r} has {n} tokens > max_model_len={self.max_model_len}"
             )
-        self.req_ids.append(req.req_id)
-        self.req_id_to_index[req.req_id] = row
         self.token_ids[row, :n_prompt] = req.prompt_token_ids
         self.token_ids[row, n_prompt:n] = req.output_token_ids
+        self._check_vocab(req.req_id, self.token_ids[row, :n])
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = n_prompt
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.num_blocks[row] = 0
-        self._append_blocks(row, req.block_ids)
+        self._append_blocks(row, req.block_ids, req.req_id)
         self._set_sampling(row, req.sampling_params, eos_token_ids)
+        self.req_ids.append(req.req_id)
+        self.req_id_to_index[req.req_id] = row
         return row
+
+    def _check_vocab(self, req_id: str, token_ids: np.ndarray) -> None:
+        # an id outside the embedding would fail the forward pass, and with it every request
+        if self.vocab_size is not None and len(token_ids):
+            lo, hi = int(token_ids.min()), int(token_ids.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ExecutorError(
+                    f"request {req_id!r} has token id {lo if lo < 0 else hi} outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
 
     def _set_sampling(self, row: int, sp: SamplingParams, eos_token_ids: Sequence[int]) -> None:
         self.temperature[row] = sp.temperature
@@ -124,16 +143,16 @@ class InputBatch:
             self.token_ids[row, start:end] = new_token_ids
             self.num_tokens[row] = end
         if new_block_ids:
-            self._append_blocks(row, new_block_ids)
+            self._append_blocks(row, new_block_ids, req_id)
         self.num_computed_tokens[row] = num_computed_tokens
         return row
 
-    def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
+    def _append_blocks(self, row: int, block_ids: Sequence[int], req_id: str) -> None:
         start = int(self.num_blocks[row])
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
             raise ExecutorError(
-                f"request {self.req_ids[row]!r} has {end} blocks > {self.max_blocks_per_req} "
+                f"request {req_id!r} has {end} blocks > {self.max_blocks_per_req} "
                 f"(max_model_len / block_size)"
             )
         self.block_table[row, start:end] = block_ids

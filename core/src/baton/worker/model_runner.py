@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ from baton.protocol import (
     KVCacheSpec,
     ModelRunnerOutput,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
@@ -37,6 +40,27 @@ GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GiB
 #: Fraction of device memory on CUDA when neither kv_cache_memory nor memory_utilization is set.
 CUDA_DEFAULT_UTILIZATION = 0.9
+
+
+def describe(error: BaseException) -> str:
+    """How a request's failure is reported: ``"ExceptionType: message"``."""
+    return f"{type(error).__name__}: {error}"
+
+
+def log_contained(req_id: str, what: str, error: BaseException) -> None:
+    """Log a failure attributed to one request (once, where it was caught)."""
+    log.warning("request %s failed %s: %s", req_id, what, describe(error))
+    log.debug("request %s: traceback", req_id, exc_info=error)
+
+
+@dataclass
+class PendingStep:
+    """A step between its forward and its sampling (sampling waits for a grammar bitmask)."""
+
+    logits: torch.Tensor | None  # None: nothing ran (every scheduled request failed to prepare)
+    inputs: StepInputs | None
+    #: requests that failed to prepare this step -> "ExceptionType: message"
+    failed: dict[str, str]
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -69,7 +93,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor | None] = []
         self.num_blocks = 0
-        self._pending: tuple[torch.Tensor, StepInputs] | None = None
+        self._pending: PendingStep | None = None
 
     # ------------------------------------------------------------------ model
 
@@ -90,7 +114,12 @@ class ModelRunner:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_model_len = self.model_info.max_model_len
         self.eos_token_ids = list(self.model_info.eos_token_ids)
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.block_size)
+        self.input_batch = InputBatch(
+            self.max_num_reqs,
+            self.max_model_len,
+            self.block_size,
+            vocab_size=self.model_info.vocab_size,
+        )
         self.kernels = self._use_kernels()
         if self.device.type == "cpu":
             self._cpu_linears()
@@ -276,19 +305,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; None when sampling waits for a grammar bitmask (then call sample_tokens)."""
-        self.update_states(scheduler_output)
+        """Run one step; None when sampling waits for a grammar bitmask (then call sample_tokens).
+
+        A request whose preparation fails is left out of the step and reported in
+        ``ModelRunnerOutput.failed``; the forward pass runs for the others.
+        """
+        failed = self.update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             self._pending = None
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(failed=failed or None)
         if not self.kv_caches:
             raise ExecutorError("execute_model before initialize_kv_cache")
-        inputs = self.prepare_inputs(scheduler_output)
-        logits = self.forward(inputs)
+        step = PendingStep(None, None, failed)
+        if not failed or any(r not in failed for r in scheduler_output.num_scheduled_tokens):
+            step.inputs = self.prepare_inputs(scheduler_output, skip=failed)
+            step.logits = self.forward(step.inputs)
         if scheduler_output.structured_output_req_ids:
-            self._pending = (logits, inputs)
+            self._pending = step
             return None
-        return self.sample(logits, inputs, None)
+        return self._sample_step(step, None)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -297,31 +332,60 @@ class ModelRunner:
             raise ExecutorError(
                 "sample_tokens called without a pending step (execute_model did not return None)"
             )
-        logits, inputs = self._pending
-        self._pending = None
-        return self.sample(logits, inputs, grammar_output)
+        step, self._pending = self._pending, None
+        return self._sample_step(step, grammar_output)
 
-    def update_states(self, so: SchedulerOutput) -> None:
-        """Apply the step's changes to the persistent batch."""
+    def _sample_step(self, step: PendingStep, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        if step.inputs is None or step.logits is None:
+            out = ModelRunnerOutput()
+        else:
+            out = self.sample(step.logits, step.inputs, grammar)
+        if step.failed:
+            out.failed = {**step.failed, **(out.failed or {})}
+        return out
+
+    def update_states(self, so: SchedulerOutput) -> dict[str, str]:
+        """Apply the step's changes to the persistent batch; return the requests that failed.
+
+        A request whose change raises (a value that does not fit the batch's arrays,
+        an inconsistent update) leaves the batch: it never comes back, since the
+        scheduler finishes it with an error. The same SchedulerOutput fails the same
+        requests on every rank, so parallel ranks leave the same ones out.
+        """
         batch = self.input_batch
         for rid in so.finished_req_ids:
             batch.remove_request(rid)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)
+        failed: dict[str, str] = {}
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
-            batch.update_cached(
-                rid,
-                c.new_token_ids[i] if i < len(c.new_token_ids) else (),
-                c.new_block_ids[i] if i < len(c.new_block_ids) else (),
-                c.num_computed_tokens[i],
-            )
+            try:
+                batch.update_cached(
+                    rid,
+                    c.new_token_ids[i] if i < len(c.new_token_ids) else (),
+                    c.new_block_ids[i] if i < len(c.new_block_ids) else (),
+                    c.num_computed_tokens[i],
+                )
+            except Exception as e:  # this request fails alone; the step goes on
+                self._drop(rid, e, failed)
         for req in so.scheduled_new_reqs:
             batch.remove_request(req.req_id)  # a resumed request replaces any stale row
-            batch.add_request(req, self.eos_token_ids)
+            try:
+                batch.add_request(req, self.eos_token_ids)
+            except Exception as e:
+                self._drop(req.req_id, e, failed)
+        return failed
 
-    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        return self.inputs.build(so)
+    def _drop(self, req_id: str, error: Exception, failed: dict[str, str]) -> None:
+        """Take a request whose update raised out of the batch (no half-written row stays)."""
+        self.input_batch.remove_request(req_id)
+        failed[req_id] = describe(error)
+        log_contained(req_id, "to enter the model runner's batch", error)
+
+    def prepare_inputs(self, so: SchedulerOutput, skip: Collection[str] = ()) -> StepInputs:
+        """The step's inputs for the scheduled requests, less ``skip`` (those that failed to prepare)."""
+        return self.inputs.build(so, skip)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampling requests, vocab] for the positions that sample."""
@@ -337,33 +401,79 @@ class ModelRunner:
     def sample(
         self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput | None
     ) -> ModelRunnerOutput:
+        """One token per sampling request. When the batch fails to sample, each request is
+        sampled alone, and only those that fail alone are reported failed."""
         sampled: dict[str, list[int]] = {}
-        logprobs = None
-        if inputs.sample_req_ids:
-            if grammar is not None and grammar.req_ids:
-                self._apply_grammar(logits, inputs, grammar)
-            md = sampling_metadata(
-                self.input_batch, inputs.sample_rows, self.vocab_size, self.device
-            )
-            out = self.sampler(logits, md)
-            tokens = out.token_ids.tolist()
-            sampled = {rid: [tok] for rid, tok in zip(inputs.sample_req_ids, tokens, strict=True)}
-            if out.logprobs is not None:
-                logprobs = {
-                    rid: [lp]
-                    for rid, lp in zip(inputs.sample_req_ids, out.logprobs, strict=True)
-                    if lp is not None
-                }
+        logprobs: dict[str, list[TokenLogprobs]] | None = None
+        failed: dict[str, str] = {}
+        rids = inputs.sample_req_ids
+        if rids:
+            try:
+                tokens, lps = self._sample_rows(logits, rids, inputs.sample_rows, grammar)
+            except Exception as e:  # rare: pay for row-by-row sampling only now
+                log.warning(
+                    "sampling %d requests together failed (%s); sampling each alone",
+                    len(rids),
+                    describe(e),
+                )
+                tokens, lps = self._sample_each(logits, inputs, grammar, failed)
+            sampled = {rid: [tok] for rid, tok in zip(rids, tokens, strict=True) if tok is not None}
+            if lps is not None:
+                logprobs = {rid: [lp] for rid, lp in zip(rids, lps, strict=True) if lp is not None}
+        req_ids = [rid for rid in inputs.req_ids if rid not in failed] if failed else inputs.req_ids
         return ModelRunnerOutput(
-            req_ids=inputs.req_ids,
-            sampled_token_ids=[sampled.get(rid, []) for rid in inputs.req_ids],
+            req_ids=req_ids,
+            sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
             logprobs=logprobs,
+            failed=failed or None,
         )
 
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        rows: np.ndarray,
+        grammar: GrammarOutput | None,
+    ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        """Sample ``logits`` (aligned with ``req_ids`` and their batch ``rows``): tokens, logprobs."""
+        if grammar is not None and grammar.req_ids:
+            self._apply_grammar(logits, req_ids, grammar)
+        md = sampling_metadata(self.input_batch, rows, self.vocab_size, self.device)
+        out = self.sampler(logits, md)
+        return out.token_ids.tolist(), out.logprobs
+
+    def _sample_each(
+        self,
+        logits: torch.Tensor,
+        inputs: StepInputs,
+        grammar: GrammarOutput | None,
+        failed: dict[str, str],
+    ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """Sample every request alone (after the batch failed); a request that fails goes to ``failed``.
+
+        Greedy and seeded rows get the tokens the batch would have given them
+        (a seeded draw depends only on its seed and position); unseeded ones draw afresh.
+        """
+        tokens: list[int | None] = []
+        lps: list[TokenLogprobs | None] = []
+        for i, rid in enumerate(inputs.sample_req_ids):
+            try:
+                [tok], row_lps = self._sample_rows(
+                    logits[i : i + 1], [rid], inputs.sample_rows[i : i + 1], grammar
+                )
+            except Exception as e:
+                failed[rid] = describe(e)
+                log_contained(rid, "to sample", e)
+                tok, row_lps = None, None
+            tokens.append(tok)
+            lps.append(row_lps[0] if row_lps else None)
+        return tokens, lps
+
     def _apply_grammar(
-        self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput
+        self, logits: torch.Tensor, req_ids: list[str], grammar: GrammarOutput
     ) -> None:
-        where = {rid: i for i, rid in enumerate(inputs.sample_req_ids)}
+        """Mask the rows of ``logits`` (aligned with ``req_ids``) that have a bitmask row."""
+        where = {rid: i for i, rid in enumerate(req_ids)}
         mask_rows, logit_rows = [], []
         for j, rid in enumerate(grammar.req_ids):
             i = where.get(rid)

@@ -91,12 +91,15 @@ def apply_bitmask(
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Repetition (prompt + output, HF semantics), frequency and presence (output) penalties, in place."""
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output, HF semantics), frequency and presence (output) penalties, in place.
+
+    Returns the penalised rows as they were before (a copy made anyway), so that they can be restored.
+    """
     rows = md.penalty_rows
     assert rows is not None and md.output_ids is not None and md.prompt_ids is not None
     vocab = logits.shape[1]
-    x = logits[rows]
+    x = before = logits[rows]
     n = x.shape[0]
     counts = torch.zeros(n, vocab + 1, dtype=x.dtype, device=x.device)
     counts.scatter_add_(1, md.output_ids, torch.ones_like(md.output_ids, dtype=x.dtype))
@@ -113,6 +116,7 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     if md.presence_penalty is not None:
         x = x - md.presence_penalty[:, None] * (counts > 0).to(x.dtype)
     logits[rows] = x
+    return before
 
 
 class Sampler:
@@ -124,6 +128,8 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Sample every row. Changes ``logits`` in place; when it raises, only by -inf masks
+        (min-tokens bans), so that the caller can sample the same rows again (one by one)."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw_logprobs = None
@@ -131,9 +137,18 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for row, ids in md.min_tokens_bans:
             logits[row, ids] = float("-inf")
-        if md.penalty_rows is not None:
-            apply_penalties(logits, md)
+        if md.penalty_rows is None:
+            return self._sample(logits, md, raw_logprobs)
+        before = apply_penalties(logits, md)
+        try:
+            return self._sample(logits, md, raw_logprobs)
+        except BaseException:
+            logits[md.penalty_rows] = before  # penalising twice would change the retried rows
+            raise
 
+    def _sample(
+        self, logits: torch.Tensor, md: SamplingMetadata, raw_logprobs: torch.Tensor | None
+    ) -> SamplerOutput:
         if md.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

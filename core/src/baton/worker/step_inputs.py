@@ -8,6 +8,7 @@ numpy over the batch arrays and written into preallocated buffers.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,10 +76,14 @@ class StepInputBuilder:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def build(self, so: SchedulerOutput) -> StepInputs:
+    def build(self, so: SchedulerOutput, skip: Collection[str] = ()) -> StepInputs:
+        """The inputs of the scheduled requests, less those in ``skip`` (they failed to prepare)."""
         b = self.batch
         bs = b.block_size
-        req_ids = list(so.num_scheduled_tokens)
+        scheduled = so.num_scheduled_tokens
+        if skip:
+            scheduled = {r: q for r, q in scheduled.items() if r not in skip}
+        req_ids = list(scheduled)
         n = len(req_ids)
         try:
             rows = np.fromiter((b.req_id_to_index[r] for r in req_ids), dtype=np.int64, count=n)
@@ -86,7 +91,7 @@ class StepInputBuilder:
             raise ExecutorError(
                 f"scheduled request {e.args[0]!r} is not in the model runner's batch"
             ) from None
-        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=n)
+        q_lens = np.fromiter(scheduled.values(), dtype=np.int64, count=n)
         start = b.num_computed_tokens[rows]
         end = start + q_lens
         num_tokens = b.num_tokens[rows]
