@@ -197,6 +197,7 @@ class EngineCore:
         grammar_output = self.structured_output.grammar_bitmask(
             self.scheduler, scheduler_output
         )  # overlaps
+        errors += self._finish_failed_grammars()  # a matcher that raised: before its token counts
         model_output = future.result()
         if model_output is None:
             model_output = self.executor.sample_tokens(grammar_output)
@@ -220,6 +221,7 @@ class EngineCore:
                 future = self.executor.execute_model(so, non_block=True)
                 if so.structured_output_req_ids:
                     grammar_output = self.structured_output.grammar_bitmask(self.scheduler, so)
+                    errors += self._finish_failed_grammars()
                     future = _then(future, lambda _out: self.executor.sample_tokens(grammar_output))
                 queue.appendleft((future, so))
                 scheduled = True
@@ -239,6 +241,10 @@ class EngineCore:
         return self._outputs(errors + outputs, in_flight), True
 
     def _finish_failed_grammars(self) -> list[EngineCoreOutput]:
+        """Finish with an error the requests whose grammar failed (to compile, or to fill its bitmask).
+
+        A request in flight is finished at once: its sampled token, if any, is dropped.
+        """
         failed = self.structured_output.take_failed()
         if not failed:
             return []
