@@ -117,6 +117,10 @@ class ServerSection(_Section):
     """On SIGTERM: > 0 drains (in-flight requests finish, up to this many seconds); 0 aborts them."""
 
 
+#: The standard logging level names, most verbose first (observability.log_level, --log-level).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class ObservabilitySection(_Section):
     log_stats: bool = True
     """Collect per-step and per-request statistics and feed the stat loggers."""
@@ -125,7 +129,15 @@ class ObservabilitySection(_Section):
     stat_loggers: list[str] = Field(default_factory=lambda: ["logging"])
     """Installed stat loggers to run: logging, prometheus (baton serve), ..."""
     log_level: str = "INFO"
-    """Log level of the engine process."""
+    """Log level of the engine and worker processes: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)."""
+
+    @pydantic.field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: Any) -> str:
+        level = value.upper() if isinstance(value, str) else value
+        if level not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)} (any case)")
+        return level  # type: ignore[no-any-return]
 
 
 SECTIONS = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class BatonError(Exception):
     """Base of every error baton raises on purpose."""
@@ -28,7 +30,20 @@ class PluginLoadError(PluginError):
 
 
 class InvalidRequestError(BatonError, ValueError):
-    """A request or its sampling parameters are invalid; the engine keeps serving others."""
+    """A request or its sampling parameters are invalid; the engine keeps serving others.
+
+    ``param`` names the request field at fault (``"top_k"``, ``"prompt"``, ...), so
+    the HTTP layer can answer with OpenAI's ``param``; messages about a sampling
+    field also say ``SamplingParams.<field>``, which survives a process boundary.
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt plus max_tokens, does not fit in ``model.max_model_len``."""
 
 
 class ProtocolError(BatonError):
@@ -59,10 +74,16 @@ class TransportError(BatonError, OSError):
     """A transport channel failed (peer gone, closed, timed out)."""
 
 
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
 def error_from_message(message: str) -> BaseException:
     """Rebuild an error sent across a process as ``"ClassName: text"`` (utility calls, request errors)."""
     name, sep, text = message.partition(": ")
     cls = globals().get(name) if sep else None
+    if isinstance(cls, type) and issubclass(cls, InvalidRequestError):
+        m = _SAMPLING_FIELD.search(text)
+        return cls(text, param=m.group(1) if m else None)
     if isinstance(cls, type) and issubclass(cls, BatonError):
         return cls(text)
     return BatonError(message)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from baton.config import BatonConfig
-from baton.errors import ConfigError
+from baton.errors import ConfigError, ModelLoadError
 from baton.protocol import ModelInfo
 
 __all__ = ["ModelInfo", "model_info", "read_model_info"]
@@ -21,14 +22,30 @@ def model_info(config: BatonConfig) -> ModelInfo:
 
 
 def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
+    """The model's limits from ``folder/config.json``; ModelLoadError naming the file when it cannot."""
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
+    path = folder / "config.json"
+    cfg = _read_json(path, required=True)
     text_cfg = cfg.get("text_config", cfg)
+    if not isinstance(text_cfg, dict):
+        raise ModelLoadError(
+            f"{path}: text_config must be an object, got {type(text_cfg).__name__}"
+        )
+    if not cfg.get("auto_map"):  # remote-code models are refused when loaded, with their reason
+        from baton.worker.model_loader import check_causal_architectures
+
+        check_causal_architectures(cfg.get("architectures"), str(path))
+    vocab_size = _positive_int(text_cfg, "vocab_size", path)
+    if vocab_size is None:
+        raise ModelLoadError(
+            f"{path} has no vocab_size (the number of token ids the model predicts), so baton "
+            "cannot check token ids or size the sampler: add it, or re-download the model"
+        )
     model_max = next(
         (
-            text_cfg[k]
+            v
             for k in ("max_position_embeddings", "n_positions", "max_seq_len")
-            if text_cfg.get(k)
+            if (v := _positive_int(text_cfg, k, path)) is not None
         ),
         None,
     )
@@ -37,27 +54,64 @@ def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
             raise ConfigError(
                 f"model.max_model_len: the model in {folder} states no limit; set one"
             )
-        max_model_len = int(model_max)
+        max_model_len = model_max
     elif model_max is not None and max_model_len > model_max:
         raise ConfigError(
             f"model.max_model_len = {max_model_len} exceeds the model's limit of {model_max} "
-            f"(max_position_embeddings in {folder / 'config.json'}); lower it or leave it unset"
+            f"(max_position_embeddings in {path}); lower it or leave it unset"
         )
-    eos = _eos_ids(folder, text_cfg)
+    archs = cfg.get("architectures")
     return ModelInfo(
         path=str(folder),
-        architecture=(cfg.get("architectures") or ["unknown"])[0],
-        vocab_size=int(text_cfg["vocab_size"]),
+        architecture=str(archs[0]) if isinstance(archs, list) and archs else "unknown",
+        vocab_size=vocab_size,
         max_model_len=int(max_model_len),
-        eos_token_ids=eos,
+        eos_token_ids=_eos_ids(folder, text_cfg),
     )
 
 
-def _eos_ids(folder: Path, cfg: dict) -> list[int]:
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    """A JSON object file; ModelLoadError naming the file when missing (if required) or not JSON."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if not required:
+            return {}
+        raise ModelLoadError(
+            f"{path} is missing: a model folder needs the model's config.json"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ModelLoadError(
+            f"{path} is not valid JSON ({e}): re-download the model or fix the file"
+        ) from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _positive_int(cfg: dict[str, Any], key: str, path: Path) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _eos_ids(folder: Path, cfg: dict[str, Any]) -> list[int]:
     gen = folder / "generation_config.json"
-    value = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+    value = _read_json(gen, required=False).get("eos_token_id")
     if value is None:
         value = cfg.get("eos_token_id")
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(
+            f"eos_token_id in {folder} must be a token id or a list of them, got {value!r}"
+        )
+    return list(values)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import numbers
 from typing import Any
 
 import msgspec
@@ -16,6 +18,12 @@ import msgspec
 from baton.errors import InvalidRequestError, StructuredOutputError
 
 MAX_LOGPROBS = 20
+#: Most sequences one request may ask for (n); the HTTP layer caps at the same value.
+MAX_N = 128
+#: Exclusive bound of token counts, token ids and top_k: all fit an int32 (and the sampler's int64).
+MAX_INT32 = 2**31
+#: Exclusive bound of a seed (a non-negative int64).
+MAX_SEED = 2**63
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -117,66 +125,71 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.top_k == -1:
-            self.top_k = 0
-        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type and range; InvalidRequestError names the field, the value and the fix.
+
+        Normalises as it goes: ``stop`` a list, ``top_k=-1`` 0, numbers to int / float.
+        Bounds need no model here (see baton.validation for the vocabulary and context).
+        """
+        self.n = _int("n", self.n, 1, MAX_N, f"must be in [1, {MAX_N}]")
+        self.temperature = _float("temperature", self.temperature)
         _check(
             self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 = greedy)"
         )
+        self.top_p = _float("top_p", self.top_p)
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "must be >= 1, or 0 / -1 to disable")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "must be >= 1",
+        top_k = _int(
+            "top_k", self.top_k, -1, MAX_INT32, "must be in [1, 2**31), or 0 / -1 to disable"
         )
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        self.top_k = 0 if top_k == -1 else top_k
+        self.min_p = _float("min_p", self.min_p)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        self.seed = _opt_int("seed", self.seed, 0, MAX_SEED, "must be in [0, 2**63)")
+        self.max_tokens = _opt_int(
+            "max_tokens", self.max_tokens, 1, MAX_INT32, "must be in [1, 2**31)"
+        )
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0, MAX_INT32, "must be in [0, 2**31)")
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             self.min_tokens,
             f"must be <= max_tokens ({self.max_tokens})",
         )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs",
-            self.logprobs,
-            f"must be in [0, {MAX_LOGPROBS}]",
+        self.stop = _stop_strings(self.stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = _int_list(
+                "stop_token_ids", self.stop_token_ids, "must hold token ids in [0, 2**31)"
+            )
+        self.logprobs = _opt_int(
+            "logprobs", self.logprobs, 0, MAX_LOGPROBS + 1, f"must be in [0, {MAX_LOGPROBS}]"
         )
-        _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            self.presence_penalty,
-            "must be in [-2, 2]",
-        )
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            self.frequency_penalty,
-            "must be in [-2, 2]",
-        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            _check(-2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
         _check(
             0.0 < self.repetition_penalty <= 2.0,
             "repetition_penalty",
             self.repetition_penalty,
             "must be in (0, 2]",
         )
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "must be True or False")
         _check(
-            self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)"
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputSpec),
+            "structured_outputs",
+            self.structured_outputs,
+            "must be a StructuredOutputSpec or None",
         )
-        if self.stop is not None:
-            _check(all(self.stop), "stop", self.stop, "must not contain empty strings")
-        if self.stop_token_ids is not None:
-            _check(
-                all(t >= 0 for t in self.stop_token_ids),
-                "stop_token_ids",
-                self.stop_token_ids,
-                "must be token ids >= 0",
-            )
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except (ValueError, TypeError):
+            _check(False, "output_kind", self.output_kind, "must be a RequestOutputKind")
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +207,76 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         return msgspec.structs.replace(self, **changes)
 
 
+def show_value(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message: huge integers by their size, long reprs cut."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"{'-' if value < 0 else ''}an integer of {abs(value).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check(ok: bool, field: str, value: object, rule: str) -> None:
     if not ok:
-        raise InvalidRequestError(f"SamplingParams.{field} {rule}, got {value!r}")
+        raise InvalidRequestError(
+            f"SamplingParams.{field} {rule}, got {show_value(value)}", param=field
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _int(field: str, value: object, lo: int, hi: int, rule: str) -> int:
+    """``value`` as an int in [lo, hi); InvalidRequestError stating ``rule`` otherwise."""
+    _check(_is_int(value), field, value, "must be an integer")
+    n = int(value)  # type: ignore[call-overload]
+    _check(lo <= n < hi, field, n, rule)
+    return n
+
+
+def _opt_int(field: str, value: object, lo: int, hi: int, rule: str) -> int | None:
+    if value is None:
+        return None
+    _check(_is_int(value), field, value, "must be an integer or None")
+    return _int(field, value, lo, hi, rule)
+
+
+def _float(field: str, value: object) -> float:
+    """``value`` as a finite float (NaN and infinities are refused)."""
+    _check(
+        isinstance(value, numbers.Real) and not isinstance(value, bool),
+        field,
+        value,
+        "must be a number",
+    )
+    try:
+        f = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int too large for a float
+        f = math.inf
+    _check(math.isfinite(f), field, value, "must be a finite number")
+    return f
+
+
+def _int_list(field: str, value: object, rule: str) -> list[int]:
+    _check(isinstance(value, list | tuple), field, value, f"must be a list of integers ({rule})")
+    out = []
+    for v in value:  # type: ignore[union-attr]
+        _check(_is_int(v) and 0 <= v < MAX_INT32, field, v, rule)  # type: ignore[operator]
+        out.append(int(v))  # type: ignore[call-overload]
+    return out
+
+
+def _stop_strings(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    _check(isinstance(value, list | tuple), "stop", value, "must be a string or a list of strings")
+    for s in value:  # type: ignore[union-attr]
+        _check(
+            isinstance(s, str) and s != "",
+            "stop",
+            s,
+            "must hold non-empty strings (drop the empty ones)",
+        )
+    return list(value)  # type: ignore[arg-type]

@@ -11,6 +11,9 @@ from typing import Any
 
 from baton.errors import BatonError
 
+#: The environment variable giving the CLI's default log level.
+LOG_LEVEL_ENV = "BATON_LOG_LEVEL"
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The config overrides every engine-running command accepts (strongest source)."""
@@ -59,6 +62,18 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    from baton.config import LOG_LEVELS
+
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        help=f"log level of this process (any case; default ${LOG_LEVEL_ENV} or WARNING)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from baton import __version__
     from baton.plugins import get_registry
@@ -67,13 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="baton", description="baton: a plugin-first LLM inference engine"
     )
     parser.add_argument("--version", action="version", version=f"baton {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "WARNING"))
+    _add_log_level(parser, default=os.environ.get(LOG_LEVEL_ENV, "WARNING"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for entry in get_registry().of_kind("command"):
         p = sub.add_parser(
             entry.name, help=(entry.factory.__doc__ or "").strip().splitlines()[0] or None
         )
         p.add_argument("--config", help="a TOML or YAML config file (default: $BATON_CONFIG)")
+        _add_log_level(
+            p, default=argparse.SUPPRESS
+        )  # also after the command: baton generate --log-level
         p.set_defaults(_handler=entry.create(p), _entry=entry)
     return parser
 
@@ -84,8 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        from baton.config import LOG_LEVELS
+
+        if args.log_level not in LOG_LEVELS:  # a default from the environment skips the choices
+            parser.error(
+                f"{LOG_LEVEL_ENV}={os.environ.get(LOG_LEVEL_ENV)!r} is not a log level: use one of "
+                f"{', '.join(LOG_LEVELS)}"
+            )
         logging.basicConfig(
-            level=args.log_level.upper(),
+            level=args.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )

@@ -33,6 +33,7 @@ from baton.protocol import (
 from baton.request import Request, RequestStatus
 from baton.sched.scheduler import Scheduler
 from baton.structured.manager import StructuredOutputManager
+from baton.validation import check_engine_request
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +147,9 @@ class EngineCore:
         rid = request.request_id
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use; ids must be unique")
-        n = len(request.prompt_token_ids)
-        limit = self.info.max_model_len
-        if n == 0 or n >= limit:
-            raise InvalidRequestError(
-                f"request {rid!r}: the prompt has {n} tokens; it needs 1 to {limit - 1} (model.max_model_len={limit})"
-            )
-        vocab = self.info.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise InvalidRequestError(
-                f"request {rid!r}: a prompt token id is outside the vocabulary [0, {vocab})"
-            )
-        req = Request.from_engine_core_request(request, max_model_len=limit)
+        # the frontend's check again: a client may send EngineCoreRequests without a frontend
+        check_engine_request(request, self.info)
+        req = Request.from_engine_core_request(request, max_model_len=self.info.max_model_len)
         if req.use_structured_output:
             self.structured_output.add_request(req)  # -> WAITING_FOR_FSM, compiles off the hot path
         self.scheduler.add_request(req)

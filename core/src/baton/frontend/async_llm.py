@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from baton.config import BatonConfig
@@ -83,8 +83,23 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.dead_error is not None
 
-    def render_chat(self, messages: ChatMessages, **kwargs: Any) -> list[int]:
-        return self.input_processor.render_chat(messages, **kwargs)
+    def render_chat(
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """The prompt token ids of a conversation (see InputProcessor.render_chat)."""
+        return self.input_processor.render_chat(
+            messages,
+            add_generation_prompt,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            **kwargs,
+        )
 
     async def generate(
         self,
@@ -103,7 +118,7 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead_error))
         params = sampling_params or SamplingParams()
         text, ids = self.input_processor.tokenize(prompt)
-        self.input_processor.validate(ids, params)
+        self.input_processor.validate(ids, params, priority=priority, user=user)
         rid = request_id or f"req-{next(self._ids)}"
         if self.output_processor.is_live(rid):
             # a second request under a live id would take over the first one's outputs

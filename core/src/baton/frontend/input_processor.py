@@ -9,11 +9,32 @@ from typing import Any, TypeAlias
 from baton.errors import InvalidRequestError
 from baton.model_info import ModelInfo
 from baton.protocol import EngineCoreRequest
-from baton.sampling_params import SamplingParams
+from baton.sampling_params import SamplingParams, show_value
+from baton.validation import as_token_ids, check_request, check_text
 
 #: A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": [...]}.
 PromptType: TypeAlias = str | Sequence[int] | Mapping[str, Any]
 ChatMessages: TypeAlias = Sequence[Mapping[str, Any]]
+
+
+#: apply_chat_template's own options, which baton sets itself: refused in chat_template_kwargs
+#: (anything else there is a template variable, e.g. enable_thinking).
+RESERVED_CHAT_TEMPLATE_KWARGS: dict[str, str] = {
+    "conversation": "the messages are the conversation",
+    "conversations": "the messages are the conversation",
+    "messages": "the messages are the conversation",
+    "chat_template": "give a template with the chat_template argument",
+    "add_generation_prompt": "give it with the add_generation_prompt argument",
+    "tokenize": "baton tokenises the rendered chat itself",
+    "return_tensors": "baton tokenises the rendered chat itself",
+    "return_dict": "baton tokenises the rendered chat itself",
+    "return_assistant_tokens_mask": "baton tokenises the rendered chat itself",
+    "padding": "baton tokenises the rendered chat itself",
+    "truncation": "baton tokenises the rendered chat itself",
+    "max_length": "baton tokenises the rendered chat itself",
+    "tokenizer_kwargs": "baton tokenises the rendered chat itself",
+    "sanitize_control_tokens": "baton tokenises the rendered chat itself",
+}
 
 
 class InputProcessor:
@@ -22,44 +43,98 @@ class InputProcessor:
         self.info = info
 
     def render_chat(
-        self, messages: ChatMessages, add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
-        """Apply the tokenizer's chat template and tokenise."""
-        if not messages:
+        """Render the chat template (``chat_template`` replaces the tokenizer's) and tokenise.
+
+        ``chat_template_kwargs`` (and ``kwargs``) are template variables; apply_chat_template's
+        own options are refused. Any error the template raises is an InvalidRequestError.
+        """
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidRequestError(
-                "messages must be a non-empty list of {'role', 'content'} dicts"
+                "messages must be a non-empty list of {'role', 'content'} dicts", param="messages"
             )
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m:
                 raise InvalidRequestError(
-                    f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}"
+                    f"messages[{i}] must be a dict with 'role' and 'content', got {show_value(m)}",
+                    param="messages",
                 )
-        if getattr(self.tokenizer, "chat_template", None) is None:
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages[{i}].{key}", param="messages")
+        variables = {
+            **_template_variables(chat_template_kwargs or {}),
+            **_template_variables(kwargs),
+        }
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
-                f"the tokenizer of {self.info.path} has no chat template: use generate() with a text prompt"
+                f"the tokenizer of {self.info.path} has no chat template: use generate() with a "
+                "text prompt",
+                param="messages",
             )
-        ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-        )
-        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InvalidRequestError(
+                f"chat_template must be a string, got {type(chat_template).__name__}",
+                param="chat_template",
+            )
+        try:
+            # transformers compiles the template in Jinja's ImmutableSandboxedEnvironment
+            # (transformers/utils/chat_template_utils.py, _cached_compile_jinja_template), so
+            # a template can read its inputs but not reach Python internals.
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **variables,
+            )
+        except (
+            Exception
+        ) as e:  # the template is code run on request data: its errors are the request's
+            param = "chat_template" if chat_template is not None else "messages"
+            raise InvalidRequestError(
+                f"the chat template failed: {type(e).__name__}: {_cut(str(e))}",
+                param=param,
+            ) from None
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"the chat template rendered {type(text).__name__}, not text", param="messages"
+            )
+        check_text(text, "the rendered chat", param="messages")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: text, token ids, or a dict of either."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            check_text(prompt)
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidRequestError(
+                        f"a prompt dict's 'prompt' must be text, got {type(text).__name__}",
+                        param="prompt",
+                    )
+                return text, as_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise InvalidRequestError(
-                f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}"
+                f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {list(prompt)}",
+                param="prompt",
             )
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, Sequence | bytes | bytearray | memoryview):
+            return None, as_token_ids(prompt)
         raise InvalidRequestError(
-            f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}"
+            f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}",
+            param="prompt",
         )
 
     def process(
@@ -74,7 +149,7 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> EngineCoreRequest:
         """Validate and build the request for the engine core."""
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, priority=priority, user=user, cache_salt=cache_salt)
         eos = self.info.eos_token_id
         extra_eos = self.info.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:  # further EOS ids of the model stop like EOS does
@@ -85,29 +160,48 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=eos,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority,
+            priority=int(priority),
             user=user,
             cache_salt=cache_salt,
         )
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_token_ids)
-        limit = self.info.max_model_len
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        if n >= limit:
+    def validate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """baton.validation.check_request against this processor's model."""
+        check_request(
+            prompt_token_ids, params, self.info, priority=priority, user=user, cache_salt=cache_salt
+        )
+
+
+def _template_variables(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` as template variables; apply_chat_template's own options are refused."""
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a dict, got {type(kwargs).__name__}",
+            param="chat_template_kwargs",
+        )
+    for key in kwargs:
+        if not isinstance(key, str):
             raise InvalidRequestError(
-                f"the prompt has {n} tokens but model.max_model_len is {limit} (prompt + output): "
-                "shorten the prompt or raise model.max_model_len"
+                f"chat_template_kwargs keys must be strings, got {show_value(key)}",
+                param="chat_template_kwargs",
             )
-        if params.max_tokens is not None and n + params.max_tokens > limit:
+        why = RESERVED_CHAT_TEMPLATE_KWARGS.get(key)
+        if why is not None:
             raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds model.max_model_len "
-                f"({limit}): lower max_tokens to at most {limit - n}"
+                f"chat_template_kwargs: {key!r} is an option of apply_chat_template, not a template "
+                f"variable ({why}); remove it. Template variables such as enable_thinking pass.",
+                param="chat_template_kwargs",
             )
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
-            )
+    return dict(kwargs)
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -73,10 +74,19 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidRequestError(
+                "chat() got no messages: give a conversation (a list of {'role', 'content'} "
+                "dicts) or a list of conversations",
+                param="messages",
+            )
+        conversations = [messages] if isinstance(messages[0], Mapping) else messages
         tokenized = []
-        for conv in conversations:  # type: ignore[union-attr]
-            ids = self.input_processor.render_chat(conv, **(chat_template_kwargs or {}))  # type: ignore[arg-type]
+        for conv in conversations:
+            ids = self.input_processor.render_chat(
+                conv,  # type: ignore[arg-type]
+                chat_template_kwargs=chat_template_kwargs,
+            )
             tokenized.append((self.tokenizer.decode(ids), ids))
         return self._run(tokenized, sampling_params, use_tqdm, None, None)
 
@@ -111,8 +121,8 @@ class LLM:
         users = _per_prompt(user, n, "user")
         request_ids = []
         # validate everything before anything reaches the engine
-        for (_, ids), p in zip(tokenized, params, strict=True):
-            self.input_processor.validate(ids, p)
+        for (_, ids), p, prio, u in zip(tokenized, params, priorities, users, strict=True):
+            self.input_processor.validate(ids, p, priority=prio, user=u)
         added: list[str] = []
         try:
             for (text, ids), p, prio, u in zip(tokenized, params, priorities, users, strict=True):
@@ -170,11 +180,19 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str | Mapping):
-        return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one tokenised prompt
-    return list(prompts)  # type: ignore[arg-type]
+    """One prompt (text, token ids, a dict) or a list of them -> the list; none is an error."""
+    if isinstance(prompts, Iterator):
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str | bytes | bytearray):
+        return [prompts]  # type: ignore[list-item]  # tokenize() says what is wrong with it
+    if not prompts:
+        raise InvalidRequestError(
+            "generate() got no prompts: give a prompt or a non-empty list of prompts",
+            param="prompt",
+        )
+    if isinstance(prompts[0], numbers.Number):
+        return [prompts]  # one tokenised prompt (tokenize() refuses what is not an int)
+    return list(prompts)
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:

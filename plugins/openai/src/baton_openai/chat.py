@@ -72,10 +72,10 @@ async def create_chat_completion(
         ids = ctx.engine.render_chat(
             template_messages(req.messages),
             add_generation_prompt=req.add_generation_prompt,
-            **(req.chat_template_kwargs or {}),
+            chat_template_kwargs=req.chat_template_kwargs,
         )
     except InvalidRequestError as e:
-        raise OpenAIError(str(e), param="messages", code="invalid_value") from None
+        raise OpenAIError(str(e), param=e.param or "messages", code="invalid_value") from None
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -83,8 +83,8 @@ async def create_chat_completion(
     top = (req.top_logprobs or 0) if req.logprobs else None
     built = build_params(
         req,
-        prompt_len=len(ids),
-        max_model_len=ctx.max_model_len,
+        prompt_token_ids=ids,
+        info=ctx.engine.info,
         max_tokens=max_tokens,
         max_tokens_param=max_param,
         prompt_param="messages",

@@ -64,8 +64,8 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
         built_list.append(
             build_params(
                 req,
-                prompt_len=len(ids),
-                max_model_len=ctx.max_model_len,
+                prompt_token_ids=ids,
+                info=engine.info,
                 max_tokens=req.max_tokens,
                 max_tokens_param="max_tokens",
                 prompt_param="prompt",

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.errors import (
     BatonError,
+    ContextLengthError,
     EngineDeadError,
     EngineShuttingDownError,
     InvalidRequestError,
@@ -61,7 +62,12 @@ def error_body(
 
 
 def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None) -> OpenAIError:
-    """Map a baton error to its response. ``param_names`` renames SamplingParams fields (max_tokens -> ...)."""
+    """Map a baton error to its response.
+
+    An InvalidRequestError's field is its ``param`` or, for one rebuilt from a message,
+    the ``SamplingParams.<field>`` it names; ``param_names`` renames it to the request's
+    field (max_tokens -> max_completion_tokens, prompt -> messages, ...), in the message too.
+    """
     message = str(e)
     if isinstance(e, EngineDeadError | EngineShuttingDownError):
         return OpenAIError(message, 503, code="engine_unavailable")
@@ -69,10 +75,12 @@ def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None
         return OpenAIError(message, 400, param="response_format", code="invalid_value")
     if isinstance(e, InvalidRequestError):
         m = _SAMPLING_FIELD.search(message)
-        param = m.group(1) if m else None
-        if param is not None and param_names:
-            param = param_names.get(param, param)
-        return OpenAIError(message, 400, param=param, code="invalid_value")
+        field = e.param or (m.group(1) if m else None)
+        param = (param_names or {}).get(field, field) if field is not None else None
+        if field is not None and param is not None:
+            message = message.replace(f"SamplingParams.{field}", param)
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
+        return OpenAIError(message, 400, param=param, code=code)
     if isinstance(e, BatonError):
         return OpenAIError(f"{type(e).__name__}: {message}", 500, code="internal_error")
     return OpenAIError(f"internal error: {type(e).__name__}: {message}", 500, code="internal_error")

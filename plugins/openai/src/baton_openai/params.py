@@ -1,15 +1,19 @@
-"""From an OpenAI request to baton's SamplingParams: defaults, context length, structured output.
+"""From an OpenAI request to baton's SamplingParams: defaults, structured output, the request check.
 
 Everything here raises OpenAIError naming the request parameter (as the client
-spelled it), so the 400 points at what to fix.
+spelled it), so the 400 points at what to fix. The checks themselves are
+baton's (SamplingParams and baton.validation), the same the engine runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baton.errors import InvalidRequestError, StructuredOutputError
+from baton.protocol import ModelInfo
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
+from baton.validation import check_request
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.protocol import SamplingFields
 
@@ -74,33 +78,27 @@ def structured_spec(req: SamplingFields) -> tuple[StructuredOutputSpec | None, s
 def build_params(
     req: SamplingFields,
     *,
-    prompt_len: int,
-    max_model_len: int,
+    prompt_token_ids: Sequence[int],
+    info: ModelInfo,
     max_tokens: int | None,
     max_tokens_param: str,
     prompt_param: str,
     logprobs: int | None,
     logprobs_param: str = "logprobs",
 ) -> BuiltParams:
-    """SamplingParams for one prompt of ``prompt_len`` tokens; output streams as deltas."""
+    """SamplingParams for one prompt, checked against the model (baton.validation.check_request).
+
+    ``max_tokens=None`` takes the room the prompt leaves in the context. Output streams as deltas.
+    """
     check_unsupported(req)
-    if prompt_len >= max_model_len:
-        raise OpenAIError(
-            f"the prompt has {prompt_len} tokens but the model's context is {max_model_len} tokens "
-            "(prompt + output): shorten it",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    room = max_model_len - prompt_len
-    if max_tokens is not None and max_tokens > room:
-        raise OpenAIError(
-            f"{max_tokens_param}={max_tokens} is too large: the prompt has {prompt_len} tokens and the "
-            f"model's context is {max_model_len}, so at most {room} tokens can be generated",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
+    names = {
+        "max_tokens": max_tokens_param,
+        "logprobs": logprobs_param,
+        "prompt": prompt_param,
+        "prompt_token_ids": prompt_param,
+    }
     spec, structured_param = structured_spec(req)
-    names = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}
+    room = max(info.max_model_len - len(prompt_token_ids), 1)  # too long a prompt: check says so
     try:
         params = SamplingParams(
             n=req.n,
@@ -123,6 +121,7 @@ def build_params(
             structured_outputs=spec,
             output_kind=RequestOutputKind.DELTA,
         )
+        check_request(prompt_token_ids, params, info, priority=req.priority, user=req.user)
     except InvalidRequestError as e:
         raise from_baton_error(e, names) from None
     return BuiltParams(params, structured_param, names, prompt_param)

@@ -1,0 +1,184 @@
+"""Is this request valid for this model? The one check every boundary runs.
+
+The frontend (LLM, AsyncLLM), the HTTP server and the engine core (which may
+be sent EngineCoreRequests by a client without a frontend) all call
+``check_request``, so a request is refused at the same boundaries, with the
+same message, wherever it enters. SamplingParams checks what needs no model
+(types, ranges) itself; this module adds what depends on the model (context
+length, vocabulary) and on the request's own fields (priority, user).
+
+Every error is an InvalidRequestError whose ``param`` names the request field
+("prompt", "max_tokens", "top_k", ...), and whose message names the bad value
+and the fix.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from baton.errors import ContextLengthError, InvalidRequestError
+from baton.sampling_params import MAX_LOGPROBS, SamplingParams, show_value
+
+if TYPE_CHECKING:
+    from baton.protocol import EngineCoreRequest, ModelInfo
+
+#: A request's priority is an int64 (it crosses the msgpack boundary).
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+
+
+def check_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    info: ModelInfo,
+    *,
+    priority: int = 0,
+    user: str | None = None,
+    cache_salt: str | None = None,
+) -> None:
+    """Raise InvalidRequestError unless the request can run on the model ``info`` describes."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            f"sampling_params must be a SamplingParams, got {type(params).__name__}",
+            param="sampling_params",
+        )
+    params.validate()  # a struct may have been changed since it was built
+    check_prompt_token_ids(prompt_token_ids, info.vocab_size)
+    check_context_length(len(prompt_token_ids), params.max_tokens, info.max_model_len)
+    check_params_for_model(params, info)
+    check_priority(priority)
+    for name, value in (("user", user), ("cache_salt", cache_salt)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(
+                f"{name} must be a string or None, got {show_value(value)}", param=name
+            )
+
+
+def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:
+    """``check_request`` on a request as the engine core receives it."""
+    check_request(
+        request.prompt_token_ids,
+        request.sampling_params,
+        info,
+        priority=request.priority,
+        user=request.user,
+        cache_salt=request.cache_salt,
+    )
+
+
+def check_prompt_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """A non-empty list of ints, each in [0, vocab_size)."""
+    if not isinstance(ids, list | tuple):
+        raise InvalidRequestError(
+            f"prompt token ids must be a list of ints, got {type(ids).__name__}", param="prompt"
+        )
+    if not ids:
+        raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise InvalidRequestError(
+                f"prompt token ids must be ints; item {i} is {show_value(t)} ({type(t).__name__})",
+                param="prompt",
+            )
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidRequestError(
+            f"prompt token id {show_value(bad)} at position {ids.index(bad)} is outside the "
+            f"vocabulary [0, {vocab_size}): give ids the model's tokenizer produces",
+            param="prompt",
+        )
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one boundary: prompt + max_tokens (at least one token) <= model.max_model_len."""
+    if prompt_len + max(max_tokens or 1, 1) <= max_model_len:
+        return
+    if prompt_len >= max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {prompt_len} tokens but model.max_model_len is {max_model_len} "
+            f"(prompt + output), so it can be at most {max_model_len - 1} tokens: shorten the "
+            "prompt or raise model.max_model_len",
+            param="prompt",
+        )
+    room = max_model_len - prompt_len
+    raise ContextLengthError(
+        f"SamplingParams.max_tokens={max_tokens} is too large: the prompt has {prompt_len} "
+        f"tokens and model.max_model_len is {max_model_len} (prompt + output): lower max_tokens "
+        f"to at most {room}",
+        param="max_tokens",
+    )
+
+
+def check_params_for_model(params: SamplingParams, info: ModelInfo) -> None:
+    """The sampling fields bounded by the model's vocabulary."""
+    vocab = info.vocab_size
+    if params.top_k > vocab:
+        raise InvalidRequestError(
+            f"SamplingParams.top_k must be at most the vocabulary size ({vocab}), or 0 / -1 to "
+            f"disable, got {show_value(params.top_k)}",
+            param="top_k",
+        )
+    bad = next((t for t in params.stop_token_ids or () if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"SamplingParams.stop_token_ids must hold token ids in [0, {vocab}) (the "
+            f"vocabulary), got {show_value(bad)}",
+            param="stop_token_ids",
+        )
+    limit = min(MAX_LOGPROBS, vocab)
+    if params.logprobs is not None and params.logprobs > limit:
+        raise InvalidRequestError(
+            f"SamplingParams.logprobs must be in [0, {limit}], got {params.logprobs}",
+            param="logprobs",
+        )
+
+
+def check_priority(priority: Any) -> None:
+    """An int64 (lower values are served first by the priority policy)."""
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        raise InvalidRequestError(
+            f"priority must be an integer, got {show_value(priority)} ({type(priority).__name__})",
+            param="priority",
+        )
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InvalidRequestError(
+            f"priority must be in [-2**63, 2**63) (an int64), got {show_value(priority)}",
+            param="priority",
+        )
+
+
+def check_text(text: str, what: str = "the prompt", param: str = "prompt") -> None:
+    """Text the tokenizer can encode: valid UTF-8 (no lone surrogates such as ``"\\udc80"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"{what} is not valid UTF-8 text: {text[e.start : e.end]!r} at position {e.start} is a "
+            "lone surrogate; decode the bytes it came from with errors='replace', or remove it",
+            param=param,
+        ) from None
+
+
+def as_token_ids(value: Any, param: str = "prompt") -> list[int]:
+    """A token-id prompt as a list of ints; bools, floats, bytes and others are refused."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        raise InvalidRequestError(
+            f"a prompt of type {type(value).__name__} is neither text nor token ids: decode it "
+            "(prompt.decode('utf-8')) or pass a list of ints",
+            param=param,
+        )
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise InvalidRequestError(
+            f"prompt token ids must be a list of ints, got {type(value).__name__}", param=param
+        )
+    out = []
+    for i, t in enumerate(value):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise InvalidRequestError(
+                f"prompt token ids must be ints; item {i} is {show_value(t)} ({type(t).__name__})",
+                param=param,
+            )
+        out.append(int(t))
+    return out
