@@ -106,15 +106,46 @@ class StructuredOutputSection(_Section):
 
 class ServerSection(_Section):
     host: str = "127.0.0.1"
-    """Address `baton serve` binds."""
+    """Address `baton serve` binds (a non-loopback address without api_key logs a warning)."""
     port: int = Field(8000, ge=0, le=65535)
-    """Port `baton serve` binds (0 = a free one)."""
+    """Port `baton serve` binds (0 = a free one); checked before the model loads."""
     served_model_name: str | None = None
     """The model name clients use; default: model.name."""
     api_key: str | None = None
-    """When set, requests must carry `Authorization: Bearer <api_key>`."""
+    """When set, /v1 requests must carry `Authorization: Bearer <api_key>` (empty or blank is refused)."""
     shutdown_timeout: float = Field(0.0, ge=0)
-    """On SIGTERM: > 0 drains (in-flight requests finish, up to this many seconds); 0 aborts them."""
+    """Seconds in-flight requests may take to finish on shutdown (SIGTERM/SIGINT, LLM/AsyncLLM
+    shutdown) before they are aborted; 0 aborts them at once. `baton serve` drains for 30 s when
+    this is not set; its whole shutdown takes at most this long plus about a second."""
+    max_request_bytes: ByteSize = Field(ByteSize(16 * 1024**2), gt=0)
+    """Largest HTTP request body `baton serve` accepts (e.g. "16MiB"); larger ones get a 413 and
+    the connection is closed. The default leaves room for a 128k-token prompt (~0.5 MB of text,
+    ~1 MB as token ids) many times over, also as escaped JSON."""
+    header_timeout: float = Field(30.0, gt=0)
+    """Seconds a client has from the first byte of a request to the end of its headers; then a
+    408 and the connection is closed. Idle keep-alive connections close after 5 s."""
+    body_timeout: float = Field(60.0, gt=0)
+    """Seconds a client has to send a request body once its headers are in (the whole body, not
+    per read: 16 MiB in 60 s needs ~280 KB/s); then a 408 and the connection is closed."""
+    preprocess_workers: int = Field(4, gt=0)
+    """Threads that render chat templates and tokenize prompts off the event loop (and, with
+    allow_client_chat_template, the most client-template processes)."""
+    preprocess_timeout: float = Field(10.0, gt=0)
+    """Seconds a request's chat template + tokenization may take, waiting for a worker included;
+    over it: a 400 (work too long) or a 503 (no worker was free). Raise it for huge prompts."""
+    allow_client_chat_template: bool = False
+    """Accept a request's own Jinja chat template (`chat_template`, or in `chat_template_kwargs`);
+    it is rendered in a sandboxed process that is killed after preprocess_timeout."""
+
+    @pydantic.field_validator("api_key")
+    @classmethod
+    def _api_key_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(
+                "an empty or blank API key would let any bearer token in: "
+                "set a real key, or leave server.api_key unset for no authentication"
+            )
+        return value
 
 
 #: The standard logging level names, most verbose first (observability.log_level, --log-level).

@@ -1,4 +1,9 @@
-"""The FastAPI app: /v1 routes (behind the optional API key), /health, /metrics, /version."""
+"""The FastAPI app: /v1 routes (behind the optional API key), /health, /metrics, /version.
+
+Around the routes, outermost first: UnhandledErrors (an unexpected exception is
+one 500 and the connection stays usable), RequestLimits (body size and
+deadline); the chat template and tokenization run on the Preprocessor's threads.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ from baton_openai.chat import router as chat_router
 from baton_openai.completions import router as completions_router
 from baton_openai.context import ServerContext, check_api_key
 from baton_openai.errors import OpenAIError, install_error_handlers
+from baton_openai.limits import RequestLimits
+from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import ModelCard, ModelList
+from baton_openai.unhandled import UnhandledErrors
 
 #: /health gives up on a busy or wedged engine after this long (503).
 HEALTH_TIMEOUT_S = 10.0
@@ -69,15 +77,22 @@ def find_prometheus_logger(engine: AsyncLLM) -> object | None:
 def build_app(engine: AsyncLLM, config: BatonConfig | None = None) -> FastAPI:
     """The app around a running AsyncLLM (``config`` defaults to the engine's)."""
     cfg = config or engine.config
+    srv = cfg.server
     app = FastAPI(title="baton", version=__version__, docs_url=None, redoc_url=None)
     app.state.baton = ServerContext(
         engine=engine,
-        model_name=cfg.server.served_model_name or cfg.model.name,
+        model_name=srv.served_model_name or cfg.model.name,
         max_model_len=engine.info.max_model_len,
-        api_key=cfg.server.api_key,
+        preprocess=Preprocessor(engine, srv),
+        api_key=srv.api_key,
         metrics=find_prometheus_logger(engine),
     )
     install_error_handlers(app)
+    # add_middleware puts each one outside the previous: UnhandledErrors ends up outermost
+    app.add_middleware(
+        RequestLimits, max_bytes=int(srv.max_request_bytes), body_timeout=srv.body_timeout
+    )
+    app.add_middleware(UnhandledErrors)
     auth = [Depends(check_api_key)]
     for router in (models_router, chat_router, completions_router):
         app.include_router(router, dependencies=auth)

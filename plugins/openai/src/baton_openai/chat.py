@@ -54,11 +54,40 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def client_chat_template(req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
+    """The client's own template (top-level ``chat_template`` as vLLM takes it, or in
+    ``chat_template_kwargs``) and the template variables without it."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    extra = req.model_extra if req.model_extra is not None else {}
+    # popped from the extras so that check_request does not log it as ignored
+    candidates = [
+        ("chat_template", extra.pop("chat_template", None) or getattr(req, "chat_template", None)),
+        ("chat_template_kwargs.chat_template", kwargs.pop("chat_template", None)),
+    ]
+    given = [(name, t) for name, t in candidates if t is not None]
+    for name, template in given:
+        if not isinstance(template, str):
+            raise OpenAIError(
+                f"{name} must be a Jinja template string, got {type(template).__name__}",
+                param="chat_template",
+                code="invalid_value",
+            )
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        raise OpenAIError(
+            "two different chat templates (chat_template and chat_template_kwargs.chat_template): "
+            "give one",
+            param="chat_template",
+            code="invalid_value",
+        )
+    return (given[0][1] if given else None), kwargs
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request
 ) -> Response | ChatCompletionResponse:
     ctx = ServerContext.of(raw)
+    client_template, template_kwargs = client_chat_template(req)
     ctx.check_request(req)
     if req.tools and req.tool_choice != "none":
         raise OpenAIError(
@@ -68,11 +97,15 @@ async def create_chat_completion(
         raise OpenAIError(
             "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
         )
+    pre = ctx.preprocess
+    deadline = pre.deadline()  # templating, tokenization and the checks: off the event loop
     try:
-        ids = ctx.engine.render_chat(
+        ids = await pre.chat_ids(
             template_messages(req.messages),
-            add_generation_prompt=req.add_generation_prompt,
-            chat_template_kwargs=req.chat_template_kwargs,
+            req.add_generation_prompt,
+            template_kwargs,
+            client_template,
+            deadline=deadline,
         )
     except InvalidRequestError as e:
         raise OpenAIError(str(e), param=e.param or "messages", code="invalid_value") from None
@@ -81,15 +114,20 @@ async def create_chat_completion(
     else:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     top = (req.top_logprobs or 0) if req.logprobs else None
-    built = build_params(
-        req,
-        prompt_token_ids=ids,
-        info=ctx.engine.info,
-        max_tokens=max_tokens,
-        max_tokens_param=max_param,
-        prompt_param="messages",
-        logprobs=top,
-        logprobs_param="top_logprobs",
+    built = await pre.run(
+        lambda: build_params(
+            req,
+            prompt_token_ids=ids,
+            info=ctx.engine.info,
+            max_tokens=max_tokens,
+            max_tokens_param=max_param,
+            prompt_param="messages",
+            logprobs=top,
+            logprobs_param="top_logprobs",
+        ),
+        deadline=deadline,
+        what="checking the request",
+        param="messages",
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = merge(

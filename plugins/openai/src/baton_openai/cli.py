@@ -10,16 +10,31 @@ from typing import Any
 from baton.cli.main import add_engine_arguments, engine_overrides
 
 
+def api_key(value: str) -> str:
+    """--api-key's type: an empty or blank key would let an empty bearer token in."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty or blank API key would let any bearer token in: give a real key, "
+            "or leave --api-key out for no authentication"
+        )
+    return value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server (overrides [server] of the config)")
     g.add_argument("--host", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, help="port to bind (default 8000; 0 = a free one)")
     g.add_argument("--served-model-name", help="the model name clients send (default: model.name)")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes")
+    g.add_argument(
+        "--api-key",
+        type=api_key,
+        help="require 'Authorization: Bearer <key>' on /v1 routes (not empty)",
+    )
     g.add_argument(
         "--shutdown-timeout",
         type=float,
-        help="seconds to drain in-flight requests on SIGTERM (default 30; 0 aborts them)",
+        help="seconds in-flight requests may take to finish on SIGTERM before they are aborted "
+        "(default 30, unlike the library's 0; 0 aborts them at once)",
     )
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_arguments(p)

@@ -53,27 +53,37 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
             code="unsupported_parameter",
         )
     engine = ctx.engine
-    texts, ids_list, built_list = [], [], []
-    for prompt in _prompts(req.prompt):
-        try:
-            text, ids = engine.input_processor.tokenize(prompt)
-        except InvalidRequestError as e:
-            raise OpenAIError(str(e), param="prompt", code="invalid_value") from None
-        if req.echo and text is None:
-            text = engine.tokenizer.decode(ids)
-        built_list.append(
-            build_params(
-                req,
-                prompt_token_ids=ids,
-                info=engine.info,
-                max_tokens=req.max_tokens,
-                max_tokens_param="max_tokens",
-                prompt_param="prompt",
-                logprobs=req.logprobs,
+    prompts = _prompts(req.prompt)
+
+    def prepare() -> tuple[list[str | None], list[list[int]], list[BuiltParams]]:
+        # tokenizing (and checking every token id) is work the client controls: on a worker thread
+        texts, ids_list, built_list = [], [], []
+        for prompt in prompts:
+            try:
+                text, ids = engine.input_processor.tokenize(prompt)
+            except InvalidRequestError as e:
+                raise OpenAIError(str(e), param="prompt", code="invalid_value") from None
+            built_list.append(
+                build_params(
+                    req,
+                    prompt_token_ids=ids,
+                    info=engine.info,
+                    max_tokens=req.max_tokens,
+                    max_tokens_param="max_tokens",
+                    prompt_param="prompt",
+                    logprobs=req.logprobs,
+                )
             )
-        )
-        texts.append(text)
-        ids_list.append(ids)
+            if req.echo and text is None:
+                text = engine.tokenizer.decode(ids)
+            texts.append(text)
+            ids_list.append(ids)
+        return texts, ids_list, built_list
+
+    pre = ctx.preprocess
+    texts, ids_list, built_list = await pre.run(
+        prepare, deadline=pre.deadline(), what="tokenizing the prompt", param="prompt"
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     stream = merge(
         [

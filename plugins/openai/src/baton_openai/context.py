@@ -11,6 +11,7 @@ from fastapi import Request
 
 from baton import AsyncLLM
 from baton_openai.errors import OpenAIError
+from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import SamplingFields
 
 log = logging.getLogger("baton_openai")
@@ -21,6 +22,8 @@ class ServerContext:
     engine: AsyncLLM
     model_name: str
     max_model_len: int
+    #: Templating and tokenization off the event loop, within server.preprocess_timeout.
+    preprocess: Preprocessor
     api_key: str | None = None
     #: The prometheus stat logger the engine feeds (None when stats are off).
     metrics: Any = None

@@ -1,32 +1,105 @@
-"""Running the server: engine first, then uvicorn; exit code 1 when the engine dies.
+"""Running the server: the port, then the engine, then uvicorn; exit code 1 when the engine dies.
+
+The address is bound before the model loads, so a busy port fails in a moment
+with a message naming it (BindError), not after a long load.
 
 Shutdown on SIGTERM/SIGINT: uvicorn stops accepting connections and waits for
-in-flight responses (streams included) for up to ``server.shutdown_timeout``
-seconds, then the engine is stopped (in drain mode while that timeout is > 0).
-An engine death makes every waiting request a 503 and stops the server, so a
-supervisor sees a non-zero exit instead of a process that hangs.
+in-flight responses (streams included) until ``server.shutdown_timeout``
+seconds after the signal; then it cancels what is left, whose requests are
+aborted in the engine, and the engine stops (it has nothing left to drain).
+The whole shutdown takes that timeout plus about a second. An engine death
+makes every waiting request a 503 and stops the server, so a supervisor sees a
+non-zero exit instead of a process that hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import ipaddress
 import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from baton import AsyncLLM
 from baton.config import BatonConfig
+from baton.errors import BatonError
 from baton_openai.app import build_app
+from baton_openai.connection import protocol_class
 
 log = logging.getLogger("baton_openai")
 
 #: Drain time on SIGTERM when the config does not set server.shutdown_timeout.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+#: After the drain: how long cancelled requests get to abort in the engine before it stops.
+CANCEL_GRACE_S = 1.0
+#: Idle keep-alive connections close after this long (also a new connection that sends nothing).
+KEEP_ALIVE_S = 5
+
+
+class BindError(BatonError, OSError):
+    """The server's address cannot be bound (in use, not local, no permission)."""
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound (not yet listening) sockets for ``host:port``, as uvicorn would bind them."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise BindError(
+            f"cannot listen on {where}: {e.strerror}; set --host / server.host to an address "
+            "of this machine"
+        ) from None
+    sockets: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and len(infos) > 1:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.set_inheritable(True)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        hint = (
+            "another process is listening there: stop it, or choose another --port / server.port"
+            if e.errno == errno.EADDRINUSE
+            else "check --host / --port (server.host, server.port)"
+        )
+        raise BindError(f"cannot listen on {where}: {e.strerror or e}; {hint}") from None
+    return sockets
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 def prepare_config(config: BatonConfig) -> BatonConfig:
@@ -42,11 +115,40 @@ def prepare_config(config: BatonConfig) -> BatonConfig:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn without re-raising the caught signal after a graceful shutdown (so a drain exits 0)."""
+    """uvicorn without re-raising the caught signal after a graceful shutdown (so a drain exits 0),
+    and whose drain ends ``shutdown_timeout`` seconds after the exit request, not after the signal
+    plus uvicorn's own timeout plus the engine's."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_started: Callable[[], None], shutdown_timeout: float
+    ) -> None:
         super().__init__(config)
         self._on_started = on_started
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_requested_at: float | None = None
+
+    def request_exit(self) -> None:
+        if self.exit_requested_at is None:
+            self.exit_requested_at = time.monotonic()
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.exit_requested_at is None:
+            self.exit_requested_at = time.monotonic()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        began = self.exit_requested_at or time.monotonic()
+        # uvicorn's wait (connections, then tasks) gets what is left of the budget: its own 0.1 s
+        # pause and the tick that noticed should_exit are part of it
+        left = self.shutdown_timeout - (time.monotonic() - began) - 0.1
+        self.config.timeout_graceful_shutdown = max(0.0, left)  # type: ignore[assignment]
+        await super().shutdown(sockets=sockets)
+        tasks = list(self.server_state.tasks)
+        if (
+            tasks
+        ):  # cancelled by uvicorn: let them close their streams (an abort in the engine each)
+            await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
 
     def install_signal_handlers(self) -> None:  # older uvicorn
         if threading.current_thread() is threading.main_thread():
@@ -85,6 +187,7 @@ class OpenAIServer:
         self.config = prepare_config(config)
         self.access_log = access_log
         self.engine: AsyncLLM | None = None
+        self.app: Any = None  # the FastAPI app, once the engine is up
         self.uvicorn: _Uvicorn | None = None
         self.started = threading.Event()
         self.address: tuple[str, int] | None = None
@@ -92,32 +195,51 @@ class OpenAIServer:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self, sock: socket.socket | None = None) -> int:
-        """Start the engine, serve until shutdown (or engine death), stop the engine; the exit code."""
+        """Bind, start the engine, serve until shutdown (or engine death), stop; the exit code.
+
+        ``sock``: an already bound socket to serve on instead of server.host:server.port.
+        BindError when the address cannot be bound (before the model loads).
+        """
         self.loop = asyncio.get_running_loop()
-        self.engine = engine = await AsyncLLM.create(config=self.config)
-        watcher: asyncio.Task[None] | None = None
+        srv = self.config.server
+        sockets = [sock] if sock is not None else bind_sockets(srv.host, srv.port)
+        if srv.api_key is None and not is_loopback(srv.host):
+            log.warning(
+                "baton serve: listening on %s, which other machines can reach, without an API "
+                "key: anyone who reaches it can use the model; set --api-key / server.api_key "
+                "(or bind 127.0.0.1 behind a proxy that authenticates)",
+                srv.host,
+            )
         try:
-            app = build_app(engine, self.config)
-            srv = self.config.server
-            timeout = srv.shutdown_timeout
+            self.engine = engine = await AsyncLLM.create(config=self.config)
+        except BaseException:
+            if sock is None:
+                for s in sockets:
+                    s.close()
+            raise
+        watcher: asyncio.Task[None] | None = None
+        app = None
+        try:
+            app = self.app = build_app(engine, self.config)
             uv_config = uvicorn.Config(
                 app,
                 host=srv.host,
                 port=srv.port,
+                http=protocol_class(srv.header_timeout),
                 log_config=None,
                 access_log=self.access_log,
-                timeout_graceful_shutdown=int(timeout)
-                if timeout == int(timeout)
-                else int(timeout) + 1,
                 lifespan="off",
-                timeout_keep_alive=5,
+                timeout_keep_alive=KEEP_ALIVE_S,
             )
-            self.uvicorn = _Uvicorn(uv_config, self._on_started)
+            self.uvicorn = _Uvicorn(uv_config, self._on_started, srv.shutdown_timeout)
             watcher = asyncio.ensure_future(self._watch_engine(engine))
-            await self.uvicorn.serve(sockets=[sock] if sock is not None else None)
+            await self.uvicorn.serve(sockets=sockets)
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if app is not None:
+                with contextlib.suppress(Exception):
+                    await app.state.baton.preprocess.aclose()
             engine.shutdown()
         return 1 if self.engine_died or engine.errored else 0
 
@@ -143,7 +265,7 @@ class OpenAIServer:
     def request_exit(self) -> None:
         """Begin a graceful shutdown (thread-safe: uvicorn polls the flag)."""
         if self.uvicorn is not None:
-            self.uvicorn.should_exit = True
+            self.uvicorn.request_exit()
 
     @property
     def url(self) -> str:

@@ -1,0 +1,131 @@
+"""Helpers for the hardening tests: a /health latency probe and raw-socket HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+
+class HealthProbe:
+    """GETs /health every ``interval`` seconds on a thread; ``worst`` is the slowest answer.
+
+    A probe that fails (no answer, or not 200) is kept in ``failures``. Use as a context manager
+    around the hostile work; build payloads before entering (the server shares this process'
+    GIL, so the test's own heavy Python would be measured too).
+    """
+
+    def __init__(self, url: str, interval: float = 0.02) -> None:
+        self.url = f"{url}/health"
+        self.interval = interval
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    status = client.get(self.url).status_code
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+                else:
+                    if status != 200:
+                        self.failures.append(f"status {status}")
+                self.latencies.append(time.monotonic() - t0)
+                self._stop.wait(self.interval)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies)
+
+    def check(self, limit: float = 0.1, min_probes: int = 5) -> float:
+        """Assert every probe answered 200 within ``limit`` seconds; the worst latency."""
+        assert len(self.latencies) >= min_probes, f"only {len(self.latencies)} probes ran"
+        assert not self.failures, self.failures[:5]
+        worst = self.worst
+        print(f"/health: {len(self.latencies)} probes, worst {worst * 1000:.1f} ms")
+        assert worst < limit, f"/health took {worst * 1000:.0f} ms (limit {limit * 1000:.0f} ms)"
+        return worst
+
+
+def address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    return parts.hostname, parts.port
+
+
+def connect(url: str, timeout: float = 10) -> socket.socket:
+    sock = socket.create_connection(address(url), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def request_bytes(
+    method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> bytes:
+    head = {"host": "test", "content-type": "application/json"}
+    if method != "GET" or body:
+        head["content-length"] = str(len(body))
+    head.update(headers or {})
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    return f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode() + body
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def read_response(sock: socket.socket) -> Response:
+    """One HTTP/1.1 response with a Content-Length body (what the server sends for errors)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response; got {buf!r}")
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return Response(status, headers, rest[:length])
+
+
+def is_closed(sock: socket.socket, timeout: float = 3.0) -> bool:
+    """True when the server closes the connection (EOF or reset) within ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        while True:
+            if not sock.recv(65536):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
