@@ -140,3 +140,22 @@ def test_configuration_doc_is_current():
     assert doc.read_text() == render(), (
         "docs/configuration.md is stale: python -m baton.config_docs > docs/configuration.md"
     )
+
+
+@pytest.mark.parametrize("level", ["debug", "Info", "Warning", "error", "critical"])
+def test_log_level_takes_the_standard_names_in_any_case(level):
+    assert BatonConfig.load(observability={"log_level": level}).observability.log_level == (
+        level.upper()
+    )
+
+
+@pytest.mark.parametrize("level", ["LOUD", "", 10, None])
+def test_log_level_must_be_a_standard_name(level, monkeypatch):
+    with pytest.raises(ConfigError, match=r"observability\.log_level.*DEBUG, INFO, WARNING"):
+        BatonConfig.load(observability={"log_level": level})
+    with pytest.raises(ConfigError, match=r"observability\.log_level"):
+        BatonConfig.load().replace(observability={"log_level": level})
+    if isinstance(level, str):  # from the environment too (the engine process must not die of it)
+        monkeypatch.setenv("BATON_OBSERVABILITY__LOG_LEVEL", level)
+        with pytest.raises(ConfigError, match=r"observability\.log_level"):
+            BatonConfig.load()

@@ -178,3 +178,68 @@ def test_real_gguf_conversion(tmp_path):
     assert (path / "tokenizer.json").is_file() and (path / "chat_template.jinja").is_file()
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 30 and "quantization_config" not in cfg
+
+
+# --------------------------------------------------------------------------- newcomer mistakes
+
+
+def test_config_without_vocab_size_names_the_file(tmp_path):
+    from baton.model_info import read_model_info
+
+    cfg = json.loads((tiny_model("llama") / "config.json").read_text())
+    del cfg["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"config\.json has no vocab_size") as info:
+        read_model_info(tmp_path, 256)
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("{not json", r"config\.json is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        (None, r"config\.json is missing"),
+    ],
+)
+def test_unreadable_config_json(tmp_path, content, match):
+    from baton.model_info import read_model_info
+
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ModelLoadError, match=match):
+        read_model_info(tmp_path, 256)
+
+
+@pytest.mark.parametrize("arch", ["BertModel", "BertForMaskedLM"])
+def test_a_folder_that_is_not_a_causal_lm_is_refused(tmp_path, arch):
+    from transformers import BertConfig
+
+    from baton.model_info import read_model_info
+
+    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, architectures=[arch])
+    config.save_pretrained(tmp_path)
+    pattern = rf"'{arch}', which is not a causal language model: baton serves causal"
+    with pytest.raises(ModelLoadError, match=pattern):
+        read_model_info(tmp_path, 256)
+    with pytest.raises(ModelLoadError, match=pattern):
+        check_architecture(config)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"<html>Not Found</html>", r"is not a GGUF file \(it starts with b'<htm'"),
+        (b"", "is not a GGUF file"),
+        (b"GGUF\x03\x00\x00\x00\x01", r"truncated GGUF file \(9 bytes\); re-download it"),
+        (b"GGUF" + (99).to_bytes(4, "little") + bytes(16), "GGUF version 99"),
+        (b"GGUF" + (3).to_bytes(4, "little") + bytes(20), "cannot convert .* re-download it"),
+    ],
+)
+def test_a_file_named_gguf_that_is_not_one(tmp_path, content, match):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(content)
+    with pytest.raises(ModelLoadError, match=match) as info:
+        resolve_model(str(fake), tmp_path / "cache")
+    assert str(fake) in str(info.value)
+    assert list((tmp_path / "cache").iterdir()) == []  # no half conversion left behind

@@ -137,6 +137,57 @@ def test_bad_input_is_refused_before_anything_runs(llm):
     assert llm.generate("still serving", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def _exploit_params(**kwargs):
+    # built without validation, as a careless caller (or an old baton) would hand them over
+    params = SamplingParams(max_tokens=4)
+    for k, v in kwargs.items():
+        setattr(params, k, v)
+    return params
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda llm: llm.generate("hi", _exploit_params(top_k=10**20)), r"SamplingParams\.top_k"),
+        (
+            lambda llm: llm.generate("hi", _exploit_params(min_tokens=2, stop_token_ids=[1000000])),
+            r"SamplingParams\.stop_token_ids must hold token ids in \[0, 49152\)",
+        ),
+        (
+            lambda llm: llm.generate("hi", _exploit_params(temperature=float("inf"))),
+            r"SamplingParams\.temperature must be a finite number",
+        ),
+        (lambda llm: llm.generate("hi", GREEDY, priority=[2**63]), "priority"),
+        (lambda llm: llm.generate("\udc80x", GREEDY), "lone surrogate"),
+        (lambda llm: llm.generate(b"hello", GREEDY), "decode it"),
+        (lambda llm: llm.generate([], GREEDY), "no prompts"),
+        (lambda llm: llm.chat([], GREEDY), "no messages"),
+        (lambda llm: llm.generate([1, 2.5], GREEDY), r"item 1 is 2\.5"),
+        (
+            lambda llm: llm.chat(
+                [{"role": "user", "content": "hi"}],
+                GREEDY,
+                chat_template_kwargs={"tokenize": False},
+            ),
+            "'tokenize' is an option of apply_chat_template",
+        ),
+        (
+            lambda llm: llm.chat(
+                [{"role": "user", "content": "hi"}],
+                GREEDY,
+                chat_template_kwargs={"return_tensors": "np"},
+            ),
+            "'return_tensors' is an option of apply_chat_template",
+        ),
+    ],
+)
+def test_issue_exploits_are_invalid_requests_and_the_engine_keeps_serving(llm, call, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        call(llm)
+    assert llm.generate("still serving", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert not llm.engine.call_utility("list_requests")
+
+
 def test_final_only_and_metrics(llm):
     params = SamplingParams(
         temperature=0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY

@@ -133,7 +133,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         Normalises as it goes: ``stop`` a list, ``top_k=-1`` 0, numbers to int / float.
         Bounds need no model here (see baton.validation for the vocabulary and context).
         """
-        self.n = _int("n", self.n, 1, MAX_N, f"must be in [1, {MAX_N}]")
+        self.n = _int("n", self.n, 1, MAX_N + 1, f"must be in [1, {MAX_N}]")
         self.temperature = _float("temperature", self.temperature)
         _check(
             self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 = greedy)"

@@ -235,8 +235,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
             )
             bar.update(1)
         except (OSError, ValueError, KeyError, IndexError, TypeError, struct.error) as e:
+            kind = "struct.error" if isinstance(e, struct.error) else type(e).__name__
             raise ModelLoadError(
-                f"cannot convert {str(gguf)!r}: {type(e).__name__}: {e}. transformers reads the "
+                f"cannot convert {str(gguf)!r}: {kind}: {e}. transformers reads the "
                 "GGUF architectures it supports only; if the file is truncated, re-download it"
             ) from None
         bar.set_postfix_str("saving")
