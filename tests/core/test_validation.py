@@ -87,6 +87,11 @@ def test_sampling_params_normalise_what_they_accept():
     assert SamplingParams(n=128, seed=2**63 - 1, top_k=2**31 - 1).n == 128
 
 
+def test_temperatures_too_small_for_float32_are_greedy():
+    assert SamplingParams(temperature=1e-40, top_p=0.5).greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
 def test_huge_values_are_shown_by_size():
     with pytest.raises(InvalidRequestError, match="an integer of 16610 bits"):
         SamplingParams(top_k=10**5000)

@@ -188,6 +188,12 @@ def test_issue_exploits_are_invalid_requests_and_the_engine_keeps_serving(llm, c
     assert not llm.engine.call_utility("list_requests")
 
 
+def test_a_tiny_temperature_is_greedy_not_nan(llm):
+    greedy = llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tiny = SamplingParams(temperature=1e-40, top_p=0.5, max_tokens=24, ignore_eos=True)
+    assert llm.generate("hi", tiny, use_tqdm=False)[0].outputs[0].token_ids == greedy
+
+
 def test_final_only_and_metrics(llm):
     params = SamplingParams(
         temperature=0, max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY

@@ -24,6 +24,8 @@ MAX_N = 128
 MAX_INT32 = 2**31
 #: Exclusive bound of a seed (a non-negative int64).
 MAX_SEED = 2**63
+#: Temperatures below this are greedy (0): smaller ones overflow the scaled float32 logits.
+MIN_TEMPERATURE = 1e-5
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -99,7 +101,7 @@ def json_dumps_compact(obj: Any) -> str:
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
     """How to sample one request, with vLLM's names and defaults.
 
-    ``temperature=0`` is greedy. ``top_k=0`` (or -1) and ``top_p=1`` disable those
+    ``temperature=0`` (or below 1e-5) is greedy. ``top_k=0`` (or -1) and ``top_p=1`` disable those
     filters. ``seed`` makes sampling reproducible whatever else is in the batch.
     ``logprobs=k`` returns the sampled token's logprob plus the top k.
     """
@@ -138,6 +140,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         _check(
             self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0 (0 = greedy)"
         )
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0  # as vLLM: dividing float32 logits by less overflows to NaN
         self.top_p = _float("top_p", self.top_p)
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         top_k = _int(
