@@ -15,6 +15,7 @@ import pytest
 from baton import LLM, AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError
 from baton.plugins import reset_plugins
+from baton.protocol import EngineCoreRequest, FinishReason
 from baton.testing.faults import kill_on_first_output
 from baton.testing.tiny_model import tiny_model
 
@@ -178,6 +179,38 @@ def test_garbage_frames_are_dropped_and_the_engine_keeps_serving(
             [b""],
         ):
             channel.send(junk, 0)
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ] == reference
+
+
+@pytest.mark.parametrize("transport", MP_TRANSPORTS)
+def test_a_request_that_does_not_decode_is_answered_with_its_error(
+    transport, model_dir, reference, no_leaks
+):
+    """An EngineCoreRequest sent without a frontend, its SamplingParams out of bounds."""
+    with LLM(model=model_dir, max_model_len=256, transport=transport) as llm:
+        params = SamplingParams(max_tokens=2)
+        params.top_k = 2**40  # no validation on assignment: the engine's decode refuses it
+        llm.engine.add_request(
+            EngineCoreRequest(
+                request_id="raw-1", prompt_token_ids=[1, 2, 3], sampling_params=params
+            )
+        )
+        answers: list = []
+
+        def wait() -> None:
+            while not answers:
+                answers.extend(
+                    o for o in llm.engine.get_output().outputs if o.request_id == "raw-1"
+                )
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(timeout=60)
+        assert answers, "the engine never answered the undecodable request"
+        assert answers[0].finish_reason == FinishReason.ERROR
+        assert answers[0].error.startswith("InvalidRequestError: SamplingParams.top_k must be")
         assert [
             o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         ] == reference

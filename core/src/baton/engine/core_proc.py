@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
+
 from baton.config import BatonConfig
 from baton.engine.core import UTILITY_METHODS, EngineCore
 from baton.errors import BatonError, ExecutorError, ProtocolError, TransportError
@@ -93,6 +95,7 @@ class EngineCoreProc:
                     )
                     return
                 continue
+            rtype = None
             try:
                 rtype = RequestType(bytes(frames[0]))
                 decoder = decoders[rtype]
@@ -105,6 +108,30 @@ class EngineCoreProc:
                     len(frames),
                     e,
                 )
+                if rtype is RequestType.ADD:
+                    self._refuse_undecodable(frames, e)
+
+    def _refuse_undecodable(self, frames: Any, error: BaseException) -> None:
+        """Answer an ADD that failed to decode (e.g. SamplingParams out of bounds) when its
+        request id can be read, so that its client gets an error instead of waiting forever."""
+        try:
+            fields = msgspec.msgpack.decode(frames[1])
+        except (msgspec.DecodeError, IndexError, TypeError):
+            return
+        if not (isinstance(fields, list) and fields and isinstance(fields[0], str)):
+            return
+        cause = error.__cause__ if error.__cause__ is not None else error
+        out = EngineCoreOutput(
+            request_id=fields[0],
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            error=f"InvalidRequestError: {cause}",
+        )
+        self.output_queue.put(
+            EngineCoreOutputs(
+                engine_index=self.engine_index, outputs=[out], timestamp=time.monotonic()
+            )
+        )
 
     def _output_loop(self) -> None:
         encoder = MsgpackEncoder()
