@@ -85,9 +85,10 @@ class InputProcessor:
                 param="chat_template",
             )
         try:
-            # transformers compiles the template in Jinja's ImmutableSandboxedEnvironment
-            # (transformers/utils/chat_template_utils.py, _cached_compile_jinja_template), so
-            # a template can read its inputs but not reach Python internals.
+            # transformers (5.x: utils/chat_template_utils.py, _cached_compile_jinja_template)
+            # compiles every template, the tokenizer's or this one, in Jinja's
+            # ImmutableSandboxedEnvironment: it can read its inputs but not reach Python
+            # internals. It bounds neither time nor memory, so an untrusted template needs more.
             text = self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages],
                 chat_template=chat_template,
@@ -95,9 +96,8 @@ class InputProcessor:
                 tokenize=False,
                 **variables,
             )
-        except (
-            Exception
-        ) as e:  # the template is code run on request data: its errors are the request's
+        # the template is code run on the request's data: whatever it raises is the request's fault
+        except Exception as e:
             param = "chat_template" if chat_template is not None else "messages"
             raise InvalidRequestError(
                 f"the chat template failed: {type(e).__name__}: {_cut(str(e))}",
