@@ -18,6 +18,11 @@ from baton.protocol import NewRequestData
 from baton.sampling_params import SamplingParams
 
 
+class BatchContractError(ExecutorError):
+    """The scheduler and the runner disagree on which requests the batch holds: an engine bug,
+    not one request's fault, so it fails the step (see ModelRunner.update_states)."""
+
+
 class InputBatch:
     """Rows ``0 .. num_reqs-1`` are the requests the runner holds, in no particular order."""
 
@@ -68,10 +73,12 @@ class InputBatch:
         not fit (an ``OverflowError`` from a sampling parameter) leaves no row behind.
         """
         if req.req_id in self.req_id_to_index:
-            raise ExecutorError(f"request {req.req_id!r} is already in the model runner's batch")
+            raise BatchContractError(
+                f"request {req.req_id!r} is already in the model runner's batch"
+            )
         row = self.num_reqs
         if row >= self.max_num_reqs:
-            raise ExecutorError(
+            raise BatchContractError(
                 f"more than max_num_seqs={self.max_num_reqs} requests scheduled at once"
             )
         n_prompt = len(req.prompt_token_ids)
@@ -130,7 +137,7 @@ class InputBatch:
         """Apply one CachedRequestData entry; return the row."""
         row = self.req_id_to_index.get(req_id)
         if row is None:
-            raise ExecutorError(
+            raise BatchContractError(
                 f"scheduled cached request {req_id!r} is not in the model runner's batch"
             )
         if new_token_ids:

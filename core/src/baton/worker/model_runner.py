@@ -29,7 +29,7 @@ from baton.protocol import (
 )
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
-from baton.worker.input_batch import InputBatch
+from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.sampler import Sampler, apply_bitmask
 from baton.worker.step_inputs import StepInputBuilder, StepInputs, sampling_metadata
 
@@ -348,9 +348,10 @@ class ModelRunner:
         """Apply the step's changes to the persistent batch; return the requests that failed.
 
         A request whose change raises (a value that does not fit the batch's arrays,
-        an inconsistent update) leaves the batch: it never comes back, since the
-        scheduler finishes it with an error. The same SchedulerOutput fails the same
-        requests on every rank, so parallel ranks leave the same ones out.
+        a token id outside the vocabulary) leaves the batch: it never comes back, since
+        the scheduler finishes it with an error. The same SchedulerOutput fails the same
+        requests on every rank, so parallel ranks leave the same ones out. A
+        BatchContractError (scheduler and runner disagree) still fails the step.
         """
         batch = self.input_batch
         for rid in so.finished_req_ids:
@@ -367,12 +368,16 @@ class ModelRunner:
                     c.new_block_ids[i] if i < len(c.new_block_ids) else (),
                     c.num_computed_tokens[i],
                 )
+            except BatchContractError:
+                raise
             except Exception as e:  # this request fails alone; the step goes on
                 self._drop(rid, e, failed)
         for req in so.scheduled_new_reqs:
             batch.remove_request(req.req_id)  # a resumed request replaces any stale row
             try:
                 batch.add_request(req, self.eos_token_ids)
+            except BatchContractError:
+                raise
             except Exception as e:
                 self._drop(req.req_id, e, failed)
         return failed
@@ -411,12 +416,13 @@ class ModelRunner:
             try:
                 tokens, lps = self._sample_rows(logits, rids, inputs.sample_rows, grammar)
             except Exception as e:  # rare: pay for row-by-row sampling only now
-                log.warning(
-                    "sampling %d requests together failed (%s); sampling each alone",
-                    len(rids),
-                    describe(e),
-                )
                 tokens, lps = self._sample_each(logits, inputs, grammar, failed)
+                if not failed:  # no request to blame (each row that failed logged itself)
+                    log.warning(
+                        "sampling %d requests together failed (%s); each alone succeeded",
+                        len(rids),
+                        describe(e),
+                    )
             sampled = {rid: [tok] for rid, tok in zip(rids, tokens, strict=True) if tok is not None}
             if lps is not None:
                 logprobs = {rid: [lp] for rid, lp in zip(rids, lps, strict=True) if lp is not None}
