@@ -187,7 +187,6 @@ class OpenAIServer:
         self.config = prepare_config(config)
         self.access_log = access_log
         self.engine: AsyncLLM | None = None
-        self.app: Any = None  # the FastAPI app, once the engine is up
         self.uvicorn: _Uvicorn | None = None
         self.started = threading.Event()
         self.address: tuple[str, int] | None = None
@@ -220,7 +219,7 @@ class OpenAIServer:
         watcher: asyncio.Task[None] | None = None
         app = None
         try:
-            app = self.app = build_app(engine, self.config)
+            app = build_app(engine, self.config)
             uv_config = uvicorn.Config(
                 app,
                 host=srv.host,

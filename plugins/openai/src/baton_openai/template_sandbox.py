@@ -108,6 +108,11 @@ class TemplateSandbox:
         self.killed: list[int] = []
         self.started: list[int] = []
 
+    @property
+    def idle_pids(self) -> list[int]:
+        """Pids of the workers waiting for a template, the next one taken last."""
+        return [w.pid for w in self._idle]
+
     async def render(
         self,
         template: str,
