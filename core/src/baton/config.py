@@ -114,28 +114,34 @@ class ServerSection(_Section):
     api_key: str | None = None
     """When set, /v1 requests must carry `Authorization: Bearer <api_key>` (empty or blank is refused)."""
     shutdown_timeout: float = Field(0.0, ge=0)
-    """Seconds in-flight requests may take to finish on shutdown (SIGTERM/SIGINT, LLM/AsyncLLM
-    shutdown) before they are aborted; 0 aborts them at once. `baton serve` drains for 30 s when
-    this is not set; its whole shutdown takes at most this long plus about a second."""
-    max_request_bytes: ByteSize = Field(ByteSize(16 * 1024**2), gt=0)
-    """Largest HTTP request body `baton serve` accepts (e.g. "16MiB"); larger ones get a 413 and
-    the connection is closed. The default leaves room for a 128k-token prompt (~0.5 MB of text,
-    ~1 MB as token ids) many times over, also as escaped JSON."""
+    """On shutdown (SIGTERM/SIGINT): seconds in-flight requests may take to finish before they
+    are aborted; 0 aborts them at once. The default 0 is the library's (an engine stops at once);
+    `baton serve` drains for 30 s when this is not set, and exits about a second after the
+    timeout (counted from the signal); an engine in its own process (transport zmq, shm) takes
+    about two seconds more to exit."""
+    max_request_bytes: ByteSize = Field(ByteSize(8 * 1024**2), gt=0)
+    """Largest HTTP request body `baton serve` accepts, e.g. "8MiB" (the default); a larger one
+    gets a 413 and its connection is closed. 8 MiB holds a 128k-token prompt (~0.5 MB of text,
+    ~1 MB as token ids or as escaped non-ASCII JSON) many times over, or 1M tokens of English
+    text; the bound also caps the JSON parsing a request costs the event loop."""
     header_timeout: float = Field(30.0, gt=0)
-    """Seconds a client has from the first byte of a request to the end of its headers; then a
-    408 and the connection is closed. Idle keep-alive connections close after 5 s."""
+    """Seconds from the first byte of a request to the end of its headers; then a 408 and the
+    connection is closed. Idle keep-alive connections (and new ones that send nothing) close
+    after 5 s."""
     body_timeout: float = Field(60.0, gt=0)
-    """Seconds a client has to send a request body once its headers are in (the whole body, not
-    per read: 16 MiB in 60 s needs ~280 KB/s); then a 408 and the connection is closed."""
+    """Seconds to send a whole request body once its headers are in (not per read: 8 MiB in
+    60 s is ~140 KB/s); then a 408 and the connection is closed."""
     preprocess_workers: int = Field(4, gt=0)
-    """Threads that render chat templates and tokenize prompts off the event loop (and, with
-    allow_client_chat_template, the most client-template processes)."""
+    """Threads that render chat templates and tokenize prompts off the event loop; with
+    allow_client_chat_template, also the most client-template processes."""
     preprocess_timeout: float = Field(10.0, gt=0)
-    """Seconds a request's chat template + tokenization may take, waiting for a worker included;
-    over it: a 400 (work too long) or a 503 (no worker was free). Raise it for huge prompts."""
+    """Seconds a request's chat template + tokenization may take, waiting for a worker
+    included: over it, a 400 (the work took too long; raise this for huge prompts) or a 503 (no
+    worker was free)."""
     allow_client_chat_template: bool = False
-    """Accept a request's own Jinja chat template (`chat_template`, or in `chat_template_kwargs`);
-    it is rendered in a sandboxed process that is killed after preprocess_timeout."""
+    """Accept a request's own Jinja chat template (`chat_template`, also inside
+    `chat_template_kwargs`), rendered in a sandboxed process killed after preprocess_timeout;
+    refused with a 400 when off."""
 
     @pydantic.field_validator("api_key")
     @classmethod

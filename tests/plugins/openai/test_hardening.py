@@ -136,13 +136,16 @@ def test_prompt_ids_are_the_model_template_token_for_token(sandboxed, monkeypatc
 # ---------------------------------------------------------------------- preprocessing
 
 
+def long_chat(srv, repeat: int) -> bytes:
+    """A chat request with one long message: rendered and tokenized whole (the server's template
+    could drop any message, so its length says nothing about the prompt's before rendering)."""
+    message = "All work and no play makes Jack a dull boy. " * repeat
+    body = {"model": srv.model, "messages": [{"role": "user", "content": message}]}
+    return httpx.Request("POST", "/", json=body).read()
+
+
 def test_long_tokenization_runs_off_the_event_loop(server):
-    prompt = "All work and no play makes Jack a dull boy. " * 45_000  # ~2 MB
-    body = request_bytes(
-        "POST",
-        "/v1/completions",
-        httpx.Request("POST", "/", json={"prompt": prompt, "max_tokens": 1}).read(),
-    )
+    body = request_bytes("POST", "/v1/chat/completions", long_chat(server, 45_000))  # ~2 MB
     sock = connect(server.url, timeout=60)
     with HealthProbe(server.url) as probe:
         sock.sendall(body)
@@ -152,29 +155,52 @@ def test_long_tokenization_runs_off_the_event_loop(server):
     assert r.json()["error"]["code"] in ("context_length_exceeded", "preprocess_timeout"), r.body
 
 
+def test_huge_text_prompt_is_refused_by_its_prefix(server):
+    prompt = "All work and no play makes Jack a dull boy. " * 140_000  # ~6 MB, under the limit
+    body = request_bytes(
+        "POST",
+        "/v1/completions",
+        httpx.Request("POST", "/", json={"prompt": prompt, "max_tokens": 1}).read(),
+    )
+    sock = connect(server.url, timeout=60)
+    with HealthProbe(server.url) as probe:
+        t0 = time.monotonic()
+        sock.sendall(body)
+        r = read_response(sock)
+        took = time.monotonic() - t0
+        time.sleep(0.2)
+    probe.check()
+    assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.body
+    assert "model.max_model_len" in r.json()["error"]["message"]
+    assert took < 2.0, took  # not the ~7 s that tokenizing 6 MB takes
+
+
 def test_preprocessing_over_its_time_limit_is_a_400_naming_the_setting(sandboxed):
-    prompt = "All work and no play makes Jack a dull boy. " * 90_000  # ~4 MB: seconds to tokenize
     t0 = time.monotonic()
     r = httpx.post(
-        f"{sandboxed.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60
+        f"{sandboxed.url}/v1/chat/completions",
+        content=long_chat(sandboxed, 90_000),  # ~4 MB: seconds to render and tokenize
+        headers={"content-type": "application/json"},
+        timeout=60,
     )
     assert time.monotonic() - t0 < PREPROCESS_TIMEOUT + 1.0
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["code"] == "preprocess_timeout" and err["param"] == "prompt"
+    assert err["code"] == "preprocess_timeout" and err["param"] == "messages"
     assert "server.preprocess_timeout" in err["message"]
 
 
 def test_no_free_worker_is_a_503(model_dir):
     with running_server(model_dir, preprocess_workers=1, preprocess_timeout=0.5) as srv:
-        prompt = "All work and no play makes Jack a dull boy. " * 90_000
+        body = long_chat(srv, 90_000)
         results: list[httpx.Response] = []
 
         def post() -> None:
             results.append(
                 httpx.post(
-                    f"{srv.url}/v1/completions",
-                    json={"prompt": prompt, "max_tokens": 1},
+                    f"{srv.url}/v1/chat/completions",
+                    content=body,
+                    headers={"content-type": "application/json"},
                     timeout=60,
                 )
             )
@@ -189,6 +215,37 @@ def test_no_free_worker_is_a_503(model_dir):
         assert codes == [(400, "preprocess_timeout"), (503, "server_busy")], codes
         busy = next(r for r in results if r.status_code == 503).json()["error"]["message"]
         assert "server.preprocess_workers" in busy
+
+
+def test_four_10mb_bodies_are_refused_with_the_default_limit(server):
+    """The attack as found (four 10 MB bodies froze /health for 10 s): 413s from the headers."""
+    prompt = "All work and no play makes Jack a dull boy. " * 238_000
+    data = request_bytes(
+        "POST",
+        "/v1/completions",
+        httpx.Request("POST", "/", json={"prompt": prompt, "max_tokens": 1}).read(),
+    )
+    statuses: list[object] = []
+
+    def upload() -> None:
+        sock = connect(server.url, timeout=60)
+        try:
+            sock.sendall(data)
+            statuses.append(read_response(sock).status)
+        except OSError as e:
+            statuses.append(e)
+        finally:
+            sock.close()
+
+    with HealthProbe(server.url) as probe:
+        threads = [threading.Thread(target=upload) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(0.2)
+    assert statuses == [413] * 4
+    probe.check()
 
 
 def test_health_does_not_wait_for_a_busy_engine_step(server):

@@ -101,7 +101,7 @@ async def create_chat_completion(
     deadline = pre.deadline()  # templating, tokenization and the checks: off the event loop
     try:
         ids = await pre.chat_ids(
-            template_messages(req.messages),
+            lambda: template_messages(req.messages),
             req.add_generation_prompt,
             template_kwargs,
             client_template,

@@ -17,14 +17,17 @@ the rendered text comes back to be tokenized here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from baton import AsyncLLM
 from baton.config import ServerSection
-from baton.errors import InvalidRequestError
+from baton.errors import ContextLengthError, InvalidRequestError
 from baton.frontend.input_processor import RESERVED_CHAT_TEMPLATE_KWARGS
 from baton.validation import check_text
 from baton_openai.errors import OpenAIError
@@ -37,6 +40,59 @@ from baton_openai.template_sandbox import (
 
 T = TypeVar("T")
 
+#: A text this many characters per token of model.max_model_len long is first counted by its
+#: prefix: far past that, tokenizing all of it (seconds per MB, on a worker that cannot be
+#: stopped) only to refuse it would be wasted.
+PREFIX_CHARS_PER_TOKEN = 32
+
+
+class DaemonThreadPool:
+    """A fixed pool of daemon threads running submitted callables.
+
+    Not a ThreadPoolExecutor: that one joins its threads at interpreter exit, so a
+    tokenization that outlived its request's deadline would hold up the server's shutdown.
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(size)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            job = None  # drop the references while idle
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued (its request timed out)
+            try:
+                result = fn()
+            except BaseException as e:  # handed to the awaiting request
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            future = fn = None  # type: ignore[assignment]
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs and let the threads end (running jobs finish on their own)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                job = self._jobs.get_nowait()
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+
 
 class Preprocessor:
     """Renders and tokenizes requests in worker threads (and client templates in a sandbox)."""
@@ -45,7 +101,7 @@ class Preprocessor:
         self.engine = engine
         self.timeout = settings.preprocess_timeout
         self.workers = settings.preprocess_workers
-        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="baton-preprocess")
+        self.pool = DaemonThreadPool(self.workers, "baton-preprocess")
         self.sandbox: TemplateSandbox | None = None
         if settings.allow_client_chat_template:
             self.sandbox = TemplateSandbox(
@@ -97,7 +153,7 @@ class Preprocessor:
 
     async def chat_ids(
         self,
-        messages: list[dict[str, Any]],
+        messages: Callable[[], list[dict[str, Any]]],
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None,
         client_template: str | None,
@@ -106,13 +162,14 @@ class Preprocessor:
     ) -> list[int]:
         """The prompt token ids of a chat request (the server's template, or the client's).
 
+        ``messages()`` builds the template's messages (on a worker: a request may have many).
         InvalidRequestError (naming its param) for bad messages, variables or template output.
         """
         what = "rendering the chat template and tokenizing the messages"
         if client_template is None:
             return await self.run(
                 lambda: self.engine.render_chat(
-                    messages,
+                    messages(),
                     add_generation_prompt=add_generation_prompt,
                     chat_template_kwargs=template_kwargs,
                 ),
@@ -130,16 +187,16 @@ class Preprocessor:
                 code="unsupported_parameter",
             )
         tokenizer = self.engine.tokenizer
-        variables = await self.run(
-            lambda: client_template_variables(messages, template_kwargs, tokenizer),
-            deadline=deadline,
-            what=what,
-            param="messages",
-        )
+
+        def prepare() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            msgs = messages()
+            return msgs, client_template_variables(msgs, template_kwargs, tokenizer)
+
+        msgs, variables = await self.run(prepare, deadline=deadline, what=what, param="messages")
         try:
             text = await self.sandbox.render(
                 client_template,
-                messages,
+                msgs,
                 add_generation_prompt=add_generation_prompt,
                 variables=variables,
                 deadline=deadline,
@@ -163,15 +220,43 @@ class Preprocessor:
         def encode() -> list[int]:
             # as apply_chat_template does: the template wrote the special tokens itself
             check_text(text, "the rendered chat", param="messages")
+            refuse_if_surely_too_long(
+                tokenizer, text, self.engine.info.max_model_len, "the rendered chat", "messages"
+            )
             return list(tokenizer.encode(text, add_special_tokens=False))
 
         return await self.run(encode, deadline=deadline, what=what, param="messages")
 
     async def aclose(self) -> None:
-        """Stop the sandbox processes; running threads finish on their own (they are bounded)."""
+        """Stop the sandbox processes and the threads; a job still running finishes on its own
+        (its work is bounded) or, at exit, is dropped with its daemon thread."""
         if self.sandbox is not None:
             await self.sandbox.aclose()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
+
+
+def refuse_if_surely_too_long(
+    tokenizer: Any, text: str, max_model_len: int, what: str, param: str
+) -> None:
+    """ContextLengthError when a prefix of ``text`` alone is far over ``max_model_len`` tokens.
+
+    Only texts longer than PREFIX_CHARS_PER_TOKEN characters per token of the limit are
+    looked at (a prompt that fits is far shorter); the prefix ends at a space, and must
+    count more than twice the limit, so that where the cut falls cannot matter.
+    """
+    chars = PREFIX_CHARS_PER_TOKEN * max_model_len
+    if len(text) <= chars:
+        return
+    cut = text.rfind(" ", chars // 2, chars)
+    prefix = text[: cut if cut > 0 else chars]
+    counted = len(tokenizer.encode(prefix, add_special_tokens=False))
+    if counted > 2 * max_model_len + 64:
+        raise ContextLengthError(
+            f"{what} has more than {counted} tokens (in its first {len(prefix)} of "
+            f"{len(text)} characters) but model.max_model_len is {max_model_len} "
+            "(prompt + output): shorten it or raise model.max_model_len",
+            param=param,
+        )
 
 
 def client_template_variables(
