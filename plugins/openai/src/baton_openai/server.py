@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import ipaddress
 import logging
 import signal
@@ -144,10 +145,10 @@ class _Uvicorn(uvicorn.Server):
         left = self.shutdown_timeout - (time.monotonic() - began) - 0.1
         self.config.timeout_graceful_shutdown = max(0.0, left)  # type: ignore[assignment]
         await super().shutdown(sockets=sockets)
+        # the tasks uvicorn cancelled: let them close their streams (an abort in the engine each),
+        # so that the engine has nothing left to drain when it stops
         tasks = list(self.server_state.tasks)
-        if (
-            tasks
-        ):  # cancelled by uvicorn: let them close their streams (an abort in the engine each)
+        if tasks:
             await asyncio.wait(tasks, timeout=CANCEL_GRACE_S)
 
     def install_signal_handlers(self) -> None:  # older uvicorn
@@ -156,8 +157,6 @@ class _Uvicorn(uvicorn.Server):
                 signal.signal(sig, self.handle_exit)
 
     def capture_signals(self) -> Any:  # newer uvicorn: same, without the re-raise
-        import contextlib
-
         @contextlib.contextmanager
         def captured() -> Any:
             if threading.current_thread() is not threading.main_thread():
@@ -220,6 +219,11 @@ class OpenAIServer:
         app = None
         try:
             app = build_app(engine, self.config)
+            # The model, torch and the app are ~500k objects that live as long as the server;
+            # a full garbage collection walks them all (0.3 s here, the event loop stopped),
+            # triggered by any request that allocates many objects. Frozen, they are skipped.
+            gc.collect()
+            gc.freeze()
             uv_config = uvicorn.Config(
                 app,
                 host=srv.host,
@@ -236,6 +240,7 @@ class OpenAIServer:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            gc.unfreeze()  # the objects of a server run in-process (tests) can be collected again
             if app is not None:
                 with contextlib.suppress(Exception):
                     await app.state.baton.preprocess.aclose()

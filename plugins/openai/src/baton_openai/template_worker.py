@@ -178,8 +178,8 @@ def serve(inp: BinaryIO, out: BinaryIO, max_output_chars: int) -> None:
             )
             if len(text) > max_output_chars:
                 reply = {
-                    "error": f"the rendered chat has {len(text)} characters, more than the "
-                    f"{max_output_chars} of server.max_request_bytes"
+                    "error": f"the rendered chat has {len(text)} characters, more than "
+                    f"server.max_request_bytes ({max_output_chars}) allows"
                 }
             else:
                 reply = {"text": text}
