@@ -8,6 +8,7 @@ deadline); the chat template and tokenization run on the Preprocessor's threads.
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 
 from baton import AsyncLLM, __version__
 from baton.config import BatonConfig
@@ -18,6 +19,7 @@ from baton_openai.context import ServerContext, check_api_key
 from baton_openai.errors import install_error_handlers
 from baton_openai.health import EngineHealth
 from baton_openai.limits import RequestLimits
+from baton_openai.openapi import error_responses, install_openapi
 from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import ModelCard, ModelList
 from baton_openai.unhandled import UnhandledErrors
@@ -29,7 +31,7 @@ models_router = APIRouter()
 ops_router = APIRouter()
 
 
-@models_router.get("/v1/models")
+@models_router.get("/v1/models", responses=error_responses(401, 500))
 async def list_models(raw: Request) -> ModelList:
     ctx = ServerContext.of(raw)
     card = ModelCard(
@@ -38,7 +40,12 @@ async def list_models(raw: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-@ops_router.get("/health")
+@ops_router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The engine is alive (empty body)", "content": {}}}
+    | error_responses(503),
+)
 async def health(raw: Request) -> Response:
     await raw.app.state.health.check()  # answers within ~20 ms, even while the engine steps
     return Response(status_code=200)
@@ -49,7 +56,7 @@ async def version() -> dict[str, str]:
     return {"version": __version__, "baton_plugin_openai": plugin_version}
 
 
-@ops_router.get("/metrics")
+@ops_router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(raw: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -81,6 +88,7 @@ def build_app(engine: AsyncLLM, config: BatonConfig | None = None) -> FastAPI:
     )
     app.state.health = EngineHealth(engine, HEALTH_TIMEOUT_S)
     install_error_handlers(app)
+    install_openapi(app)
     # add_middleware puts each one outside the previous: UnhandledErrors ends up outermost
     app.add_middleware(
         RequestLimits, max_bytes=int(srv.max_request_bytes), body_timeout=srv.body_timeout
