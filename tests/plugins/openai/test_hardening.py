@@ -22,7 +22,7 @@ from baton import AsyncLLM
 from baton.cli.main import main as baton_main
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton_openai import server as server_module
+from baton_openai import address
 from baton_openai.server import OpenAIServer
 
 from .conftest import running_server
@@ -366,7 +366,7 @@ def test_busy_port_fails_before_the_model_loads(model_dir, no_model):
     port = taken.getsockname()[1]
     try:
         config = BatonConfig.load(model=model_dir, port=port)
-        with pytest.raises(server_module.BindError, match=rf"127\.0\.0\.1:{port}.*another process"):
+        with pytest.raises(address.BindError, match=rf"127\.0\.0\.1:{port}.*another process"):
             asyncio.run(OpenAIServer(config).run())
         assert no_model == []
     finally:

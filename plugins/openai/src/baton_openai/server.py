@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
-import ipaddress
 import logging
 import signal
 import socket
@@ -32,7 +30,7 @@ import uvicorn
 
 from baton import AsyncLLM
 from baton.config import BatonConfig
-from baton.errors import BatonError
+from baton_openai.address import bind_sockets, is_loopback
 from baton_openai.app import build_app
 from baton_openai.connection import protocol_class
 
@@ -44,63 +42,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 CANCEL_GRACE_S = 1.0
 #: Idle keep-alive connections close after this long (also a new connection that sends nothing).
 KEEP_ALIVE_S = 5
-
-
-class BindError(BatonError, OSError):
-    """The server's address cannot be bound (in use, not local, no permission)."""
-
-
-def bind_sockets(host: str, port: int) -> list[socket.socket]:
-    """Bound (not yet listening) sockets for ``host:port``, as uvicorn would bind them."""
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        infos = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as e:
-        raise BindError(
-            f"cannot listen on {where}: {e.strerror}; set --host / server.host to an address "
-            "of this machine"
-        ) from None
-    sockets: list[socket.socket] = []
-    seen = set()
-    try:
-        for family, kind, proto, _, address in infos:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6 and len(infos) > 1:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            sock.set_inheritable(True)
-    except OSError as e:
-        for sock in sockets:
-            sock.close()
-        hint = (
-            "another process is listening there: stop it, or choose another --port / server.port"
-            if e.errno == errno.EADDRINUSE
-            else "check --host / --port (server.host, server.port)"
-        )
-        raise BindError(f"cannot listen on {where}: {e.strerror or e}; {hint}") from None
-    return sockets
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` is reachable only from this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except socket.gaierror:
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
 def prepare_config(config: BatonConfig) -> BatonConfig:
@@ -242,8 +183,10 @@ class OpenAIServer:
                 watcher.cancel()
             gc.unfreeze()  # the objects of a server run in-process (tests) can be collected again
             if app is not None:
-                with contextlib.suppress(Exception):
+                try:
                     await app.state.baton.preprocess.aclose()
+                except Exception:  # the engine must still stop; say what was left behind
+                    log.exception("stopping the preprocessing workers failed")
             engine.shutdown()
         return 1 if self.engine_died or engine.errored else 0
 
