@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,11 @@ from transformers import AutoTokenizer
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.errors import ContextLengthError, InvalidRequestError, error_from_message
-from baton.frontend.input_processor import RESERVED_CHAT_TEMPLATE_KWARGS, InputProcessor
+from baton.frontend.input_processor import (
+    PREFIX_CHARS_PER_TOKEN,
+    RESERVED_CHAT_TEMPLATE_KWARGS,
+    InputProcessor,
+)
 from baton.model_info import read_model_info
 from baton.protocol import EngineCoreRequest, ModelInfo
 from baton.sampling_params import RequestOutputKind, SamplingParams
@@ -317,3 +322,88 @@ def test_bad_messages(processor, messages, match):
     with pytest.raises(InvalidRequestError, match=match) as info:
         processor.render_chat(messages)
     assert info.value.param == "messages"
+
+
+# ---------------------------------------------------------------------- bounded tokenization
+
+JACK = "All work and no play makes Jack a dull boy. "  # ~11 tokens in 44 characters
+
+
+def test_a_text_far_over_the_context_is_refused_by_a_prefix_fast(processor):
+    """2 MB (~500k tokens; the context is 256): refused by counting a prefix, not tokenized."""
+    text = JACK * 45_000
+    t0 = time.monotonic()
+    with pytest.raises(ContextLengthError, match=r"model\.max_model_len is 256") as info:
+        processor.encode(text, add_special_tokens=True)
+    assert time.monotonic() - t0 < 0.5
+    assert info.value.param == "prompt" and "in its first" in str(info.value)
+    with pytest.raises(ContextLengthError):
+        processor.tokenize(text)
+
+
+def test_a_chat_whose_message_is_ten_times_the_context_is_refused_before_tokenizing(
+    processor, monkeypatch
+):
+    message = JACK * (10 * 256 // 11 + 1)  # ~10x the 256-token context
+    encoded: list[int] = []
+    encode = processor.tokenizer.encode
+
+    def spy(text, **kwargs):
+        encoded.append(len(text))
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(processor.tokenizer, "encode", spy)
+    with pytest.raises(ContextLengthError, match="the rendered chat has more than") as info:
+        processor.render_chat([{"role": "user", "content": message}])
+    assert info.value.param == "messages"
+    assert encoded and max(encoded) < len(message)  # only a prefix was tokenized
+    t0 = time.monotonic()
+    with pytest.raises(ContextLengthError):
+        processor.render_chat([{"role": "user", "content": JACK * 45_000}])  # 2 MB
+    assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.parametrize("repeat", [1, 5, 20])
+def test_what_fits_is_tokenized_as_before(processor, repeat):
+    tok = processor.tokenizer
+    text = JACK * repeat
+    assert processor.encode(text, add_special_tokens=True) == tok.encode(text)
+    assert processor.tokenize(text) == (text, tok.encode(text))
+    messages = [{"role": "user", "content": text}]
+    expected = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert processor.render_chat(messages) == list(expected)
+
+
+def test_a_long_text_of_few_tokens_is_counted_then_tokenized_whole(processor):
+    """Over PREFIX_CHARS_PER_TOKEN characters per token of the context, but a rule line of
+    ~64 characters per token: its prefix counts few tokens, so all of it is tokenized, as
+    before, and refused (or not) by its real length."""
+    text = "-" * (PREFIX_CHARS_PER_TOKEN * 256 * 2)
+    ids = processor.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) < 2 * 256 + 64  # the tokenizer's: the test needs such a text
+    assert processor.encode(text, add_special_tokens=False) == ids
+
+
+def test_token_ids_longer_than_the_context_are_refused_by_their_length(processor):
+    ids = [1] * 1_000_000
+    t0 = time.monotonic()
+    for prompt in (ids, {"prompt_token_ids": ids}):
+        with pytest.raises(ContextLengthError, match="the prompt has 1000000 tokens"):
+            processor.tokenize(prompt)
+    assert time.monotonic() - t0 < 0.1  # not a million ids checked one by one
+    with pytest.raises(InvalidRequestError, match="item 1 is 'x'"):
+        processor.tokenize([1, "x"])  # a short one is still checked id by id
+
+
+def test_message_checks_and_template_variables_are_public(processor):
+    """The server's client-template path calls these: the same refusals, the same messages."""
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\] must be a dict") as info:
+        processor.check_messages([{"role": "user"}, "hi"])
+    assert info.value.param == "messages"
+    with pytest.raises(InvalidRequestError, match="'tokenize' is an option") as info:
+        processor.template_variables({"tokenize": True})
+    assert info.value.param == "chat_template_kwargs"
+    assert processor.template_variables(None) == {}
+    assert processor.template_variables({"enable_thinking": False}) == {"enable_thinking": False}

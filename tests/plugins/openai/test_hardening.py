@@ -1,7 +1,7 @@
 """A responsive server: client-controlled work off the event loop, bounded, and no torn connections.
 
 /health must answer within 100 ms (the acceptance criterion) while a client template
-loops forever, a long prompt is tokenized or the engine is busy; an unexpected
+loops forever, a huge prompt or chat is refused by a prefix or the engine is busy; an unexpected
 exception is one 500 on a connection that keeps serving; an empty API key is refused;
 a non-loopback address without a key warns; a busy port fails before the model loads.
 """
@@ -136,23 +136,54 @@ def test_prompt_ids_are_the_model_template_token_for_token(sandboxed, monkeypatc
 # ---------------------------------------------------------------------- preprocessing
 
 
-def long_chat(srv, repeat: int) -> bytes:
-    """A chat request with one long message: rendered and tokenized whole (the server's template
-    could drop any message, so its length says nothing about the prompt's before rendering)."""
+def long_chat(srv, repeat: int, **fields) -> bytes:
+    """A chat request with one long message (the server's template could drop any message, so
+    only the rendered chat says how long the prompt is)."""
     message = "All work and no play makes Jack a dull boy. " * repeat
-    body = {"model": srv.model, "messages": [{"role": "user", "content": message}]}
+    body = {"model": srv.model, "messages": [{"role": "user", "content": message}], **fields}
     return httpx.Request("POST", "/", json=body).read()
 
 
-def test_long_tokenization_runs_off_the_event_loop(server):
-    body = request_bytes("POST", "/v1/chat/completions", long_chat(server, 45_000))  # ~2 MB
-    sock = connect(server.url, timeout=60)
-    with HealthProbe(server.url) as probe:
+@pytest.mark.parametrize("template", ["server", "client"])
+def test_huge_chat_message_is_refused_by_a_prefix_of_the_rendered_chat(sandboxed, template):
+    """A 2 MB message (~500k tokens, the context is 1k): refused by counting a prefix of the
+    rendered chat, not by tokenizing all of it (which kept a worker busy for seconds)."""
+    fields = {"chat_template": SIMPLE} if template == "client" else {}
+    body = request_bytes("POST", "/v1/chat/completions", long_chat(sandboxed, 45_000, **fields))
+    sock = connect(sandboxed.url, timeout=60)
+    with HealthProbe(sandboxed.url) as probe:
+        t0 = time.monotonic()
         sock.sendall(body)
         r = read_response(sock)
+        took = time.monotonic() - t0
+        time.sleep(0.2)
     probe.check()
-    assert r.status == 400, r.body  # too long for the model (or, on a slow machine, to tokenize)
-    assert r.json()["error"]["code"] in ("context_length_exceeded", "preprocess_timeout"), r.body
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert (
+        "the rendered chat has more than" in err["message"]
+        and "model.max_model_len" in (err["message"])
+    )
+    assert took < 1.0, took
+
+
+@pytest.fixture
+def slow_tokenizer(monkeypatch):
+    """Make a server's tokenization take ``seconds`` (a sleep first). Nothing a client sends
+    is that slow any more (long texts are refused by a prefix), but the limits must hold."""
+
+    def slow_down(srv, seconds: float) -> None:
+        processor = srv.server.engine.input_processor
+        encode = processor.encode
+
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return encode(*args, **kwargs)
+
+        monkeypatch.setattr(processor, "encode", slow)
+
+    return slow_down
 
 
 def test_huge_text_prompt_is_refused_by_its_prefix(server):
@@ -175,14 +206,10 @@ def test_huge_text_prompt_is_refused_by_its_prefix(server):
     assert took < 2.0, took  # not the ~7 s that tokenizing 6 MB takes
 
 
-def test_preprocessing_over_its_time_limit_is_a_400_naming_the_setting(sandboxed):
+def test_preprocessing_over_its_time_limit_is_a_400_naming_the_setting(sandboxed, slow_tokenizer):
+    slow_tokenizer(sandboxed, 3 * PREPROCESS_TIMEOUT)
     t0 = time.monotonic()
-    r = httpx.post(
-        f"{sandboxed.url}/v1/chat/completions",
-        content=long_chat(sandboxed, 90_000),  # ~4 MB: seconds to render and tokenize
-        headers={"content-type": "application/json"},
-        timeout=60,
-    )
+    r = chat(sandboxed)
     assert time.monotonic() - t0 < PREPROCESS_TIMEOUT + 1.0
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -190,22 +217,11 @@ def test_preprocessing_over_its_time_limit_is_a_400_naming_the_setting(sandboxed
     assert "server.preprocess_timeout" in err["message"]
 
 
-def test_no_free_worker_is_a_503(model_dir):
+def test_no_free_worker_is_a_503(model_dir, slow_tokenizer):
     with running_server(model_dir, preprocess_workers=1, preprocess_timeout=0.5) as srv:
-        body = long_chat(srv, 90_000)
+        slow_tokenizer(srv, 2.0)
         results: list[httpx.Response] = []
-
-        def post() -> None:
-            results.append(
-                httpx.post(
-                    f"{srv.url}/v1/chat/completions",
-                    content=body,
-                    headers={"content-type": "application/json"},
-                    timeout=60,
-                )
-            )
-
-        threads = [threading.Thread(target=post) for _ in range(2)]
+        threads = [threading.Thread(target=lambda: results.append(chat(srv))) for _ in range(2)]
         for t in threads:
             t.start()
             time.sleep(0.05)

@@ -6,11 +6,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
-from baton.errors import InvalidRequestError
+from baton.errors import ContextLengthError, InvalidRequestError
 from baton.model_info import ModelInfo
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, show_value
-from baton.validation import as_token_ids, check_request, check_text
+from baton.validation import as_token_ids, check_context_length, check_request, check_text
 
 #: A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": [...]}.
 PromptType: TypeAlias = str | Sequence[int] | Mapping[str, Any]
@@ -37,6 +37,12 @@ RESERVED_CHAT_TEMPLATE_KWARGS: dict[str, str] = {
 }
 
 
+#: A text longer than this many characters per token of model.max_model_len is first counted
+#: by a prefix: far past the limit, tokenizing all of it (seconds per MB, on a thread that
+#: cannot be stopped) only to refuse it would be wasted.
+PREFIX_CHARS_PER_TOKEN = 32
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
         self.tokenizer = tokenizer
@@ -56,22 +62,10 @@ class InputProcessor:
         ``chat_template_kwargs`` (and ``kwargs``) are template variables; apply_chat_template's
         own options are refused. Any error the template raises is an InvalidRequestError.
         """
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise InvalidRequestError(
-                "messages must be a non-empty list of {'role', 'content'} dicts", param="messages"
-            )
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m:
-                raise InvalidRequestError(
-                    f"messages[{i}] must be a dict with 'role' and 'content', got {show_value(m)}",
-                    param="messages",
-                )
-            for key, value in m.items():
-                if isinstance(value, str):
-                    check_text(value, f"messages[{i}].{key}", param="messages")
+        self.check_messages(messages)
         variables = {
-            **_template_variables(chat_template_kwargs or {}),
-            **_template_variables(kwargs),
+            **self.template_variables(chat_template_kwargs),
+            **self.template_variables(kwargs),
         }
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
@@ -107,14 +101,90 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"the chat template rendered {type(text).__name__}, not text", param="messages"
             )
-        check_text(text, "the rendered chat", param="messages")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # as apply_chat_template does: the template wrote the special tokens itself
+        return self.encode(
+            text, add_special_tokens=False, what="the rendered chat", param="messages"
+        )
+
+    def check_messages(self, messages: ChatMessages) -> None:
+        """InvalidRequestError (param "messages") unless ``messages`` is a non-empty list of
+        dicts with a 'role', whose strings are valid UTF-8: what a chat template may be given."""
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidRequestError(
+                "messages must be a non-empty list of {'role', 'content'} dicts", param="messages"
+            )
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or "role" not in m:
+                raise InvalidRequestError(
+                    f"messages[{i}] must be a dict with 'role' and 'content', got {show_value(m)}",
+                    param="messages",
+                )
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages[{i}].{key}", param="messages")
+
+    def template_variables(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``kwargs`` (chat_template_kwargs) as template variables; apply_chat_template's own
+        options are refused (InvalidRequestError, param "chat_template_kwargs")."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, Mapping):
+            raise InvalidRequestError(
+                f"chat_template_kwargs must be a dict, got {type(kwargs).__name__}",
+                param="chat_template_kwargs",
+            )
+        for key in kwargs:
+            if not isinstance(key, str):
+                raise InvalidRequestError(
+                    f"chat_template_kwargs keys must be strings, got {show_value(key)}",
+                    param="chat_template_kwargs",
+                )
+            why = RESERVED_CHAT_TEMPLATE_KWARGS.get(key)
+            if why is not None:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs: {key!r} is an option of apply_chat_template, not a "
+                    f"template variable ({why}); remove it. Template variables such as "
+                    "enable_thinking pass.",
+                    param="chat_template_kwargs",
+                )
+        return dict(kwargs)
+
+    def encode(
+        self,
+        text: str,
+        *,
+        add_special_tokens: bool,
+        what: str = "the prompt",
+        param: str = "prompt",
+    ) -> list[int]:
+        """The token ids of ``text``, which must be valid UTF-8 (InvalidRequestError).
+
+        A text longer than PREFIX_CHARS_PER_TOKEN characters per token of model.max_model_len
+        is first counted by a prefix (cut at a space): when that alone has more than twice the
+        limit in tokens (plus 64, so that where the cut falls cannot matter), it is refused
+        with a ContextLengthError without being tokenized whole. A text that fits is far
+        shorter, and its ids are those of ``tokenizer.encode``.
+        """
+        check_text(text, what, param=param)
+        limit = self.info.max_model_len
+        chars = PREFIX_CHARS_PER_TOKEN * limit
+        if len(text) > chars:
+            cut = text.rfind(" ", chars // 2, chars)
+            prefix = text[: cut if cut > 0 else chars]
+            counted = len(self.tokenizer.encode(prefix, add_special_tokens=False))
+            if counted > 2 * limit + 64:
+                raise ContextLengthError(
+                    f"{what} has more than {counted} tokens (in its first {len(prefix)} of "
+                    f"{len(text)} characters) but model.max_model_len is {limit} (prompt + "
+                    "output): shorten it or raise model.max_model_len",
+                    param=param,
+                )
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt: text, token ids, or a dict of either."""
         if isinstance(prompt, str):
-            check_text(prompt)
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return prompt, self.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
@@ -123,7 +193,7 @@ class InputProcessor:
                         f"a prompt dict's 'prompt' must be text, got {type(text).__name__}",
                         param="prompt",
                     )
-                return text, as_token_ids(prompt["prompt_token_ids"])
+                return text, self._token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             raise InvalidRequestError(
@@ -131,11 +201,18 @@ class InputProcessor:
                 param="prompt",
             )
         if isinstance(prompt, Sequence | bytes | bytearray | memoryview):
-            return None, as_token_ids(prompt)
+            return None, self._token_ids(prompt)
         raise InvalidRequestError(
             f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}",
             param="prompt",
         )
+
+    def _token_ids(self, value: Any) -> list[int]:
+        """as_token_ids, but a list longer than model.max_model_len is refused by its length
+        first: checking a million ids one by one only to refuse them would be wasted."""
+        if isinstance(value, list | tuple):
+            check_context_length(len(value), None, self.info.max_model_len)
+        return as_token_ids(value)
 
     def process(
         self,
@@ -178,29 +255,6 @@ class InputProcessor:
         check_request(
             prompt_token_ids, params, self.info, priority=priority, user=user, cache_salt=cache_salt
         )
-
-
-def _template_variables(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``kwargs`` as template variables; apply_chat_template's own options are refused."""
-    if not isinstance(kwargs, Mapping):
-        raise InvalidRequestError(
-            f"chat_template_kwargs must be a dict, got {type(kwargs).__name__}",
-            param="chat_template_kwargs",
-        )
-    for key in kwargs:
-        if not isinstance(key, str):
-            raise InvalidRequestError(
-                f"chat_template_kwargs keys must be strings, got {show_value(key)}",
-                param="chat_template_kwargs",
-            )
-        why = RESERVED_CHAT_TEMPLATE_KWARGS.get(key)
-        if why is not None:
-            raise InvalidRequestError(
-                f"chat_template_kwargs: {key!r} is an option of apply_chat_template, not a template "
-                f"variable ({why}); remove it. Template variables such as enable_thinking pass.",
-                param="chat_template_kwargs",
-            )
-    return dict(kwargs)
 
 
 def _cut(text: str, limit: int = 300) -> str:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.context import ServerContext
-from baton_openai.errors import OpenAIError
+from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
 from baton_openai.logprobs import chat_logprobs
 from baton_openai.params import BuiltParams, build_params
@@ -107,8 +107,10 @@ async def create_chat_completion(
             client_template,
             deadline=deadline,
         )
-    except InvalidRequestError as e:
-        raise OpenAIError(str(e), param=e.param or "messages", code="invalid_value") from None
+    except InvalidRequestError as e:  # a ContextLengthError keeps its own code
+        err = from_baton_error(e)
+        err.param = err.param or "messages"
+        raise err from None
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -16,7 +16,6 @@ from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
 from baton_openai.logprobs import completion_logprobs
 from baton_openai.params import BuiltParams, build_params
-from baton_openai.preprocess import refuse_if_surely_too_long
 from baton_openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
 
@@ -60,17 +59,10 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
         # tokenizing (and checking every token id) is work the client controls: on a worker thread
         texts, ids_list, built_list = [], [], []
         for prompt in prompts:
-            if isinstance(prompt, str):  # a huge text is refused by a prefix, not tokenized whole
-                try:
-                    refuse_if_surely_too_long(
-                        engine.tokenizer, prompt, engine.info.max_model_len, "the prompt", "prompt"
-                    )
-                except InvalidRequestError as e:
-                    raise from_baton_error(e) from None
-            try:
+            try:  # a huge text is refused by a prefix, a long id list by its length
                 text, ids = engine.input_processor.tokenize(prompt)
             except InvalidRequestError as e:
-                raise OpenAIError(str(e), param="prompt", code="invalid_value") from None
+                raise from_baton_error(e) from None
             built_list.append(
                 build_params(
                     req,

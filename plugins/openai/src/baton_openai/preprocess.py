@@ -27,9 +27,7 @@ from typing import Any, TypeVar
 
 from baton import AsyncLLM
 from baton.config import ServerSection
-from baton.errors import ContextLengthError, InvalidRequestError
-from baton.frontend.input_processor import RESERVED_CHAT_TEMPLATE_KWARGS
-from baton.validation import check_text
+from baton.frontend.input_processor import InputProcessor
 from baton_openai.errors import OpenAIError
 from baton_openai.template_sandbox import (
     SandboxBusy,
@@ -39,11 +37,6 @@ from baton_openai.template_sandbox import (
 )
 
 T = TypeVar("T")
-
-#: A text this many characters per token of model.max_model_len long is first counted by its
-#: prefix: far past that, tokenizing all of it (seconds per MB, on a worker that cannot be
-#: stopped) only to refuse it would be wasted.
-PREFIX_CHARS_PER_TOKEN = 32
 
 
 class DaemonThreadPool:
@@ -186,11 +179,11 @@ class Preprocessor:
                 param="chat_template",
                 code="unsupported_parameter",
             )
-        tokenizer = self.engine.tokenizer
+        processor = self.engine.input_processor
 
         def prepare() -> tuple[list[dict[str, Any]], dict[str, Any]]:
             msgs = messages()
-            return msgs, client_template_variables(msgs, template_kwargs, tokenizer)
+            return msgs, client_template_variables(processor, msgs, template_kwargs)
 
         msgs, variables = await self.run(prepare, deadline=deadline, what=what, param="messages")
         try:
@@ -219,11 +212,9 @@ class Preprocessor:
 
         def encode() -> list[int]:
             # as apply_chat_template does: the template wrote the special tokens itself
-            check_text(text, "the rendered chat", param="messages")
-            refuse_if_surely_too_long(
-                tokenizer, text, self.engine.info.max_model_len, "the rendered chat", "messages"
+            return processor.encode(
+                text, add_special_tokens=False, what="the rendered chat", param="messages"
             )
-            return list(tokenizer.encode(text, add_special_tokens=False))
 
         return await self.run(encode, deadline=deadline, what=what, param="messages")
 
@@ -235,49 +226,17 @@ class Preprocessor:
         self.pool.shutdown()
 
 
-def refuse_if_surely_too_long(
-    tokenizer: Any, text: str, max_model_len: int, what: str, param: str
-) -> None:
-    """ContextLengthError when a prefix of ``text`` alone is far over ``max_model_len`` tokens.
-
-    Only texts longer than PREFIX_CHARS_PER_TOKEN characters per token of the limit are
-    looked at (a prompt that fits is far shorter); the prefix ends at a space, and must
-    count more than twice the limit, so that where the cut falls cannot matter.
-    """
-    chars = PREFIX_CHARS_PER_TOKEN * max_model_len
-    if len(text) <= chars:
-        return
-    cut = text.rfind(" ", chars // 2, chars)
-    prefix = text[: cut if cut > 0 else chars]
-    counted = len(tokenizer.encode(prefix, add_special_tokens=False))
-    if counted > 2 * max_model_len + 64:
-        raise ContextLengthError(
-            f"{what} has more than {counted} tokens (in its first {len(prefix)} of "
-            f"{len(text)} characters) but model.max_model_len is {max_model_len} "
-            "(prompt + output): shorten it or raise model.max_model_len",
-            param=param,
-        )
-
-
 def client_template_variables(
-    messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None, tokenizer: Any
+    processor: InputProcessor,
+    messages: list[dict[str, Any]],
+    template_kwargs: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """The checks render_chat makes before rendering, and the variables a client template sees:
-    the tokenizer's special tokens, then chat_template_kwargs (which win, as in transformers)."""
-    for i, m in enumerate(messages):
-        for key, value in m.items():
-            if isinstance(value, str):
-                check_text(value, f"messages[{i}].{key}", param="messages")
-    kwargs = dict(template_kwargs or {})
-    for key in kwargs:
-        why = RESERVED_CHAT_TEMPLATE_KWARGS.get(key)
-        if why is not None:
-            raise InvalidRequestError(
-                f"chat_template_kwargs: {key!r} is an option of apply_chat_template, not a "
-                f"template variable ({why}); remove it",
-                param="chat_template_kwargs",
-            )
-    return {**special_tokens(tokenizer), **kwargs}
+    """The checks render_chat makes before rendering (the same refusals, the same messages),
+    and the variables a client template sees: the tokenizer's special tokens, then
+    chat_template_kwargs (which win, as in transformers)."""
+    processor.check_messages(messages)
+    variables = processor.template_variables(template_kwargs)
+    return {**special_tokens(processor.tokenizer), **variables}
 
 
 def special_tokens(tokenizer: Any) -> dict[str, Any]:
