@@ -123,7 +123,8 @@ class ServerSection(_Section):
     """Largest HTTP request body `baton serve` accepts, e.g. "8MiB" (the default); a larger one
     gets a 413 and its connection is closed. 8 MiB holds a 128k-token prompt (~0.5 MB of text,
     ~1 MB as token ids or as escaped non-ASCII JSON) many times over, or 1M tokens of English
-    text; the bound also caps the JSON parsing a request costs the event loop."""
+    text; the bound also caps the JSON parsing a request costs (a large body is decoded in
+    pieces, one body at a time, so that it does not stop the event loop)."""
     header_timeout: float = Field(30.0, gt=0)
     """Seconds from the first byte of a request to the end of its headers; then a 408 and the
     connection is closed. Idle keep-alive connections (and new ones that send nothing) close

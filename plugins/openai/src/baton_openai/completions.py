@@ -14,12 +14,14 @@ from baton.errors import BatonError, InvalidRequestError
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
+from baton_openai.json_body import PiecewiseJSONRoute
 from baton_openai.logprobs import completion_logprobs
 from baton_openai.params import BuiltParams, build_params
 from baton_openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
 
-router = APIRouter()
+#: Bodies decoded in pieces: a large one does not stop the event loop while it is parsed.
+router = APIRouter(route_class=PiecewiseJSONRoute)
 
 
 def _prompts(prompt: Any) -> list[Any]:

@@ -24,6 +24,7 @@ from baton.errors import (
     InvalidRequestError,
     StructuredOutputError,
 )
+from baton.sampling_params import show_value
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,15 @@ def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None
     return OpenAIError(f"internal error: {type(e).__name__}: {message}", 500, code="internal_error")
 
 
+#: Validation errors spelled out in a message; the rest are counted (4096 bad messages
+#: would make a 400 of 400 KB).
+MAX_ERROR_LINES = 10
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     lines, param = [], None
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_ERROR_LINES]:
         if err.get("type") == "json_invalid":
             return OpenAIError(
                 f"the request body is not valid JSON: {err.get('msg')}", 400, code="invalid_json"
@@ -98,8 +105,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         where = ".".join(loc) or "body"
         param = param or (loc[0] if raw_loc and isinstance(raw_loc[0], str) else None)
         value = err.get("input")
-        shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
+        shown = "" if isinstance(value, dict | list) else f" (got {show_value(value)})"
         lines.append(f"{where}: {err.get('msg')}{shown}")
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"and {len(errors) - MAX_ERROR_LINES} more errors")
     return OpenAIError(
         "; ".join(lines) or "invalid request", 400, param=param, code="invalid_value"
     )

@@ -4,6 +4,10 @@ Field constraints live here, so that a bad value is a 400 naming the parameter
 before anything reaches the engine. Unknown request fields are accepted and
 ignored with a warning, as OpenAI-compatible servers do (clients send fields
 that a server may not know).
+
+Validation runs on the event loop, so every list and object a request may make
+long is bounded (the MAX_* constants: generous for any client): pydantic stops
+at the bound, so a request of a million items costs what one at the bound does.
 """
 
 from __future__ import annotations
@@ -11,18 +15,50 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, model_validator
+from pydantic_core import PydanticCustomError
 
 from baton.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_N, MAX_SEED
 from baton.validation import PRIORITY_MAX, PRIORITY_MIN
 
+#: Prompts in one completion request (a batch).
+MAX_PROMPTS = 1024
+#: Token ids in one prompt: more than any model's context. The served model's own
+#: model.max_model_len is checked by the prompt's length before its ids are looked at.
+MAX_PROMPT_TOKENS = 2**20
+#: Messages in one chat request (validating 4096 takes ~5 ms).
+MAX_MESSAGES = 4096
+#: Fields of a request, known and unknown (unknown ones are ignored, but each costs).
+MAX_FIELDS = 256
+#: Fields of one chat message (role, content, name, tool_calls, ...).
+MAX_MESSAGE_FIELDS = 32
+#: Items of any other list or object: stop strings, stop_token_ids, guided_choice, tools,
+#: content parts, logit_bias, chat_template_kwargs.
+MAX_ITEMS = 1024
+
 #: A token id as a request may carry one (the vocabulary bound is checked against the model).
 TokenId = Annotated[int, Field(ge=0, lt=MAX_INT32)]
+Bounded = Field(max_length=MAX_ITEMS)
+
+
+def _at_most_fields(data: Any, limit: int, what: str) -> Any:
+    if isinstance(data, dict) and len(data) > limit:
+        raise PydanticCustomError(
+            "too_many_fields",
+            "{what} has {count} fields, more than the {limit} accepted: remove the unknown ones",
+            {"what": what, "count": len(data), "limit": limit},
+        )
+    return data
 
 
 class _Model(BaseModel):
     # no NaN or infinity in any float field (JSON has neither, but Python's parsers accept them)
     model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        return _at_most_fields(data, MAX_FIELDS, "the request")
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or ())
@@ -57,7 +93,7 @@ class SamplingFields(_Model):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Bounded] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1, lt=MAX_INT32)
@@ -65,20 +101,20 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, float] | None = None  # refused when not empty
+    logit_bias: Annotated[dict[str, float], Bounded] | None = None  # refused when not empty
     # vLLM-style extras (openai client: extra_body={...})
     top_k: int | None = Field(None, ge=-1, lt=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=MAX_INT32)
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Bounded] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Bounded] | None = None
     guided_grammar: str | None = None
 
 
@@ -86,23 +122,98 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], Bounded] | None = None
     name: str | None = None
 
 
+def _message_fields_bounded(messages: Any) -> Any:
+    """Each message's field count checked in one call per request (a validator on ChatMessage
+    would cost a Python call per message, more than validating the message does)."""
+    if isinstance(messages, list) and len(messages) <= MAX_MESSAGES:
+        for i, m in enumerate(messages):
+            _at_most_fields(m, MAX_MESSAGE_FIELDS, f"messages[{i}]")
+    return messages  # a longer list is refused by max_length
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[
+        list[ChatMessage],
+        Field(min_length=1, max_length=MAX_MESSAGES),
+        BeforeValidator(_message_fields_bounded),
+    ]
     max_completion_tokens: int | None = Field(None, ge=1, lt=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Bounded] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Bounded] | None = None
+
+
+#: What a completion prompt may be (the schema; ``prompt_shape`` checks it).
+PromptInput = (
+    str
+    | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]],
+        Field(max_length=MAX_PROMPTS),
+    ]
+)
+
+
+def prompt_shape(value: Any) -> str | list[Any]:
+    """A completion prompt whose shape is one of PromptInput's, told by its first item.
+
+    Only the lengths and the shape are checked here, on the event loop; each token id
+    is checked on a preprocessing worker (InputProcessor.tokenize, then the vocabulary
+    bound). A plain union would validate a million ids once per branch it tries.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _prompt_error(f"got {type(value).__name__}")
+    if not value:
+        return value
+    first = value[0]
+    if isinstance(first, str | list):
+        _at_most(value, MAX_PROMPTS, "prompts")
+        kind = type(first)
+        bad = next((i for i, p in enumerate(value) if type(p) is not kind), None)
+        if bad is not None:
+            raise _prompt_error(
+                f"a list of {kind.__name__}s has item {bad} of type {type(value[bad]).__name__}"
+            )
+        if kind is list:
+            for p in value:
+                _at_most(p, MAX_PROMPT_TOKENS, "token ids")
+        return value
+    if isinstance(first, int) and not isinstance(first, bool):
+        _at_most(value, MAX_PROMPT_TOKENS, "token ids")
+        return value
+    raise _prompt_error(f"a list whose first item is {type(first).__name__}")
+
+
+def _at_most(items: list[Any], limit: int, what: str) -> None:
+    if len(items) > limit:
+        raise PydanticCustomError(
+            "too_long",
+            "at most {limit} {what} are accepted, got {count}",
+            {"limit": limit, "what": what, "count": len(items)},
+        )
+
+
+def _prompt_error(got: str) -> PydanticCustomError:
+    return PydanticCustomError(
+        "prompt_type",
+        "prompt must be a text, a list of texts, a list of token ids or a list of lists of "
+        "token ids; {got}",
+        {"got": got},
+    )
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[Any, PlainValidator(prompt_shape, json_schema_input_type=PromptInput)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
