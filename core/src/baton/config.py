@@ -117,8 +117,8 @@ class ServerSection(_Section):
     """On shutdown (SIGTERM/SIGINT): seconds in-flight requests may take to finish before they
     are aborted; 0 aborts them at once. The default 0 is the library's (an engine stops at once);
     `baton serve` drains for 30 s when this is not set, and exits about a second after the
-    timeout (counted from the signal); an engine in its own process (transport zmq, shm) takes
-    about two seconds more to exit."""
+    timeout (counted from the signal), an engine in its own process (transport zmq, shm)
+    included."""
     max_request_bytes: ByteSize = Field(ByteSize(8 * 1024**2), gt=0)
     """Largest HTTP request body `baton serve` accepts, e.g. "8MiB" (the default); a larger one
     gets a 413 and its connection is closed. 8 MiB holds a 128k-token prompt (~0.5 MB of text,
