@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton_openai.json_body import Reaper, decode_json, decode_steps, take_apart
+from baton_openai.json_body import decode_json, decode_steps
 
 JSON = st.recursive(
     st.none()
@@ -120,37 +120,3 @@ def test_decode_json_yields_to_the_event_loop():
 
     assert asyncio.run(main()) == json.loads(body)
     assert ticks > 10
-
-
-def test_take_apart_empties_what_only_it_holds_in_short_steps():
-    """Freeing 1.2M ints at once takes ~15-20 ms; taken apart, no step is long."""
-    shared = [1, 2, 3]
-    body = {"prompt": [i % 30000 for i in range(1_200_000)], "batch": [list(range(20_000)), shared]}
-    steps, longest, n = take_apart(body), 0.0, 0
-    while True:
-        t0 = time.perf_counter()
-        if next(steps, StopIteration) is StopIteration:
-            break
-        longest = max(longest, time.perf_counter() - t0)
-        n += 1
-    assert body == {} and shared == [1, 2, 3]  # what someone else holds is only let go
-    assert n > 100 and longest < 0.01, (n, longest)
-
-
-def test_the_reaper_takes_apart_a_body_once_it_holds_the_only_reference():
-    async def main() -> list[int]:
-        mine, theirs = [list(range(100_000))], [list(range(100_000))]
-        inner = mine[0]
-        reaper = Reaper.of_loop()
-        reaper.keep(mine)
-        reaper.keep(theirs)
-        del mine
-        for _ in range(100):
-            if len(reaper.held) == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert [entry[1] for entry in reaper.held] == [theirs]  # still held elsewhere: waits
-        return inner
-
-    inner = asyncio.run(main())
-    assert inner == list(range(100_000))  # a child held elsewhere is let go, not emptied

@@ -113,6 +113,26 @@ def test_integer_fields_are_bounded_by_the_request_model(server, path, fields, p
     assert_still_serving(server)
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (dict(max_tokens="2"), "max_tokens"),
+        (dict(max_tokens=2.0), "max_tokens"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(stream=1), "stream"),
+        (dict(echo="yes"), "echo"),
+        (dict(n=True), "n"),
+        (dict(priority=1.0), "priority"),
+        (dict(prompt=[[True, False]]), "prompt"),
+    ],
+)
+def test_json_types_are_taken_as_the_schema_states_them(server, fields, param):
+    # lax coercion would accept requests the OpenAPI schema calls invalid (schemathesis'
+    # negative-data check found "n": true and boolean token ids going through)
+    assert_400(completion(server, **{"max_tokens": 2, **fields}), param)
+    assert_still_serving(server)
+
+
 COMPLETION_EXPLOITS = [
     (dict(prompt="\udc80x"), "prompt"),
     (dict(priority=2**63), "priority"),

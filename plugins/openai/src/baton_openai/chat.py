@@ -16,6 +16,7 @@ from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
 from baton_openai.json_body import PiecewiseJSONRoute
 from baton_openai.logprobs import chat_logprobs
+from baton_openai.openapi import GENERATION_ERRORS, error_responses, streaming_ok
 from baton_openai.params import BuiltParams, build_params
 from baton_openai.protocol import (
     ChatChoice,
@@ -84,7 +85,12 @@ def client_chat_template(req: ChatCompletionRequest) -> tuple[str | None, dict[s
     return (given[0][1] if given else None), kwargs
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=streaming_ok(ChatCompletionResponse, "chat.completion.chunk")
+    | error_responses(*GENERATION_ERRORS),
+)
 async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request
 ) -> Response | ChatCompletionResponse:

@@ -16,6 +16,7 @@ from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
 from baton_openai.json_body import PiecewiseJSONRoute
 from baton_openai.logprobs import completion_logprobs
+from baton_openai.openapi import GENERATION_ERRORS, error_responses, streaming_ok
 from baton_openai.params import BuiltParams, build_params
 from baton_openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
@@ -34,7 +35,12 @@ def _prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=streaming_ok(CompletionResponse, "text_completion chunk")
+    | error_responses(*GENERATION_ERRORS),
+)
 async def create_completion(req: CompletionRequest, raw: Request) -> Response | CompletionResponse:
     ctx = ServerContext.of(raw)
     ctx.check_request(req)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-import sys
 import time
 import weakref
 from collections.abc import Callable, Generator
@@ -216,15 +215,15 @@ def _element(s: str, j: int, out: Any, piece: int) -> Generator[None, None, int]
 
 
 class PiecewiseJSONRequest(Request):
-    """A request whose JSON body is decoded by ``decode_json`` (and, when large, freed by
-    the loop's Reaper)."""
+    """A request whose JSON body is decoded by ``decode_json``.
+
+    What a large body decoded to is freed at once when the request ends (1.2M ints:
+    ~15 ms of the loop, once per body), which is short enough not to need pieces.
+    """
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = await self.body()
-            self._json = await decode_json(body)
-            if len(body) > PIECE and isinstance(self._json, list | dict):
-                Reaper.of_loop().keep(self._json)
+            self._json = await decode_json(await self.body())
         return self._json
 
 
@@ -238,92 +237,3 @@ class PiecewiseJSONRoute(APIRoute):
             return await handler(PiecewiseJSONRequest(request.scope, request.receive))
 
         return route
-
-
-class Reaper:
-    """Frees large decoded bodies in pieces, once nothing else holds them.
-
-    Freeing what a large body decoded to at once (1.2M ints: ~15-20 ms) would stop the
-    event loop at the end of its request. The Reaper holds each such body until its
-    reference is the only one left, then empties its lists and dicts a piece at a time,
-    as run_steps runs them. A body still held elsewhere after HOLD_S is let go.
-    """
-
-    POLL_S = 0.01
-    HOLD_S = 10.0
-    #: Items freed at once (~0.2 ms of ints, ~1 ms of small dicts).
-    FREE_PIECE = 8192
-    _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reaper] = (
-        weakref.WeakKeyDictionary()
-    )
-
-    def __init__(self) -> None:
-        self.held: list[list[Any]] = []  # [since, value]
-        self.task: asyncio.Task[None] | None = None
-
-    @classmethod
-    def of_loop(cls) -> Reaper:
-        loop = asyncio.get_running_loop()
-        reaper = cls._loops.get(loop)
-        if reaper is None:
-            reaper = cls._loops[loop] = cls()
-        return reaper
-
-    def keep(self, value: Any) -> None:
-        self.held.append([time.monotonic(), value])
-        if self.task is None or self.task.done():
-            self.task = asyncio.ensure_future(self._run())
-
-    async def _run(self) -> None:
-        try:
-            await self._free_all()
-        finally:
-            self.task = None  # a finished task would keep its loop, this Reaper's key, alive
-
-    async def _free_all(self) -> None:
-        while self.held:
-            await asyncio.sleep(self.POLL_S)
-            for entry in list(self.held):
-                alone = sys.getrefcount(entry[1]) == _ALONE_IN_ENTRY
-                if not alone and time.monotonic() - entry[0] < self.HOLD_S:
-                    continue
-                self.held.remove(entry)
-                steps = take_apart(entry.pop()) if alone else None
-                if steps is not None:
-                    async with _lane():  # with the decoding: one large body's work at a time
-                        await run_steps(steps)
-
-
-def take_apart(obj: Any) -> Generator[None, None, None]:
-    """Empty ``obj``, a list or dict nothing else holds, FREE_PIECE items at a time; a large
-    child nothing else holds is taken apart too, before it is let go."""
-    piece = Reaper.FREE_PIECE
-    while obj:
-        if isinstance(obj, list):
-            tail = obj[-piece:]
-            has_large = {list, dict} & set(map(type, tail)) and any(map(_large, tail))
-            del tail
-            if not has_large:
-                del obj[-piece:]
-                yield
-                continue
-        child = obj.popitem()[1] if isinstance(obj, dict) else obj.pop()
-        if _large(child) and sys.getrefcount(child) == _ALONE_IN_LOCAL:
-            yield from take_apart(child)
-        del child
-        yield
-
-
-def _large(x: Any) -> bool:
-    return isinstance(x, list | dict) and len(x) > Reaper.FREE_PIECE
-
-
-def _refcounts_when_alone() -> tuple[int, int]:
-    """What sys.getrefcount says of an object held only by a list's item, and only by a local
-    variable: measured, as what it counts (its own argument?) differs between versions."""
-    entry: list[Any] = [0.0, []]
-    local: list[Any] = []
-    return sys.getrefcount(entry[1]), sys.getrefcount(local)
-
-
-_ALONE_IN_ENTRY, _ALONE_IN_LOCAL = _refcounts_when_alone()

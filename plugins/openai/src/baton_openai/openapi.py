@@ -54,14 +54,25 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
 
 
-def streaming_ok(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+def streaming_ok(model: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
     """The 200 of a route that answers JSON, or server-sent events with ``"stream": true``."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "description": f"A {chunk} as JSON; an error object (ErrorResponse) if the "
+                "request fails mid-stream; the last event is '[DONE]'",
+            },
+        },
+    }
     return {
         200: {
             "model": model,
-            "description": "The answer; with stream=true, server-sent events of chunks ending "
-            "with 'data: [DONE]'",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "description": f"The answer; with stream=true, server-sent events of {chunk}s",
+            "content": {"text/event-stream": {"schema": event}},
         }
     }
 
