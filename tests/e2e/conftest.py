@@ -1,4 +1,5 @@
-"""Fixtures for end-to-end tests: leak checks for engine processes and shared memory."""
+"""Fixtures for end-to-end tests: the tiny model, greedy references, leak checks for engine
+processes and shared memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ import time
 
 import psutil
 import pytest
+
+from baton import LLM, SamplingParams
+from baton.testing.tiny_model import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    """The tiny random llama (built once per session, on disk)."""
+    return str(tiny_model("llama"))
+
+
+def greedy_reference(
+    model_dir: str, prompts: list[str], params: SamplingParams | list[SamplingParams]
+) -> list[list[int]]:
+    """Each prompt's tokens from a plain in-process LLM: what every other path must give."""
+    with LLM(model=model_dir, max_model_len=256) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _shm_segments() -> set[str]:

@@ -10,14 +10,8 @@ import pytest
 
 from baton import AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError, EngineShuttingDownError, InvalidRequestError
-from baton.testing.tiny_model import tiny_model
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_model("llama"))
 
 
 class Recorder:

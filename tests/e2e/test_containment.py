@@ -23,7 +23,8 @@ from baton.engine.core import EngineCore
 from baton.errors import BatonError
 from baton.frontend.detokenizer import IncrementalDetokenizer
 from baton.plugins import reset_plugins
-from baton.testing.tiny_model import tiny_model
+
+from .conftest import greedy_reference
 
 PREP_SEED = 911_001
 SAMPLE_SEED = 911_002
@@ -101,16 +102,8 @@ def register_executors(register):
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_model("llama"))
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
-    with LLM(model=model_dir, max_model_len=256) as llm:
-        return [
-            o.outputs[0].token_ids for o in llm.generate(GOOD_PROMPTS, GOOD_PARAMS, use_tqdm=False)
-        ]
+    return greedy_reference(model_dir, GOOD_PROMPTS, GOOD_PARAMS)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from baton.errors import EngineDeadError
 from baton.plugins import reset_plugins
 from baton.protocol import EngineCoreRequest, FinishReason
 from baton.testing.faults import kill_on_first_output
-from baton.testing.tiny_model import tiny_model
+
+from .conftest import greedy_reference
 
 TRANSPORTS = ["inproc", "zmq", "shm"]
 MP_TRANSPORTS = ["zmq", "shm"]
@@ -26,14 +27,8 @@ PROMPTS = ["Hello", "The weather today is", "1 2 3 4", "A much longer prompt " *
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return str(tiny_model("llama"))
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
-    with LLM(model=model_dir, max_model_len=256) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return greedy_reference(model_dir, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("transport", MP_TRANSPORTS)

@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -129,3 +130,47 @@ def is_closed(sock: socket.socket, timeout: float = 3.0) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def exchange(url: str, data: bytes, timeout: float = 60) -> Response:
+    """Send raw request bytes on a new connection and read the response."""
+    sock = connect(url, timeout=timeout)
+    try:
+        sock.sendall(data)
+        return read_response(sock)
+    finally:
+        sock.close()
+
+
+def exchange_or_error(url: str, data: bytes, timeout: float = 60) -> Response | OSError:
+    """``exchange``, with a connection error as the result instead of raised."""
+    try:
+        return exchange(url, data, timeout)
+    except OSError as e:
+        return e
+
+
+def probed(url: str, work: Callable[[], Any], copies: int = 1, settle: float = 0.2) -> HealthProbe:
+    """Run ``copies`` of ``work`` at once, on threads, while /health is probed; the probe, to
+    ``check()``. ``settle``: seconds probed after the work ends (a slow answer may trail it)."""
+    with HealthProbe(url) as probe:
+        threads = [threading.Thread(target=work) for _ in range(copies)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(settle)
+    return probe
+
+
+def timed_exchange(url: str, data: bytes) -> tuple[Response, float]:
+    """One raw request while /health is probed (it must stay fast): the response, its seconds."""
+    out: list[tuple[Response, float]] = []
+
+    def send() -> None:
+        t0 = time.monotonic()
+        r = exchange(url, data)
+        out.append((r, time.monotonic() - t0))
+
+    probed(url, send).check()
+    return out[0]

@@ -26,7 +26,16 @@ from baton_openai import address
 from baton_openai.server import OpenAIServer
 
 from .conftest import running_server
-from .probes import HealthProbe, connect, read_response, request_bytes
+from .probes import (
+    HealthProbe,
+    Response,
+    connect,
+    exchange_or_error,
+    probed,
+    read_response,
+    request_bytes,
+    timed_exchange,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -150,14 +159,7 @@ def test_huge_chat_message_is_refused_by_a_prefix_of_the_rendered_chat(sandboxed
     rendered chat, not by tokenizing all of it (which kept a worker busy for seconds)."""
     fields = {"chat_template": SIMPLE} if template == "client" else {}
     body = request_bytes("POST", "/v1/chat/completions", long_chat(sandboxed, 45_000, **fields))
-    sock = connect(sandboxed.url, timeout=60)
-    with HealthProbe(sandboxed.url) as probe:
-        t0 = time.monotonic()
-        sock.sendall(body)
-        r = read_response(sock)
-        took = time.monotonic() - t0
-        time.sleep(0.2)
-    probe.check()
+    r, took = timed_exchange(sandboxed.url, body)
     assert r.status == 400, r.body
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
@@ -193,14 +195,7 @@ def test_huge_text_prompt_is_refused_by_its_prefix(server):
         "/v1/completions",
         httpx.Request("POST", "/", json={"prompt": prompt, "max_tokens": 1}).read(),
     )
-    sock = connect(server.url, timeout=60)
-    with HealthProbe(server.url) as probe:
-        t0 = time.monotonic()
-        sock.sendall(body)
-        r = read_response(sock)
-        took = time.monotonic() - t0
-        time.sleep(0.2)
-    probe.check()
+    r, took = timed_exchange(server.url, body)
     assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.body
     assert "model.max_model_len" in r.json()["error"]["message"]
     assert took < 2.0, took  # not the ~7 s that tokenizing 6 MB takes
@@ -241,25 +236,11 @@ def test_four_10mb_bodies_are_refused_with_the_default_limit(server):
         "/v1/completions",
         httpx.Request("POST", "/", json={"prompt": prompt, "max_tokens": 1}).read(),
     )
-    statuses: list[object] = []
-
-    def upload() -> None:
-        sock = connect(server.url, timeout=60)
-        try:
-            sock.sendall(data)
-            statuses.append(read_response(sock).status)
-        except OSError as e:
-            statuses.append(e)
-        finally:
-            sock.close()
-
-    with HealthProbe(server.url) as probe:
-        threads = [threading.Thread(target=upload) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        time.sleep(0.2)
+    results: list[object] = []
+    probe = probed(
+        server.url, lambda: results.append(exchange_or_error(server.url, data)), copies=4
+    )
+    statuses = [r.status if isinstance(r, Response) else r for r in results]
     assert statuses == [413] * 4
     probe.check()
 

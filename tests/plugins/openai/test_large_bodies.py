@@ -10,7 +10,6 @@ request may make long is bounded before its items are validated (protocol.py), s
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
@@ -26,7 +25,7 @@ from baton_openai.protocol import (
     MAX_PROMPTS,
 )
 
-from .probes import HealthProbe, connect, read_response, request_bytes
+from .probes import exchange, probed, request_bytes
 
 IDS = 1_200_000  # more than MAX_PROMPT_TOKENS; 7.6 MiB as JSON, under the 8 MiB default limit
 
@@ -41,22 +40,10 @@ def four_at_once(srv, path: str, body: dict[str, Any]) -> tuple[list[Any], float
     httpx.post(f"{srv.url}{path}", json={}, timeout=30)
 
     def send() -> None:
-        sock = connect(srv.url, timeout=60)
-        try:
-            sock.sendall(data)
-            r = read_response(sock)
-            errors.append((r.status, r.json()["error"]))
-        finally:
-            sock.close()
+        r = exchange(srv.url, data)
+        errors.append((r.status, r.json()["error"]))
 
-    with HealthProbe(srv.url) as probe:
-        threads = [threading.Thread(target=send) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        time.sleep(0.2)
-    return errors, probe.check()
+    return errors, probed(srv.url, send, copies=4).check()
 
 
 def test_four_bodies_of_a_million_token_ids(server):

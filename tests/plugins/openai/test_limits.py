@@ -15,7 +15,15 @@ import httpx
 import pytest
 
 from .conftest import running_server
-from .probes import HealthProbe, connect, is_closed, read_response, request_bytes
+from .probes import (
+    HealthProbe,
+    connect,
+    exchange_or_error,
+    is_closed,
+    probed,
+    read_response,
+    request_bytes,
+)
 
 LIMIT = 1024**2  # server.max_request_bytes of the module's server
 HEADER_TIMEOUT = 1.0
@@ -61,23 +69,10 @@ def test_four_10mb_bodies_get_413s_and_health_stays_fast(limited):
     def upload() -> None:
         # as a plain client does: the whole body, then read. The server answers from the headers
         # and drops the body while it closes (a lingering close), so the 413 is read, not a reset
-        sock = connect(limited.url, timeout=30)
-        try:
-            sock.sendall(data)
-            r = read_response(sock)
-            results.append((r.status, r.json()["error"]["code"]))
-        except OSError as e:
-            results.append(e)
-        finally:
-            sock.close()
+        r = exchange_or_error(limited.url, data, timeout=30)
+        results.append(r if isinstance(r, OSError) else (r.status, r.json()["error"]["code"]))
 
-    with HealthProbe(limited.url) as probe:
-        threads = [threading.Thread(target=upload) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        time.sleep(0.3)
+    probe = probed(limited.url, upload, copies=4, settle=0.3)
     assert results == [(413, "request_too_large")] * 4
     probe.check()
     # and an ordinary client (httpx) reads the 413 too

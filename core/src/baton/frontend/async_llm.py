@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from baton.config import BatonConfig
@@ -83,23 +83,9 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.dead_error is not None
 
-    def render_chat(
-        self,
-        messages: ChatMessages,
-        add_generation_prompt: bool = True,
-        *,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> list[int]:
-        """The prompt token ids of a conversation (see InputProcessor.render_chat)."""
-        return self.input_processor.render_chat(
-            messages,
-            add_generation_prompt,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            **kwargs,
-        )
+    def render_chat(self, messages: ChatMessages, *args: Any, **kwargs: Any) -> list[int]:
+        """The prompt token ids of a conversation (the arguments of InputProcessor.render_chat)."""
+        return self.input_processor.render_chat(messages, *args, **kwargs)
 
     async def generate(
         self,
