@@ -12,7 +12,6 @@ so no client hangs.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -29,6 +28,7 @@ from baton.engine.core import UTILITY_METHODS, EngineCore
 from baton.errors import BatonError, ExecutorError, ProtocolError, TransportError
 from baton.interfaces import EngineChannel
 from baton.plugins import get_registry
+from baton.process_exit import exit_now
 from baton.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -367,15 +367,10 @@ def run_engine_core(
     if not in_thread:
         signal.signal(signal.SIGTERM, proc.request_shutdown)
         signal.signal(signal.SIGINT, proc.request_shutdown)
+    code = 0
     try:
         proc.run()
     except BaseException:
-        if not in_thread:
-            raise SystemExit(1) from None
-    finally:
-        if not in_thread:
-            # The loop has stopped and the channel is closed; what is left is the interpreter's
-            # final garbage collection, which walks every object torch and the model made
-            # (~1.5 s): the process exits without it, its memory going back to the OS.
-            gc.disable()
-            gc.freeze()
+        code = 1
+    if not in_thread:  # the loop has stopped and the channel is closed
+        exit_now(code)

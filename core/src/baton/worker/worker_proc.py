@@ -36,6 +36,7 @@ from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.wire import Kind
+from baton.process_exit import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -325,3 +326,4 @@ def worker_main(boot: WorkerBootstrap) -> None:
         log.info("worker %d: channel closed (%s); exiting", boot.rank, e)
     finally:
         proc.close()
+    exit_now(0)
