@@ -81,6 +81,20 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
 
 
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its first floating-point parameter's (quantized blocks are uint8)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    raise ExecutorError(f"{type(model).__name__} has no floating-point parameter")
+
+
+def head_vocab_size(head: torch.nn.Module) -> int:
+    """Rows of the LM head: ``out_features`` (nn.Linear, QuantLinear), else its weight's first dim."""
+    n = getattr(head, "out_features", None)
+    return int(n) if isinstance(n, int) else int(head.weight.shape[0])
+
+
 class ModelRunner:
     """Runs one model on one device for the engine core (through a Worker)."""
 
@@ -110,8 +124,8 @@ class ModelRunner:
         self.num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
-        self.dtype = next(self.model.parameters()).dtype
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.dtype = activation_dtype(self.model)
+        self.vocab_size = head_vocab_size(self.model.get_output_embeddings())
         self.max_model_len = self.model_info.max_model_len
         self.eos_token_ids = list(self.model_info.eos_token_ids)
         self.input_batch = InputBatch(
