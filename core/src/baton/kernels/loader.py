@@ -13,7 +13,14 @@ and publish the library by an atomic rename.
 warning naming the cause and returns False, and attention and linears run on
 torch ops.
 Registered operators (documented in the sources): ``torch.ops.baton.paged_decode``
-and ``paged_write`` (paged_attention.cpp), ``linear_small`` (small_gemm.cpp).
+and ``paged_write`` (paged_attention.cpp), ``linear_small`` (small_gemm.cpp),
+``linear_q`` and ``dequantize_q`` (quant_gemm.cpp).
+
+``$BATON_KERNEL_ISA`` picks the instruction set the kernels are compiled for (part
+of the cache key): ``native`` (default: everything this CPU has), ``avx2`` (this
+CPU's features without AVX-512, so an AVX-512 host runs and tests the AVX2 code
+paths; x86-64 only) or ``generic`` (x86-64-v2 on x86, the compiler's baseline
+elsewhere: the sources' portable paths, no AVX).
 """
 
 from __future__ import annotations
@@ -38,7 +45,15 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 LIBRARY = "baton_cpu_kernels.so"
 KERNEL_DIR_ENV = "BATON_KERNEL_DIR"
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
+ISA_ENV = "BATON_KERNEL_ISA"
+#: The compiler flags besides the instruction set's (cxx_flags puts that after -O3).
+CXX_FLAGS = ("-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
+#: $BATON_KERNEL_ISA -> the -m flags it compiles with (on x86-64; see isa_flags).
+ISA_FLAGS = {
+    "native": ("-march=native",),
+    "avx2": ("-march=native", "-mno-avx512f"),
+    "generic": ("-march=x86-64-v2",),
+}
 
 _loaded: bool | None = None
 
@@ -72,6 +87,30 @@ def _compiler() -> str:
     return path
 
 
+def isa_flags() -> tuple[str, ...]:
+    """The instruction-set flags $BATON_KERNEL_ISA asks for (native, avx2 or generic)."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise KernelBuildError(
+            f"{ISA_ENV}={isa!r} is not an instruction set the kernels compile for: "
+            f"use one of {', '.join(ISA_FLAGS)} (or unset it for native)"
+        )
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        if isa == "avx2":
+            raise KernelBuildError(
+                f"{ISA_ENV}=avx2 needs an x86-64 CPU, this one is {platform.machine()}: "
+                "use native or generic"
+            )
+        if isa == "generic":
+            return ()
+    return ISA_FLAGS[isa]
+
+
+def cxx_flags() -> tuple[str, ...]:
+    """Every flag a build compiles with: -O3, the instruction set's, then the rest."""
+    return (CXX_FLAGS[0], *isa_flags(), *CXX_FLAGS[1:])
+
+
 def _cpu_features() -> str:
     """The CPU's feature flags (what -march=native compiles for)."""
     try:
@@ -91,7 +130,7 @@ def _command(cxx: str, sources: tuple[Path, ...], out: Path) -> list[str]:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return [
         cxx,
-        *CXX_FLAGS,
+        *cxx_flags(),
         abi,
         *inc,
         *map(str, sources),
@@ -117,7 +156,7 @@ def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) ->
                 *(p.read_text() for p in sources),
                 torch.__version__,
                 version,
-                " ".join(CXX_FLAGS),
+                " ".join(cxx_flags()),
                 platform.machine(),
                 _cpu_features(),
             ]

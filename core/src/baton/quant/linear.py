@@ -1,0 +1,147 @@
+"""QuantLinear and QuantEmbedding: layers over quantized weight rows (ggml block formats).
+
+Math: y = x @ dequantize(W).T + bias with float32 activations (bf16/fp16 inputs are
+computed in float32 and cast back): exact weight-only quantization up to float
+summation order. Few rows (decode steps) go through ``torch.ops.baton.linear_q``,
+which decodes the blocks in registers and reads each weight byte once per call,
+the output rows split over the threads. More rows (prefill) dequantize a slice of
+output rows at a time into float32 and run torch's GEMM on it, which keeps the
+temporary small. Without the kernels every path runs on torch ops, same results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from baton.quant.dequant import dequantize_torch
+from baton.quant.formats import QType, QuantizationError, check_raw
+from baton.quant.ops import dequantize_native, use_kernels
+from baton.quant.quantize import quantize
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear layer whose weight stays in a quantized block format (``raw``: uint8 rows)."""
+
+    #: Rows up to which forward runs the fused kernel; more go slice by slice through GEMM.
+    KERNEL_MAX_ROWS = 16
+    #: float32 bytes of one dequantized slice of output rows on the GEMM path.
+    SLICE_BYTES = 1 << 20
+
+    def __init__(
+        self,
+        raw: torch.Tensor,
+        qtype: QType,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        kernels: bool | None = None,
+    ) -> None:
+        super().__init__()
+        qtype = QType(qtype)
+        check_raw(raw, qtype, (out_features, in_features))
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise QuantizationError(
+                f"bias of shape {tuple(bias.shape)} for {out_features} output features: "
+                f"pass a bias of shape ({out_features},) or None"
+            )
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernels = use_kernels(kernels)
+        self.register_buffer("raw", raw.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, mode: str) -> QuantLinear:
+        """``linear``'s weight quantized to ``mode`` (int8: Q8_0, int4: Q4_1), its bias kept."""
+        raw, qtype = quantize(linear.weight.detach(), mode)
+        return cls(raw, qtype, linear.in_features, linear.out_features, bias=linear.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes held: the quantized rows, plus the bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.raw.numel() + bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"qtype={self.qtype.name}, bias={self.bias is not None}, kernels={self.kernels}"
+        )
+
+    def dequantized(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """float32 weight rows [start, stop) (all by default)."""
+        raw = self.raw[start:stop]
+        shape = (raw.shape[0], self.in_features)
+        if self.kernels and raw.device.type == "cpu":
+            return dequantize_native(raw, self.qtype, torch.empty(shape))
+        return dequantize_torch(raw, self.qtype, shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        if x.shape[-1] != k:
+            raise QuantizationError(
+                f"input of shape {tuple(x.shape)} to a QuantLinear of {k} input features: "
+                f"its last dimension must be {k}"
+            )
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        x2 = x.reshape(rows, k).to(torch.float32).contiguous()
+        if self.kernels and 0 < rows <= self.KERNEL_MAX_ROWS and x2.device.type == "cpu":
+            y = x2.new_empty(rows, n)
+            torch.ops.baton.linear_q(x2, self.raw, int(self.qtype), y)
+            if self.bias is not None:
+                y.add_(self.bias)
+        else:
+            y = self._sliced(x2)
+        return y.view(*lead, n).to(x.dtype)
+
+    def _sliced(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 @ W.T + bias, dequantizing SLICE_BYTES of output rows at a time."""
+        n = self.out_features
+        step = max(1, self.SLICE_BYTES // (4 * self.in_features))
+        if step >= n:
+            return F.linear(x2, self.dequantized(), self.bias)
+        y = x2.new_empty(x2.shape[0], n)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            bias = None if self.bias is None else self.bias[n0:n1]
+            y[:, n0:n1] = F.linear(x2, self.dequantized(n0, n1), bias)
+        return y
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding over a QuantLinear's rows (tied embedding and LM head share the bytes)."""
+
+    def __init__(self, source: QuantLinear) -> None:
+        super().__init__()
+        self.source = source
+        self.num_embeddings = source.out_features
+        self.embedding_dim = source.in_features
+
+    @property
+    def qtype(self) -> QType:
+        return self.source.qtype
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes held: the source's (shared, not counted twice by a caller that sums both)."""
+        return self.source.weight_bytes
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [*ids.shape, embedding_dim]: only the gathered rows are dequantized."""
+        src = self.source
+        raw = src.raw.index_select(0, ids.reshape(-1).to(torch.long))
+        shape = (raw.shape[0], src.in_features)
+        if src.kernels and raw.device.type == "cpu":
+            out = dequantize_native(raw, src.qtype, torch.empty(shape))
+        else:
+            check_raw(raw, src.qtype, shape)
+            out = dequantize_torch(raw, src.qtype, shape)
+        return out.view(*ids.shape, src.in_features)
