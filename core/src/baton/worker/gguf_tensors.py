@@ -2,8 +2,9 @@
 
 ``convert_gguf`` dequantises a GGUF once into a float32 Hugging Face folder and
 records the source file in the folder's marker. To keep a GGUF's quantized
-tensors as they are, the loader reads them again from that source (memory-mapped
-with ``gguf.GGUFReader``) and needs, for each module of the loaded model, the
+tensors as they are, the loader reads them again from that source (memory-mapped;
+the file's index is parsed here, type sizes and names come from gguf-py) and
+needs, for each module of the loaded model, the
 GGUF tensor it came from: gguf-py's own name map does that for every
 architecture it knows (``model.layers.3.mlp.down_proj`` -> ``blk.3.ffn_down``).
 
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -81,46 +84,137 @@ def gguf_source(folder: Path) -> Path | None:
     return source
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lies in a GGUF file: ggml type id, dimensions (innermost first), byte offset."""
+
+    type_id: int
+    dims: tuple[int, ...]
+    offset: int
+
+
+#: GGUF metadata value types (gguf.md): fixed sizes; 8 is a string, 9 an array.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+#: Data alignment when the file does not set general.alignment.
+DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, front to back."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> tuple[Any, ...]:
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        """The value of type ``vtype``: scalars and strings decoded, arrays skipped (None)."""
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("<IQ")
+            if etype in _SCALAR_SIZES:
+                self.pos += count * _SCALAR_SIZES[etype]
+            else:
+                for _ in range(count):
+                    self.value(etype)
+            return None
+        size = _SCALAR_SIZES.get(vtype)
+        if size is None:
+            raise ValueError(f"unknown metadata value type {vtype} at byte {self.pos}")
+        fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[size]
+        (v,) = self.unpack(fmt)
+        return v
+
+
+def read_index(buf: Any) -> tuple[dict[str, Any], dict[str, TensorInfo], int]:
+    """(scalar metadata, tensor infos by name, start of the data section) of a GGUF file's bytes.
+
+    The layout of gguf.md (versions 2 and 3): header, key/value metadata, tensor infos,
+    then the tensors' data, aligned. Written here because gguf-py's GGUFReader decodes
+    every metadata array element into numpy views (seconds for a 49k-token vocabulary).
+    """
+    c = _Cursor(buf)
+    magic, version, n_tensors, n_kv = c.unpack("<4sIQQ")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a GGUF file of version 2 or 3 (magic {magic!r}, version {version})")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string()
+        (vtype,) = c.unpack("<I")
+        meta[key] = c.value(vtype)
+    tensors: dict[str, TensorInfo] = {}
+    for _ in range(n_tensors):
+        name = c.string()
+        (n_dims,) = c.unpack("<I")
+        dims = c.unpack(f"<{n_dims}Q")
+        type_id, offset = c.unpack("<IQ")
+        tensors[name] = TensorInfo(type_id, tuple(dims), offset)
+    align = meta.get("general.alignment") or DEFAULT_ALIGNMENT
+    return meta, tensors, -(-c.pos // align) * align
+
+
 class GGUFTensors:
-    """The tensors of one GGUF file, memory-mapped, by name; ``close()`` unmaps the file."""
+    """The tensors of one GGUF file by name; ``close()`` closes the file.
+
+    The index is parsed from a memory map that is closed at once; tensors are read
+    with plain file reads, so the file's pages are not mapped into the process (they
+    would count in its resident memory while mapped).
+    """
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
-        try:
-            self._reader: Any = GGUFReader(path)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read the GGUF file {str(path)!r}: {e}") from e
         self.path = path
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        field = self._reader.fields.get("general.architecture")
-        self.architecture: str = field.contents() if field is not None else ""
+        try:
+            self._file: BinaryIO | None = path.open("rb")
+            with mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                meta, self._tensors, self._data = read_index(mm)
+        except (OSError, ValueError, struct.error) as e:
+            raise ModelLoadError(f"cannot read the GGUF file {str(path)!r}: {e}") from e
+        arch = meta.get("general.architecture")
+        self.architecture: str = arch if isinstance(arch, str) else ""
 
     def close(self) -> None:
-        """Drop the reader: its memory map goes once no tensor view of it is left."""
-        self._tensors.clear()
-        self._reader = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
     def type_id(self, name: str) -> int:
-        return int(self._tensors[name].tensor_type)
+        return self._tensors[name].type_id
 
     def read(self, name: str, row_order: torch.Tensor | None = None) -> RawTensor:
-        """Tensor ``name`` copied out of the map as uint8 rows (in ``row_order`` when given).
+        """Tensor ``name`` read as uint8 rows (in ``row_order`` when given).
 
         The shape is the PyTorch one, (rows, columns): GGUF lists dimensions innermost first.
         """
-        t = self._tensors[name]
-        cols, rows = (int(d) for d in t.shape[:2]) if len(t.shape) >= 2 else (int(t.shape[0]), 1)
-        data = t.data
-        if data.dtype != np.uint8:  # a float tensor: its bytes, one row per row
-            data = data.reshape(rows, -1).view(np.uint8)
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        if self._file is None:
+            raise ModelLoadError(f"{self.path}: read {name!r} after close()")
+        info = self._tensors[name]
+        cols = info.dims[0]
+        rows = int(np.prod(info.dims[1:])) if len(info.dims) > 1 else 1
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(info.type_id)]
+        data = np.empty((rows, cols // block * size), dtype=np.uint8)
+        self._file.seek(self._data + info.offset)
+        if self._file.readinto(memoryview(data).cast("B")) != data.nbytes:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} runs past the end of the file; re-download it"
+            )
         if row_order is not None:
-            data = data[row_order.numpy()]  # fancy indexing copies
-        raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True).reshape(rows, -1))
-        return RawTensor(name, raw, int(t.tensor_type), (rows, cols))
+            data = data[row_order.numpy()]
+        return RawTensor(name, torch.from_numpy(data), info.type_id, (rows, cols))
 
 
 def tensor_name_map(architecture: str, num_layers: int) -> Any:
