@@ -50,6 +50,24 @@ class ModelSection(_Section):
     """Where converted models (GGUF -> safetensors) are kept; default: the user cache dir."""
     seed: int = 0
     """Seed of the random generator for unseeded sampling."""
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    """Weight format in memory. "auto": a GGUF keeps its quantized tensors as they are (Q4_0,
+    Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) on CPU in float32 without tensor parallelism, else it is
+    dequantized (info log); a safetensors checkpoint runs as stored. "none": every weight
+    dequantized to dtype (the exactness reference). "int8" / "int4": weight-only quantization in
+    groups of 32 (Q8_0 / Q4_1 blocks) applied at load to every plain linear layer, the LM head
+    and the embedding (not with tensor_parallel_size > 1). Quantized layers compute in float32:
+    "int8" and "int4" need dtype float32 (or "auto" on CPU)."""
+
+    @pydantic.model_validator(mode="after")
+    def _quantization_needs_float32(self) -> ModelSection:
+        if self.quantization in ("int8", "int4") and self.dtype in ("bfloat16", "float16"):
+            raise ValueError(
+                f"quantization={self.quantization!r} runs its layers in float32, so it cannot "
+                f"take dtype={self.dtype!r}: set model.dtype to 'float32' (or 'auto'), or "
+                "model.quantization to 'none' for unquantized weights in that dtype"
+            )
+        return self
 
 
 class CacheSection(_Section):
@@ -238,6 +256,17 @@ class BatonConfig(BaseSettings):
                 sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
 
+    @pydantic.model_validator(mode="after")
+    def _quantization_without_tensor_parallel(self) -> BatonConfig:
+        q, tp = self.model.quantization, self.executor.tensor_parallel_size
+        if q in ("int8", "int4") and tp > 1:
+            raise ValueError(
+                f"model.quantization={q!r} with executor.tensor_parallel_size={tp}: tensor-parallel "
+                "shards are not quantized in this version; use tensor_parallel_size = 1 (a "
+                "pipeline's stages are quantized) or model.quantization = 'none'"
+            )
+        return self
+
     # ------------------------------------------------------------------ build
 
     @classmethod
@@ -371,6 +400,6 @@ def format_validation_error(
         path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"{path}: {err['msg']}{shown}")
+        lines.append(f"{path}: {err['msg']}{shown}" if path else f"{err['msg']}{shown}")
     where = f" in {source}" if source else ""
     return f"invalid configuration{where}:\n  " + "\n  ".join(lines)

@@ -358,7 +358,8 @@ def load_model(
 
     ``prepare(model)`` runs on the loaded model before it moves to ``device``
     (tensor- and pipeline-parallel workers shard or prune it there, so only
-    their part ever reaches the device).
+    their part ever reaches the device); ``model.quantization`` applies after it
+    (``baton.worker.quantize_model``).
     """
     from transformers import AutoModelForCausalLM
 
@@ -377,20 +378,36 @@ def load_model(
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
     if prepare is not None:
         prepare(model)
+    from baton.worker.quantize_model import quantize_model
+
+    quantize_model(model, cfg, folder, device, dtype)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    n = sum(p.numel() for p in model.parameters())
     log.info(
-        "loaded %s (%s, %.1f M parameters, %s) on %s in %.1f s",
+        "loaded %s (%s, %.1f MiB of weights, %s activations) on %s in %.1f s",
         cfg.model.name,
         type(model).__name__,
-        n / 1e6,
+        weight_bytes(model) / 2**20,
         str(dtype).removeprefix("torch."),
         device,
         time.monotonic() - t0,
     )
     return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "meta":  # a shape placeholder (a sharded LM head's full size)
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 def tokenizer_path(cfg: BatonConfig) -> Path:
