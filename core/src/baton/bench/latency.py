@@ -11,7 +11,14 @@ import argparse
 import time
 from typing import Any
 
-from baton.bench.common import default_bench_dir, emit, load_workload, summarize
+from baton.bench.common import (
+    CpuMonitor,
+    default_bench_dir,
+    emit,
+    load_workload,
+    peak_rss_mb,
+    summarize,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,20 +43,24 @@ def run_latency(
     llm.generate(
         prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
     )  # warm-up
-    ttfts, decode_rates = [], []
+    ttfts, decode_rates, monitors = [], [], []
     for _ in range(repeats):
         llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        llm.generate(
-            prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False
-        )
-        ttfts.append(time.perf_counter() - t0)
-        llm.reset_prefix_cache()
-        out = llm.generate(
-            prompt,
-            SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True),
-            use_tqdm=False,
-        )[0]
+        with CpuMonitor() as mon:
+            t0 = time.perf_counter()
+            llm.generate(
+                prompt,
+                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                use_tqdm=False,
+            )
+            ttfts.append(time.perf_counter() - t0)
+            llm.reset_prefix_cache()
+            out = llm.generate(
+                prompt,
+                SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True),
+                use_tqdm=False,
+            )[0]
+        monitors.append(mon.result)
         m = out.metrics
         assert m is not None and m.first_token_time is not None and m.last_token_time is not None
         decode_rates.append((decode_tokens - 1) / (m.last_token_time - m.first_token_time))
@@ -60,6 +71,8 @@ def run_latency(
         "ttft_ms": {k: round(v * 1000, 1) if k != "n" else v for k, v in summarize(ttfts).items()},
         "decode_tok_per_s": {k: round(v, 2) if k != "n" else v for k, v in dec.items()},
         "per_token_ms_median": round(1000 / dec["median"], 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "cpu": monitors,
     }
 
 
