@@ -6,7 +6,9 @@ folder (config.json + weights + tokenizer), or a Hub id already in the local
 Hugging Face cache. GGUF files are dequantised once into a safetensors folder
 under the model cache (``cfg.model.cache_dir``, else ``$BATON_CACHE_DIR``, else
 the user cache dir), written to a temporary folder and renamed into place so a
-crash never leaves half a model behind.
+crash never leaves half a model behind. The model loads from that folder; with
+``model.quantization = "auto"`` its layers then take the GGUF's own quantized
+blocks again (``baton.worker.quantize_model``).
 """
 
 from __future__ import annotations

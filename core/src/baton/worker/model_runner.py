@@ -159,7 +159,11 @@ class ModelRunner:
         """
 
     def _cpu_linears(self) -> None:
-        """Decode-shaped linears on CPU: the LM head by row count; with the kernels, every layer's too."""
+        """Decode-shaped linears on CPU: the LM head by row count; with the kernels, every layer's too.
+
+        Only plain nn.Linear layers change: quantized ones (QuantLinear, model.quantization)
+        run their own kernels, the LM head included.
+        """
         head = self.model.get_output_embeddings()
         if self.kernels:
             use_small_batch_linears(self.model, skip=head)
