@@ -190,6 +190,17 @@ def test_quant_linear_equals_dequantized_matmul(qtype, rows, kernels):
     assert_linear_close(y, x, w)
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_K])
+def test_prefill_tiles_cover_every_output_row(qtype, kernels):
+    """300 outputs: several tiles of linear_q_tiles (and slices of the torch path), one partial."""
+    n, k = shape_for(qtype, n=300)
+    raw = random_blocks(qtype, n, k, seed=11)
+    lin = QuantLinear(raw, qtype, k, n, kernels=kernels)
+    x = torch.randn(2 * lin.KERNEL_MAX_ROWS + 1, k)
+    assert_linear_close(lin(x), x, gguf_dequantize(raw, qtype))
+    assert lin(x[:0]).shape == (0, n)
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q6_K])
 def test_quant_linear_bias_leading_dims_and_low_precision_inputs(qtype, kernels):
     n, k = shape_for(qtype, n=21)

@@ -1,26 +1,33 @@
-// Quantized weights (ggml's block formats) on the CPU: y = x @ dequantize(w)^T for a few rows of
-// x, and dequantization into float32 for everything else. Compiled by baton.kernels.loader.
+// Quantized weights (ggml's block formats) on the CPU: y = x @ dequantize(w)^T, and dequantization
+// into float32. Compiled by baton.kernels.loader.
 //
 // Weights are uint8 [N, row_bytes]: each of the N output rows is K / QK blocks of one format
 // (ggml's layouts, as gguf files store them; baton.quant.formats lists them). Activations stay
 // float32: the math is y = x . (D q + M) per group of G weights (D, M: the group's scale and
 // offset), exact weight-only quantization up to float summation order.
 //
-// linear_q (decode: 1 to ~32 rows): every weight byte is read once per call. Each thread takes a
-// range of weight rows; a row's groups are decoded into float vectors in registers and multiplied
-// by up to 8 rows of x at once (a row's bytes stay in L1 for the next 8). The offset term is
+// linear_q (decode: a few rows of x): every weight byte is read once per call. Each thread takes a
+// range of weight rows, in tiles that stay in cache while up to 8 rows of x at a time pass over
+// them; a row's groups are decoded into float vectors in registers. The offset term is
 // M * sum(x over the group), with the group sums of x computed once per call.
+// linear_q_tiles (prefill: many rows): each thread dequantizes tiles of weight rows into a buffer
+// of its own and runs torch's GEMM on them.
 // dequantize_q: float32 rows, bit-identical to gguf's numpy reference (scale * q, then + offset,
-// never fused into an FMA), for a slice of rows before a GEMM (prefill) or gathered embedding rows.
+// never fused into an FMA), e.g. gathered embedding rows.
 //
 // qtype ids are ggml's: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -46,9 +53,24 @@ inline vec loadv(const float* p) { vec v; std::memcpy(&v, p, sizeof(v)); return 
 inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 inline u8x16 load16(const uint8_t* p) { u8x16 v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline vec splat(float f) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_set1_ps(f);
+#elif defined(__AVX2__)
+  return (vec)_mm256_set1_ps(f);
+#else
   vec v;
   for (int i = 0; i < VW; ++i) v[i] = f;
   return v;
+#endif
+}
+
+// fn(std::integral_constant<int, I>{}) for I = 0 .. N-1: loops whose index must be a constant
+// (which accumulator register a chunk of weights goes to).
+template <int N, class Fn>
+inline void unroll(Fn&& fn) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (fn(std::integral_constant<int, I>{}), ...);
+  }(std::make_integer_sequence<int, N>{});
 }
 inline float hsum(vec v) {
 #if defined(__AVX512F__)
@@ -71,6 +93,22 @@ inline void no_contract(vec& v) {
   asm("" : "+v"(v));
 #elif defined(__aarch64__)
   asm("" : "+w"(v));
+#endif
+}
+
+// Two adjacent float16 values (a block's scale and minimum).
+inline void halves_at(const uint8_t* p, float& a, float& b) {
+#if defined(__F16C__)
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+  a = _mm_cvtss_f32(f);
+  b = _mm_cvtss_f32(_mm_movehdup_ps(f));
+#else
+  uint16_t h[2];
+  std::memcpy(h, p, sizeof(h));
+  a = c10::detail::fp16_ieee_to_fp32_value(h[0]);
+  b = c10::detail::fp16_ieee_to_fp32_value(h[1]);
 #endif
 }
 
@@ -119,10 +157,7 @@ struct Q4_0 {  // ggml block_q4_0: d (f16), qs[16] (element i: low nibble of qs[
 struct Q4_1 {  // ggml block_q4_1: d (f16), m (f16), qs[16]
   static constexpr int ID = 3, QK = 32, BYTES = 20, G = 32;
   static constexpr bool SIGNED = false, MIN = true;
-  static void scales(const uint8_t* b, float* d, float* m) {
-    d[0] = half_at(b);
-    m[0] = half_at(b + 2);
-  }
+  static void scales(const uint8_t* b, float* d, float* m) { halves_at(b, d[0], m[0]); }
   static void quants(const uint8_t* b, int, u8x16* c) {
     const u8x16 q = load16(b + 4);
     c[0] = q & 15;
@@ -144,7 +179,8 @@ struct Q8_0 {  // ggml block_q8_0: d (f16), qs[32] (int8)
 // of bytes 0-3 (scales) and 4-7 (mins); groups 4-7 in the nibbles of bytes 8-11, with their top
 // two bits in the high bits of bytes 0-3 (scales) and 4-7 (mins).
 inline void k_scales(const uint8_t* b, float* d, float* m) {
-  const float dd = half_at(b), dmin = half_at(b + 2);
+  float dd, dmin;
+  halves_at(b, dd, dmin);
   const uint8_t* s = b + 4;
   for (int j = 0; j < 8; ++j) {
     int sc, mn;
@@ -241,38 +277,58 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out,
 // y[m, n] for one weight row n and MR rows of x ([MR, K], row stride K). Formats with offsets
 // (F::MIN): xsum holds the group sums of x ([MR, K / G]) and offs room for the row's K / G
 // offsets, whose dot product with xsum is added at the end (out of the loop that holds the
-// accumulators in registers).
+// accumulators in registers). Weights go 16 at a time (few vectors of q live at once). With one
+// or two rows of x, each row's products with q are scaled once per 16 weights (t * d), into A
+// accumulators per row (one FMA chain would wait on its latency); with three or more, q is
+// scaled once and shared by the rows, one FMA per vector and row.
 template <class F, int MR>
 inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* row, float* y,
                     int64_t ys) {
   constexpr int NG = F::QK / F::G, NC = F::G / 16, NV = 16 / VW;
+  constexpr int CPB = NG * NC;                        // 16-weight chunks per block
+  constexpr bool SHARED = MR >= 3;                    // q * d computed once for all rows
+  constexpr int A = MR == 1 ? 4 : (MR <= 4 ? 2 : 1);   // accumulators per row of x
+  constexpr int U = A > CPB ? A / CPB : 1;            // blocks per step: every accumulator in use
   const int64_t nb = K / F::QK, groups = K / F::G;
-  vec acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = vec{};
-  for (int64_t b = 0; b < nb; ++b) {
+  vec acc[MR][A];
+  for (int m = 0; m < MR; ++m)
+    for (int a = 0; a < A; ++a) acc[m][a] = vec{};
+  auto block = [&](int64_t b, auto u) {
     const uint8_t* blk = row + b * F::BYTES;
     float d[NG], mn[NG];
     F::scales(blk, d, mn);
     if constexpr (F::MIN)
       for (int g = 0; g < NG; ++g) offs[b * NG + g] = mn[g];
-    for (int g = 0; g < NG; ++g) {
+    unroll<NG>([&](auto g) {
       u8x16 c[NC];
       F::quants(blk, g, c);
       const vec dv = splat(d[g]);
-      for (int i = 0; i < NC; ++i) {  // 16 weights at a time: few vectors of q live at once
+      unroll<NC>([&](auto i) {
+        constexpr int a = (decltype(u)::value * CPB + decltype(g)::value * NC + decltype(i)::value) % A;
         vec q[NV];
         widen<F::SIGNED>(c[i], q);
         const float* xc = x + b * F::QK + g * F::G + i * 16;
-        for (int m = 0; m < MR; ++m) {
-          vec t = loadv(xc + m * K) * q[0];
-          for (int v = 1; v < NV; ++v) t += loadv(xc + m * K + v * VW) * q[v];
-          acc[m] += t * dv;
+        if constexpr (SHARED) {
+          for (int v = 0; v < NV; ++v) q[v] *= dv;
+          for (int m = 0; m < MR; ++m)
+            for (int v = 0; v < NV; ++v) acc[m][(a + v) % A] += loadv(xc + m * K + v * VW) * q[v];
+        } else {
+          for (int m = 0; m < MR; ++m) {
+            vec t = loadv(xc + m * K) * q[0];
+            for (int v = 1; v < NV; ++v) t += loadv(xc + m * K + v * VW) * q[v];
+            acc[m][a] += t * dv;
+          }
         }
-      }
-    }
-  }
+      });
+    });
+  };
+  int64_t b = 0;
+  for (; b + U <= nb; b += U) unroll<U>([&](auto u) { block(b + u, u); });
+  for (; b < nb; ++b) block(b, std::integral_constant<int, 0>{});
   for (int m = 0; m < MR; ++m) {
-    float s = hsum(acc[m]);
+    vec v = acc[m][0];
+    for (int a = 1; a < A; ++a) v += acc[m][a];
+    float s = hsum(v);
     if constexpr (F::MIN) {
       const float* xs = xsum + m * groups;
       vec o{};
@@ -286,29 +342,39 @@ inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, c
 }
 
 constexpr int MAX_MR = 8;
+// Weight rows per tile: a tile's bytes stay in L1/L2 while each group of up to MAX_MR rows of x
+// (which stays in L1) passes over it, so neither x nor the weights stream from farther away.
+constexpr int64_t TILE_BYTES = 16384;
+
+template <class F, int MR>
+void tile_rows(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* w, int64_t row_bytes,
+               float* y, int64_t N, int64_t t0, int64_t t1) {
+  for (int64_t n = t0; n < t1; ++n) dot_row<F, MR>(x, K, xsum, offs, w + n * row_bytes, y + n, N);
+}
 
 template <class F>
 void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const uint8_t* w, int64_t row_bytes,
                  float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / F::G;
+  const int64_t tile = std::max<int64_t>(1, TILE_BYTES / row_bytes);
   std::vector<float> offs(F::MIN ? groups : 0);
   float* o = offs.data();
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
     for (; m + MAX_MR <= M; m += MAX_MR)
-      dot_row<F, MAX_MR>(x + m * K, K, xsum + m * groups, o, row, y + m * N + n, N);
+      tile_rows<F, MAX_MR>(x + m * K, K, xsum + m * groups, o, w, row_bytes, y + m * N, N, t0, t1);
     const float* xm = x + m * K;
     const float* sm = xsum + m * groups;
-    float* ym = y + m * N + n;
+    float* ym = y + m * N;
     switch (M - m) {
-      case 7: dot_row<F, 7>(xm, K, sm, o, row, ym, N); break;
-      case 6: dot_row<F, 6>(xm, K, sm, o, row, ym, N); break;
-      case 5: dot_row<F, 5>(xm, K, sm, o, row, ym, N); break;
-      case 4: dot_row<F, 4>(xm, K, sm, o, row, ym, N); break;
-      case 3: dot_row<F, 3>(xm, K, sm, o, row, ym, N); break;
-      case 2: dot_row<F, 2>(xm, K, sm, o, row, ym, N); break;
-      case 1: dot_row<F, 1>(xm, K, sm, o, row, ym, N); break;
+      case 7: tile_rows<F, 7>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 6: tile_rows<F, 6>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 5: tile_rows<F, 5>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 4: tile_rows<F, 4>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 3: tile_rows<F, 3>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 2: tile_rows<F, 2>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 1: tile_rows<F, 1>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
       default: break;
     }
   }
@@ -370,6 +436,38 @@ void linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tenso
   });
 }
 
+// float32 weights per tile of linear_q_tiles (256 KiB: a thread's tile stays in its L2).
+constexpr int64_t TILE_FLOATS = 65536;
+
+// Many rows of x (prefill): each thread dequantizes tiles of weight rows into a float32 buffer of
+// its own and multiplies x by them with torch's GEMM (one thread each, inside the parallel region)
+// straight into their columns of out. Bounded memory: one tile per thread.
+void linear_q_tiles(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "linear_q_tiles: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "linear_q_tiles: float32 x and out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
+              "linear_q_tiles: contiguous x [M, K] and out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "linear_q_tiles: out must be [", M, ", ", N, "]");
+  dispatch(qtype, "linear_q_tiles", [&]<class F>() {
+    check_weights<F>("linear_q_tiles", w, K);
+    if (M == 0 || N == 0) return;
+    const int64_t tile = std::min(N, std::max<int64_t>(16, TILE_FLOATS / K / 16 * 16));
+    const int64_t tiles = (N + tile - 1) / tile;
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const int64_t row_bytes = w.size(1);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      at::Tensor buf = at::empty({tile, K}, x.options());
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+        dequantize_rows<F>(wp + n0 * row_bytes, row_bytes, K, buf.data_ptr<float>(), 0, rows);
+        at::Tensor part = out.narrow(1, n0, rows);
+        at::mm_out(part, x, buf.narrow(0, 0, rows).t());
+      }
+    });
+  });
+}
+
 void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(),
               "dequantize_q: out must be a contiguous CPU float32 tensor [N, K]");
@@ -389,10 +487,12 @@ void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor(a!) out) -> ()");
+  m.def("linear_q_tiles(Tensor x, Tensor w, int qtype, Tensor(a!) out) -> ()");
   m.def("dequantize_q(Tensor w, int qtype, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("linear_q", linear_q);
+  m.impl("linear_q_tiles", linear_q_tiles);
   m.impl("dequantize_q", dequantize_q);
 }

@@ -4,9 +4,10 @@ Math: y = x @ dequantize(W).T + bias with float32 activations (bf16/fp16 inputs 
 computed in float32 and cast back): exact weight-only quantization up to float
 summation order. Few rows (decode steps) go through ``torch.ops.baton.linear_q``,
 which decodes the blocks in registers and reads each weight byte once per call,
-the output rows split over the threads. More rows (prefill) dequantize a slice of
-output rows at a time into float32 and run torch's GEMM on it, which keeps the
-temporary small. Without the kernels every path runs on torch ops, same results.
+the output rows split over the threads. More rows (prefill) go through
+``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
+runs torch's GEMM on it. Without the kernels the same math runs on torch ops
+(dequantize a slice of output rows, F.linear on it): same results, slower.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from baton.quant.quantize import quantize
 class QuantLinear(torch.nn.Module):
     """A linear layer whose weight stays in a quantized block format (``raw``: uint8 rows)."""
 
-    #: Rows up to which forward runs the fused kernel; more go slice by slice through GEMM.
+    #: Rows up to which forward runs the fused kernel (linear_q); more go through linear_q_tiles.
     KERNEL_MAX_ROWS = 16
-    #: float32 bytes of one dequantized slice of output rows on the GEMM path.
+    #: float32 bytes of one dequantized slice of output rows on the torch-ops path.
     SLICE_BYTES = 1 << 20
 
     def __init__(
@@ -90,9 +91,14 @@ class QuantLinear(torch.nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         x2 = x.reshape(rows, k).to(torch.float32).contiguous()
-        if self.kernels and 0 < rows <= self.KERNEL_MAX_ROWS and x2.device.type == "cpu":
+        if rows == 0:
+            y = x2.new_empty(0, n)
+        elif self.kernels and x2.device.type == "cpu":
             y = x2.new_empty(rows, n)
-            torch.ops.baton.linear_q(x2, self.raw, int(self.qtype), y)
+            if rows <= self.KERNEL_MAX_ROWS:
+                torch.ops.baton.linear_q(x2, self.raw, int(self.qtype), y)
+            else:
+                torch.ops.baton.linear_q_tiles(x2, self.raw, int(self.qtype), y)
             if self.bias is not None:
                 y.add_(self.bias)
         else:
@@ -100,7 +106,7 @@ class QuantLinear(torch.nn.Module):
         return y.view(*lead, n).to(x.dtype)
 
     def _sliced(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 @ W.T + bias, dequantizing SLICE_BYTES of output rows at a time."""
+        """x2 @ W.T + bias in torch ops, dequantizing SLICE_BYTES of output rows at a time."""
         n = self.out_features
         step = max(1, self.SLICE_BYTES // (4 * self.in_features))
         if step >= n:
