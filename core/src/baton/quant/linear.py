@@ -93,12 +93,9 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(rows, k).to(torch.float32).contiguous()
         if rows == 0:
             y = x2.new_empty(0, n)
-        elif self.kernels and x2.device.type == "cpu":
+        elif self.kernels and x2.device.type == "cpu" and rows <= self.KERNEL_MAX_ROWS:
             y = x2.new_empty(rows, n)
-            if rows <= self.KERNEL_MAX_ROWS:
-                torch.ops.baton.linear_q(x2, self.raw, int(self.qtype), y)
-            else:
-                torch.ops.baton.linear_q_tiles(x2, self.raw, int(self.qtype), y)
+            torch.ops.baton.linear_q(x2, self.raw, int(self.qtype), y)
             if self.bias is not None:
                 y.add_(self.bias)
         else:
