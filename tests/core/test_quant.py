@@ -201,6 +201,28 @@ def test_prefill_tiles_cover_every_output_row(qtype, kernels):
     assert lin(x[:0]).shape == (0, n)
 
 
+def test_prefill_tiles_under_inference_mode_on_two_threads(cpu_kernel_ops):
+    """The engine's forward runs in inference mode; linear_q_tiles' GEMMs run on the thread pool.
+
+    Several tiles on two threads: the pool's threads must see the caller's InferenceMode, or
+    writing into the (inference) output fails there (make run's prefill did, once).
+    """
+    qtype = QType.Q4_1
+    n, k = shape_for(qtype, n=1536)
+    raw = random_blocks(qtype, n, k, seed=5)
+    lin = QuantLinear(raw, qtype, k, n, kernels=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(3 * lin.KERNEL_MAX_ROWS, k)
+            y = lin(x)
+        assert y.is_inference()
+    finally:
+        torch.set_num_threads(threads)
+    assert_linear_close(y, x, gguf_dequantize(raw, qtype))
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q6_K])
 def test_quant_linear_bias_leading_dims_and_low_precision_inputs(qtype, kernels):
     n, k = shape_for(qtype, n=21)
@@ -221,6 +243,10 @@ def test_quant_linear_bias_leading_dims_and_low_precision_inputs(qtype, kernels)
         assert y.dtype == dtype
         want = (F.linear(xl.double(), w.double(), bias.double())).to(dtype)
         torch.testing.assert_close(y, want)
+    lin.to(torch.bfloat16)  # a model cast after quantization: the bytes stay, the bias is bf16
+    assert lin.raw.dtype == torch.uint8 and lin.bias.dtype == torch.bfloat16
+    x = torch.randn(2, k)
+    assert_linear_close(lin(x), x, w, bias.bfloat16().float())
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -285,11 +311,11 @@ assert loader.load(), "the kernels did not build"
 cases = torch.load(sys.argv[1])
 out = []
 for raw, qtype, x, k in cases:
-    y = torch.empty(x.shape[0], raw.shape[0])
-    torch.ops.baton.linear_q(x, raw, qtype, y)
+    y = torch.ops.baton.linear_q(x, raw, qtype)
+    yt = torch.ops.baton.linear_q_tiles(x, raw, qtype)
     w = torch.empty(raw.shape[0], k)
     torch.ops.baton.dequantize_q(raw, qtype, w)
-    out.append((y, w))
+    out.append((y, yt, w))
 torch.save(out, sys.argv[2])
 """
 
@@ -318,10 +344,11 @@ def test_kernels_built_for_other_isas_give_the_same_results(isa, tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for (raw, qtype, x, _), (y, w) in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
+    for (raw, qtype, x, _), (y, yt, w) in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
         want = gguf_dequantize(raw, QType(qtype))
         assert torch.equal(w, want)
         assert_linear_close(y, x, want)
+        assert_linear_close(yt, x, want)
 
 
 # --------------------------------------------------------------------------- the default model

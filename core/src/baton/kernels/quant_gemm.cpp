@@ -6,18 +6,20 @@
 // float32: the math is y = x . (D q + M) per group of G weights (D, M: the group's scale and
 // offset), exact weight-only quantization up to float summation order.
 //
-// linear_q (decode: a few rows of x): every weight byte is read once per call. Each thread takes a
-// range of weight rows, in tiles that stay in cache while up to 8 rows of x at a time pass over
-// them; a row's groups are decoded into float vectors in registers. The offset term is
-// M * sum(x over the group), with the group sums of x computed once per call.
-// linear_q_tiles (prefill: many rows): each thread dequantizes tiles of weight rows into a buffer
-// of its own and runs torch's GEMM on them.
+// linear_q (decode: a few rows of x): y = x @ w^T (+ bias), x [M, K] float32, every weight byte
+// read once per call. Each thread takes a range of weight rows, in tiles that stay in cache while
+// up to 8 rows of x at a time pass over them; a row's groups are decoded into float vectors in
+// registers. The offset term is M * sum(x over the group), the group sums of x computed once.
+// linear_q_tiles (prefill: many rows), same arguments: each thread dequantizes tiles of weight
+// rows into a buffer of its own and runs torch's GEMM on them.
 // dequantize_q: float32 rows, bit-identical to gguf's numpy reference (scale * q, then + offset,
 // never fused into an FMA), e.g. gathered embedding rows.
 //
 // qtype ids are ggml's: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -282,8 +285,8 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out,
 // accumulators per row (one FMA chain would wait on its latency); with three or more, q is
 // scaled once and shared by the rows, one FMA per vector and row.
 template <class F, int MR>
-inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* row, float* y,
-                    int64_t ys) {
+inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* row, float bias,
+                    float* y, int64_t ys) {
   constexpr int NG = F::QK / F::G, NC = F::G / 16, NV = 16 / VW;
   constexpr int CPB = NG * NC;                        // 16-weight chunks per block
   constexpr bool SHARED = MR >= 3;                    // q * d computed once for all rows
@@ -337,7 +340,7 @@ inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, c
       s += hsum(o);
       for (; j < groups; ++j) s += offs[j] * xs[j];
     }
-    y[m * ys] = s;
+    y[m * ys] = s + bias;
   }
 }
 
@@ -348,13 +351,14 @@ constexpr int64_t TILE_BYTES = 16384;
 
 template <class F, int MR>
 void tile_rows(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* w, int64_t row_bytes,
-               float* y, int64_t N, int64_t t0, int64_t t1) {
-  for (int64_t n = t0; n < t1; ++n) dot_row<F, MR>(x, K, xsum, offs, w + n * row_bytes, y + n, N);
+               const float* bias, float* y, int64_t N, int64_t t0, int64_t t1) {
+  for (int64_t n = t0; n < t1; ++n)
+    dot_row<F, MR>(x, K, xsum, offs, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, N);
 }
 
 template <class F>
 void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const uint8_t* w, int64_t row_bytes,
-                 float* y, int64_t N, int64_t n0, int64_t n1) {
+                 const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / F::G;
   const int64_t tile = std::max<int64_t>(1, TILE_BYTES / row_bytes);
   std::vector<float> offs(F::MIN ? groups : 0);
@@ -363,18 +367,18 @@ void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const 
     const int64_t t1 = std::min(n1, t0 + tile);
     int64_t m = 0;
     for (; m + MAX_MR <= M; m += MAX_MR)
-      tile_rows<F, MAX_MR>(x + m * K, K, xsum + m * groups, o, w, row_bytes, y + m * N, N, t0, t1);
+      tile_rows<F, MAX_MR>(x + m * K, K, xsum + m * groups, o, w, row_bytes, bias, y + m * N, N, t0, t1);
     const float* xm = x + m * K;
     const float* sm = xsum + m * groups;
     float* ym = y + m * N;
     switch (M - m) {
-      case 7: tile_rows<F, 7>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
-      case 6: tile_rows<F, 6>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
-      case 5: tile_rows<F, 5>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
-      case 4: tile_rows<F, 4>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
-      case 3: tile_rows<F, 3>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
-      case 2: tile_rows<F, 2>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
-      case 1: tile_rows<F, 1>(xm, K, sm, o, w, row_bytes, ym, N, t0, t1); break;
+      case 7: tile_rows<F, 7>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      case 6: tile_rows<F, 6>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      case 5: tile_rows<F, 5>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      case 4: tile_rows<F, 4>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      case 3: tile_rows<F, 3>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      case 2: tile_rows<F, 2>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      case 1: tile_rows<F, 1>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
       default: break;
     }
   }
@@ -405,13 +409,22 @@ void check_weights(const char* op, const at::Tensor& w, int64_t K) {
               K / F::QK * F::BYTES);
 }
 
-void linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "linear_q: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "linear_q: float32 x and out");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
-              "linear_q: contiguous x [M, K] and out [M, N]");
+// x [M, K] float32 (made contiguous), bias [N] float32 or none; returns out [M, N].
+at::Tensor new_output(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, op,
+              ": x must be a CPU float32 tensor [M, K]");
+  TORCH_CHECK(w.dim() == 2, op, ": w must be [N, row_bytes]");
+  if (bias)
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                    bias->size(0) == w.size(0) && bias->is_contiguous(),
+                op, ": bias must be a contiguous CPU float32 tensor [", w.size(0), "]");
+  return at::empty({x.size(0), w.size(0)}, x.options());
+}
+
+at::Tensor linear_q(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_output("linear_q", x_in, w, bias);
+  const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "linear_q: out must be [", M, ", ", N, "]");
   dispatch(qtype, "linear_q", [&]<class F>() {
     check_weights<F>("linear_q", w, K);
     if (M == 0 || N == 0) return;
@@ -427,13 +440,15 @@ void linear_q(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tenso
       }
     }
     const uint8_t* wp = w.data_ptr<uint8_t>();
+    const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = out.data_ptr<float>();
     const int64_t row_bytes = w.size(1);
     // ~8 weight rows a task at least: a 192-row matrix still goes to both cores at one row of x.
     at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-      linear_rows<F>(xp, M, K, xsum.data(), wp, row_bytes, yp, N, n0, n1);
+      linear_rows<F>(xp, M, K, xsum.data(), wp, row_bytes, bp, yp, N, n0, n1);
     });
   });
+  return out;
 }
 
 // float32 weights per tile of linear_q_tiles (256 KiB: a thread's tile stays in its L2).
@@ -442,13 +457,11 @@ constexpr int64_t TILE_FLOATS = 65536;
 // Many rows of x (prefill): each thread dequantizes tiles of weight rows into a float32 buffer of
 // its own and multiplies x by them with torch's GEMM (one thread each, inside the parallel region)
 // straight into their columns of out. Bounded memory: one tile per thread.
-void linear_q_tiles(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "linear_q_tiles: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "linear_q_tiles: float32 x and out");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.is_contiguous() && out.is_contiguous(),
-              "linear_q_tiles: contiguous x [M, K] and out [M, N]");
+at::Tensor linear_q_tiles(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype,
+                          const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_output("linear_q_tiles", x_in, w, bias);
+  const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "linear_q_tiles: out must be [", M, ", ", N, "]");
   dispatch(qtype, "linear_q_tiles", [&]<class F>() {
     check_weights<F>("linear_q_tiles", w, K);
     if (M == 0 || N == 0) return;
@@ -456,16 +469,26 @@ void linear_q_tiles(const at::Tensor& x, const at::Tensor& w, int64_t qtype, at:
     const int64_t tiles = (N + tile - 1) / tile;
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const int64_t row_bytes = w.size(1);
+    // The GEMMs go through the dispatcher on the pool's threads, which do not inherit the
+    // caller's thread-local state: without it, InferenceMode is off there and writing into an
+    // inference-mode `out` fails.
+    const at::ThreadLocalState caller_state;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      const at::ThreadLocalStateGuard state_guard(caller_state);
       at::Tensor buf = at::empty({tile, K}, x.options());
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
         dequantize_rows<F>(wp + n0 * row_bytes, row_bytes, K, buf.data_ptr<float>(), 0, rows);
         at::Tensor part = out.narrow(1, n0, rows);
-        at::mm_out(part, x, buf.narrow(0, 0, rows).t());
+        const at::Tensor wt = buf.narrow(0, 0, rows).t();
+        if (bias)
+          at::addmm_out(part, bias->narrow(0, n0, rows), x, wt);
+        else
+          at::mm_out(part, x, wt);
       }
     });
   });
+  return out;
 }
 
 void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
@@ -486,8 +509,8 @@ void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
-  m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor(a!) out) -> ()");
-  m.def("linear_q_tiles(Tensor x, Tensor w, int qtype, Tensor(a!) out) -> ()");
+  m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("linear_q_tiles(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
   m.def("dequantize_q(Tensor w, int qtype, Tensor(a!) out) -> ()");
 }
 

@@ -12,8 +12,6 @@ runs torch's GEMM on it. Without the kernels the same math runs on torch ops
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -49,11 +47,12 @@ class QuantLinear(torch.nn.Module):
                 f"pass a bias of shape ({out_features},) or None"
             )
         self.qtype = qtype
+        self._qtype_id = int(qtype)  # the kernels' argument, without an enum conversion per call
         self.in_features = in_features
         self.out_features = out_features
         self.kernels = use_kernels(kernels)
         self.register_buffer("raw", raw.contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, mode: str) -> QuantLinear:
@@ -82,37 +81,45 @@ class QuantLinear(torch.nn.Module):
         return dequantize_torch(raw, self.qtype, shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
+        # Few torch calls on the kernel path: a decode step runs this ~200 times per token.
+        k = self.in_features
         if x.shape[-1] != k:
             raise QuantizationError(
                 f"input of shape {tuple(x.shape)} to a QuantLinear of {k} input features: "
                 f"its last dimension must be {k}"
             )
-        lead = x.shape[:-1]
-        rows = math.prod(lead)
-        x2 = x.reshape(rows, k).to(torch.float32).contiguous()
-        if rows == 0:
-            y = x2.new_empty(0, n)
-        elif self.kernels and x2.device.type == "cpu" and rows <= self.KERNEL_MAX_ROWS:
-            y = x2.new_empty(rows, n)
-            torch.ops.baton.linear_q(x2, self.raw, int(self.qtype), y)
-            if self.bias is not None:
-                y.add_(self.bias)
+        x2 = x.reshape(-1, k)
+        if x2.dtype is not torch.float32:
+            x2 = x2.float()
+        rows = x2.shape[0]
+        bias = self.bias
+        if bias is not None and bias.dtype is not torch.float32:
+            bias = bias.float()  # the module was cast after it was built
+        if self.kernels and rows and x2.is_cpu:
+            if rows <= self.KERNEL_MAX_ROWS:
+                y = torch.ops.baton.linear_q(x2, self.raw, self._qtype_id, bias)
+            else:
+                y = torch.ops.baton.linear_q_tiles(x2, self.raw, self._qtype_id, bias)
         else:
-            y = self._sliced(x2)
-        return y.view(*lead, n).to(x.dtype)
+            y = self._sliced(x2.contiguous(), bias)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y if x.dtype is torch.float32 else y.to(x.dtype)
 
-    def _sliced(self, x2: torch.Tensor) -> torch.Tensor:
+    def _sliced(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x2 @ W.T + bias in torch ops, dequantizing SLICE_BYTES of output rows at a time."""
         n = self.out_features
         step = max(1, self.SLICE_BYTES // (4 * self.in_features))
+        if x2.shape[0] == 0:
+            return x2.new_empty(0, n)
         if step >= n:
-            return F.linear(x2, self.dequantized(), self.bias)
+            return F.linear(x2, self.dequantized(), bias)
         y = x2.new_empty(x2.shape[0], n)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
-            bias = None if self.bias is None else self.bias[n0:n1]
-            y[:, n0:n1] = F.linear(x2, self.dequantized(n0, n1), bias)
+            y[:, n0:n1] = F.linear(
+                x2, self.dequantized(n0, n1), None if bias is None else bias[n0:n1]
+            )
         return y
 
 
