@@ -60,15 +60,22 @@ def run_case(
     seed=0,
     kernels=False,
     head_dim=D,
+    cache_dtype=torch.float32,
 ):
-    """``reqs``: list of (prefix_len, new_len). Returns max abs error over all requests."""
+    """``reqs``: list of (prefix_len, new_len). Returns max abs error over all requests.
+
+    A narrower ``cache_dtype`` is checked against a float64 reference over the keys and
+    values as the cache holds them (rounded), so only the computation's error counts.
+    """
     D = head_dim
     g = torch.Generator().manual_seed(seed)
     max_len = max(p + n for p, n in reqs) + 1
     batch = InputBatch(len(reqs), max_len, block_size)
     builder = StepInputBuilder(batch, sum(n for _, n in reqs), torch.device("cpu"), kernels=kernels)
     # finite garbage where nothing was written: gathered with whole blocks, it must be masked out
-    cache = torch.randn(1, 2, num_blocks, kv_heads, block_size, D, generator=g) * 100
+    cache = (torch.randn(1, 2, num_blocks, kv_heads, block_size, D, generator=g) * 100).to(
+        cache_dtype
+    )
     builder.set_kv_caches([cache[0]])
     k_cache = key_cache_view(cache[0])  # [blocks, kv_heads, D, block_size]
     free = list(range(num_blocks))
@@ -132,8 +139,12 @@ def run_case(
     for rid, start in zip(inputs.flat_req_ids, inputs.query_start, strict=True):
         q, k, v, p = kv[rid]
         n = q.shape[1]
-        want = reference(q, k, v, p, window, causal, scale)
-        err = max(err, (out[0, start : start + n] - want).abs().max().item())
+        if cache_dtype == torch.float32:
+            want = reference(q, k, v, p, window, causal, scale)
+        else:
+            k, v = (x.to(cache_dtype).double() for x in (k, v))
+            want = reference(q.double(), k, v, p, window, causal, scale)
+        err = max(err, (out[0, start : start + n].double() - want).abs().max().item())
     return err
 
 
@@ -238,3 +249,79 @@ def test_model_capabilities():
     assert model_capabilities(MistralConfig(sliding_window=8))[:2] == (True, True)
     chunked, prefix, reason = model_capabilities(GemmaConfig(use_bidirectional_attention=True))
     assert (chunked, prefix) == (False, False) and "bidirectional" in reason
+
+
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("cache_dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize(("block_size", "heads", "kv_heads"), [(1, 4, 4), (4, 6, 1), (16, 4, 2)])
+def test_low_precision_cache_matches_rounded_reference(
+    cache_dtype, block_size, heads, kv_heads, kernels
+):
+    err = run_case(MIXED, block_size, heads, kv_heads, kernels=kernels, cache_dtype=cache_dtype)
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (80, 16)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_low_precision_kernel_sizes(cache_dtype, head_dim, block_size, window, kernels):
+    reqs = [(300, 1), (161, 1), (15, 1), (17, 1), (0, 1), (40, 9), (0, 33)]
+    err = run_case(
+        reqs,
+        block_size,
+        9,
+        3,
+        window=window,
+        head_dim=head_dim,
+        kernels=kernels,
+        num_blocks=80,
+        cache_dtype=cache_dtype,
+    )
+    assert err < 1e-5
+
+
+def _awkward_values(n: int) -> torch.Tensor:
+    """float32 values that test rounding: ties, just-above-ties, tiny, huge, signed zeros."""
+    g = torch.Generator().manual_seed(1)
+    base = (
+        torch.randn(n, generator=g)
+        * torch.logspace(-9, 6, n).flip(0)[torch.randperm(n, generator=g)]
+    )
+    bits = base.view(torch.int32)
+    bits[::7] = (bits[::7] & ~0xFFFF) | 0x8000  # bfloat16 ties
+    bits[3::7] = (bits[3::7] & ~0x1FFF) | 0x1000  # float16 ties
+    base[5::11] = 0.0
+    base[6::11] = -0.0
+    base[7::13] = 70000.0  # past float16's range: inf in both implementations
+    base[8::13] = 6e-8  # float16 subnormal
+    return base
+
+
+@pytest.mark.parametrize("cache_dtype", LOW_PRECISION, ids=str)
+def test_kernel_write_rounds_like_torch(cpu_kernel_ops, cache_dtype):
+    tokens, kvh, bs, d = 37, 2, 4, 24
+    key = _awkward_values(tokens * kvh * d).view(tokens, kvh, d)
+    value = -_awkward_values(tokens * kvh * d).view(tokens, kvh, d).flip(0).contiguous()
+    slots = torch.randperm(12 * bs, generator=torch.Generator().manual_seed(2))[:tokens]
+    caches = [torch.zeros(2, 12, kvh, bs, d, dtype=cache_dtype) for _ in range(2)]
+    k_c, v_c = key_cache_view(caches[0]), caches[0][1]
+    torch.ops.baton.paged_write(key, value, k_c, v_c, slots)
+    blocks, offsets = slots // bs, slots % bs
+    key_cache_view(caches[1])[blocks, :, :, offsets] = key.to(cache_dtype)
+    caches[1][1][blocks, :, offsets] = value.to(cache_dtype)
+    assert torch.equal(caches[0].view(torch.int16), caches[1].view(torch.int16))
+
+
+def test_kernels_refuse_mixed_cache_dtypes(cpu_kernel_ops):
+    k = torch.zeros(2, 1, 4, 4, dtype=torch.float16)
+    v = torch.zeros(2, 1, 4, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share one dtype of float32, float16 or bfloat16"):
+        torch.ops.baton.paged_write(
+            torch.ones(1, 1, 4), torch.ones(1, 1, 4), k, v, torch.tensor([1])
+        )
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        torch.ops.baton.paged_write(
+            torch.ones(1, 1, 4), torch.ones(1, 1, 4), k.double(), k.double(), torch.tensor([1])
+        )

@@ -79,6 +79,12 @@ class CacheSection(_Section):
     """On CUDA: the fraction of device memory the model and the KV cache may use (default 0.9)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks shared with earlier requests (chained block hashes)."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Element type of the KV cache. "auto": the model's activation dtype (exact). "float16" /
+    "bfloat16" halve a float32 cache (twice the blocks for the same kv_cache_memory) and are
+    not exact: keys/values are rounded to nearest-even when written, attention still computes in
+    the activation dtype, so greedy tokens may differ from a float32 cache's (float16 keeps 11
+    bits of mantissa up to +-65504, bfloat16 8 bits over float32's range)."""
 
 
 class SchedulerSection(_Section):

@@ -1,4 +1,6 @@
-// baton's CPU paged-attention kernels (float32), compiled on first use by baton.kernels.loader.
+// baton's CPU paged-attention kernels, compiled on first use by baton.kernels.loader.
+// Queries, keys/values written and outputs are float32; the cache is float32, float16 or bfloat16
+// (cache.dtype), dispatched on the cache tensor's dtype, so the op schemas are the same for all.
 //
 // Cache layout per layer, as baton.worker.attention allocates it:
 //   K: [num_blocks, kv_heads, head_dim, block_size]  (keys transposed within a block)
@@ -8,7 +10,12 @@
 //
 // paged_decode: one query token per request attends over its blocks, in place (no gather copy):
 //   scores for every block, softmax over the request's context, then probabilities x values.
-// paged_write: the step's new keys/values into their slots (slot = block * block_size + offset).
+// paged_write: the step's new keys/values into their slots (slot = block * block_size + offset),
+//   rounded to the cache dtype to nearest-even (as torch's .to() rounds).
+// A float16/bfloat16 cache is read one (block, kv head) tile at a time: converted to float32 into a
+// per-thread buffer (F16C's vcvtph2ps for float16, a 16-bit shift for bfloat16; portable bit code
+// without F16C/AVX2), which stays in L1 while the G query heads sharing that kv head use it. The
+// float32 cache is read in place, as before.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,9 +25,107 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define BATON_CVT_AVX2 1
+#endif
+
 namespace {
+
+// ---------------------------------------------------------------- cache element conversions
+
+enum class Kind { F32, F16, BF16 };
+template <Kind K>
+using elem_t = std::conditional_t<K == Kind::F32, float, uint16_t>;
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, NaN -> 0x7FC0: c10::BFloat16's rule, so the kernel writes torch's bits.
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// IEEE half <-> float without F16C (fp16 library's bit code, which c10::Half uses too).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+  return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
+}
+
+inline uint16_t f32_to_f16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f32_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_f32((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// dst[0, n) = src[0, n) as float32
+template <Kind K>
+inline void to_f32(const elem_t<K>* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef BATON_CVT_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    if constexpr (K == Kind::F16)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    else
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = K == Kind::F16 ? f16_to_f32(src[i]) : bf16_to_f32(src[i]);
+}
+
+// dst[0, n) = src[0, n) rounded to the cache dtype (nearest even)
+template <Kind K>
+inline void from_f32(const float* __restrict src, elem_t<K>* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef BATON_CVT_AVX2
+  if constexpr (K == Kind::F16)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) dst[i] = K == Kind::F16 ? f32_to_f16(src[i]) : f32_to_bf16(src[i]);
+}
+
+// A (block, kv head) tile of n cache elements as float32: in place for a float32 cache, else
+// converted into buf; `next` (the tile read after this one, or nullptr) is prefetched meanwhile.
+template <Kind K>
+inline const float* tile_f32(const elem_t<K>* tile, int64_t n, float* buf, const elem_t<K>* next) {
+  if constexpr (K == Kind::F32) {
+    return tile;
+  } else {
+    if (next)
+      for (int64_t j = 0; j < n; j += 32) __builtin_prefetch(next + j, 0, 3);  // 32 x 2 bytes: a line
+    to_f32<K>(tile, buf, n);
+    return buf;
+  }
+}
 
 // exp for the softmax, vectorisable (std::exp is a libm call per element): exp(x) = 2^n e^r with
 // n = round(x log2 e) and |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error < 1e-7
@@ -112,10 +217,11 @@ struct Dims {
 };
 
 // One request: all its query heads over keys [lo, L) of its blocks `row`.
-template <int64_t DC, int64_t BSC>
-void decode_request(const float* q, int64_t qs1, const float* k_ptr, const float* v_ptr,
+template <Kind K, int64_t DC, int64_t BSC>
+void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const elem_t<K>* v_ptr,
                     const int64_t* row, int64_t L, int64_t lo, const Dims& dm, float scale,
                     float* o, int64_t os1, std::vector<float>& scores, std::vector<float>& qbuf) {
+  constexpr bool in_place = K == Kind::F32;  // float32 tiles are read where they are
   const int64_t D = DC > 0 ? DC : dm.D, BS = BSC > 0 ? BSC : dm.BS;
   const int64_t H = dm.H, KVH = dm.KVH, G = dm.G;
   const int64_t blk = KVH * BS * D, head = BS * D;
@@ -123,22 +229,26 @@ void decode_request(const float* q, int64_t qs1, const float* k_ptr, const float
   const int64_t span = (b_hi - b_lo + 1) * BS;  // whole blocks; slots outside [lo, L) get p = 0
   const int64_t first = lo - b_lo * BS, last = L - b_lo * BS;
   scores.resize(H * span);
-  qbuf.resize(H * D * 2);
+  qbuf.resize(H * D * 2 + (in_place ? 0 : head));
   float* qs = qbuf.data();
   float* acc = qbuf.data() + H * D;
+  float* tile = qbuf.data() + 2 * H * D;  // a converted (block, kv head) tile (low-precision caches)
   for (int64_t hq = 0; hq < H; ++hq)
     for (int64_t d = 0; d < D; ++d) qs[hq * D + d] = q[hq * qs1 + d] * scale;
   for (int64_t b = b_lo; b <= b_hi; ++b) {
-    const float* kb = k_ptr + row[b] * blk;
+    const elem_t<K>* kb = k_ptr + row[b] * blk;
     // the next block's keys (or, after the last, this block's values) are fetched while computing
-    const float* kn = b < b_hi ? k_ptr + row[b + 1] * blk : v_ptr + row[b_lo] * blk;
-    for (int64_t h = 0; h < KVH; ++h)
+    const elem_t<K>* kn = b < b_hi ? k_ptr + row[b + 1] * blk : v_ptr + row[b_lo] * blk;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* kt = tile_f32<K>(kb + h * head, head, tile, kn + h * head);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
         // the first query head of each KV head prefetches the next block's rows as it goes
-        block_scores<DC, BSC>(qs + hq * D, kb + h * head, scores.data() + hq * span + (b - b_lo) * BS, D, BS,
-                              g == 0 ? kn + h * head : nullptr);
+        const float* pf = nullptr;
+        if constexpr (in_place) pf = g == 0 ? kn + h * head : nullptr;
+        block_scores<DC, BSC>(qs + hq * D, kt, scores.data() + hq * span + (b - b_lo) * BS, D, BS, pf);
       }
+    }
   }
   for (int64_t hq = 0; hq < H; ++hq) {
     float* sg = scores.data() + hq * span;
@@ -157,16 +267,19 @@ void decode_request(const float* q, int64_t qs1, const float* k_ptr, const float
   }
   std::fill(acc, acc + H * D, 0.f);
   for (int64_t b = b_lo; b <= b_hi; ++b) {
-    const float* vb = v_ptr + row[b] * blk;
-    const float* vn = b < b_hi ? v_ptr + row[b + 1] * blk : nullptr;
+    const elem_t<K>* vb = v_ptr + row[b] * blk;
+    const elem_t<K>* vn = b < b_hi ? v_ptr + row[b + 1] * blk : nullptr;
     const int64_t t0 = b == b_lo ? first : 0;
     const int64_t t1 = b == b_hi ? last - (b - b_lo) * BS : BS;
-    for (int64_t h = 0; h < KVH; ++h)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* vt = tile_f32<K>(vb + h * head, head, tile, vn ? vn + h * head : nullptr);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
-        accumulate_values<DC>(scores.data() + hq * span + (b - b_lo) * BS, vb + h * head, t0, t1, acc + hq * D, D,
-                              vn && g == 0 ? vn + h * head : nullptr);
+        const float* pf = nullptr;
+        if constexpr (in_place) pf = vn && g == 0 ? vn + h * head : nullptr;
+        accumulate_values<DC>(scores.data() + hq * span + (b - b_lo) * BS, vt, t0, t1, acc + hq * D, D, pf);
       }
+    }
   }
   for (int64_t hq = 0; hq < H; ++hq)
     std::memcpy(o + hq * os1, acc + hq * D, D * sizeof(float));
@@ -174,8 +287,10 @@ void decode_request(const float* q, int64_t qs1, const float* k_ptr, const float
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "baton kernels: CPU tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "baton kernels: float32 caches only");
+  const auto t = k_cache.scalar_type();
+  TORCH_CHECK(t == v_cache.scalar_type() && (t == at::kFloat || t == at::kHalf || t == at::kBFloat16),
+              "baton kernels: K and V caches must share one dtype of float32, float16 or bfloat16, got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "baton kernels: caches must be contiguous [blocks, kv_heads, ., .]");
   TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
@@ -183,25 +298,15 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               "baton kernels: K must be [blocks, kv_heads, head_dim, block_size] and V [blocks, kv_heads, block_size, head_dim]");
 }
 
-void paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t window,
-                  double scale, at::Tensor out) {
-  check_cache(k_cache, v_cache);
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_decode: query and out must be [n, heads, head_dim]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_decode: float32 only");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_decode: head_dim must be contiguous");
-  TORCH_CHECK(query.size(2) == v_cache.size(3) && query.size(1) % v_cache.size(1) == 0,
-              "paged_decode: query heads must be a multiple of the cache's kv heads, with its head_dim");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous() &&
-                  block_table.size(0) == query.size(0),
-              "paged_decode: block_table must be contiguous int64 [n, max_blocks]");
-  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.numel() == query.size(0),
-              "paged_decode: ctx_lens must be contiguous int64 [n]");
+template <Kind K>
+void paged_decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t window,
+                       double scale, at::Tensor& out) {
   const Dims dm{query.size(1), v_cache.size(1), query.size(1) / v_cache.size(1), query.size(2), v_cache.size(2)};
   const int64_t n = query.size(0), max_blocks = block_table.size(1);
   const float* q_ptr = query.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
+  const auto* k_ptr = static_cast<const elem_t<K>*>(k_cache.data_ptr());
+  const auto* v_ptr = static_cast<const elem_t<K>*>(v_cache.data_ptr());
   const int64_t* bt = block_table.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -220,11 +325,67 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::
                                         std::cref(dm), fscale, o_ptr + i * os0, os1, std::ref(scores),
                                         std::ref(qbuf));
       if (dm.BS == 16 && dm.D == 64)
-        std::apply(decode_request<64, 16>, args);
+        std::apply(decode_request<K, 64, 16>, args);
       else if (dm.BS == 16 && dm.D == 128)
-        std::apply(decode_request<128, 16>, args);
+        std::apply(decode_request<K, 128, 16>, args);
       else
-        std::apply(decode_request<0, 0>, args);
+        std::apply(decode_request<K, 0, 0>, args);
+    }
+  });
+}
+
+void paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t window,
+                  double scale, at::Tensor out) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_decode: query and out must be [n, heads, head_dim]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode: query and out must be float32 (the cache may be float16/bfloat16)");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_decode: head_dim must be contiguous");
+  TORCH_CHECK(query.size(2) == v_cache.size(3) && query.size(1) % v_cache.size(1) == 0,
+              "paged_decode: query heads must be a multiple of the cache's kv heads, with its head_dim");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous() &&
+                  block_table.size(0) == query.size(0),
+              "paged_decode: block_table must be contiguous int64 [n, max_blocks]");
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.numel() == query.size(0),
+              "paged_decode: ctx_lens must be contiguous int64 [n]");
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return paged_decode_impl<Kind::F16>(query, k_cache, v_cache, block_table, ctx_lens, window, scale, out);
+    case at::kBFloat16:
+      return paged_decode_impl<Kind::BF16>(query, k_cache, v_cache, block_table, ctx_lens, window, scale, out);
+    default:
+      return paged_decode_impl<Kind::F32>(query, k_cache, v_cache, block_table, ctx_lens, window, scale, out);
+  }
+}
+
+template <Kind K>
+void paged_write_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const int64_t* sl) {
+  const int64_t T = key.size(0), KVH = v_cache.size(1), BS = v_cache.size(2), D = v_cache.size(3);
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  auto* kc = static_cast<elem_t<K>*>(k_cache.data_ptr());
+  auto* vc = static_cast<elem_t<K>*>(v_cache.data_ptr());
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t blk = KVH * BS * D;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<elem_t<K>> row(K == Kind::F32 ? 0 : D);  // a key row rounded, before its strided store
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = sl[t] / BS, off = sl[t] % BS;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* kr = k + t * ks0 + h * ks1;
+        elem_t<K>* kt = kc + b * blk + h * BS * D + off;  // column `off` of [D, BS]
+        elem_t<K>* vr = vc + b * blk + (h * BS + off) * D;
+        if constexpr (K == Kind::F32) {
+          for (int64_t d = 0; d < D; ++d) kt[d * BS] = kr[d];
+          std::memcpy(vr, v + t * vs0 + h * vs1, D * sizeof(float));
+        } else {
+          from_f32<K>(kr, row.data(), D);
+          for (int64_t d = 0; d < D; ++d) kt[d * BS] = row[d];
+          from_f32<K>(v + t * vs0 + h * vs1, vr, D);
+        }
+      }
     }
   });
 }
@@ -235,7 +396,8 @@ void paged_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_ca
   const int64_t T = key.size(0), KVH = v_cache.size(1), BS = v_cache.size(2), D = v_cache.size(3);
   TORCH_CHECK(key.dim() == 3 && key.size(1) == KVH && key.size(2) == D && value.sizes() == key.sizes(),
               "paged_write: key/value must be [tokens, kv_heads, head_dim] matching the cache");
-  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "paged_write: float32 only");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "paged_write: key/value must be float32 (the cache may be float16/bfloat16)");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "paged_write: head_dim must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
               "paged_write: slots must be contiguous int64 [tokens]");
@@ -243,23 +405,14 @@ void paged_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_ca
   const int64_t capacity = v_cache.size(0) * BS;
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sl[t] >= 0 && sl[t] < capacity, "paged_write: slot ", sl[t], " outside the cache's ", capacity);
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
-  const int64_t blk = KVH * BS * D;
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = sl[t] / BS, off = sl[t] % BS;
-      for (int64_t h = 0; h < KVH; ++h) {
-        const float* kr = k + t * ks0 + h * ks1;
-        float* kt = kc + b * blk + h * BS * D + off;  // column `off` of [D, BS]
-        for (int64_t d = 0; d < D; ++d) kt[d * BS] = kr[d];
-        std::memcpy(vc + b * blk + (h * BS + off) * D, v + t * vs0 + h * vs1, D * sizeof(float));
-      }
-    }
-  });
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      return paged_write_impl<Kind::F16>(key, value, k_cache, v_cache, sl);
+    case at::kBFloat16:
+      return paged_write_impl<Kind::BF16>(key, value, k_cache, v_cache, sl);
+    default:
+      return paged_write_impl<Kind::F32>(key, value, k_cache, v_cache, sl);
+  }
 }
 
 }  // namespace

@@ -26,13 +26,20 @@ finite (0 * NaN would poison the output).
 
 Two implementations of the cache writes and of decode:
 
-- ``meta.kernels`` (CPU, float32, the C++ kernels built; ``baton.kernels``):
+- ``meta.kernels`` (CPU, float32 activations, the C++ kernels built; ``baton.kernels``):
   ``torch.ops.baton.paged_write`` and ``paged_decode``, which reads each
   request's blocks in place, once;
 - torch ops everywhere else (CUDA, other dtypes, no compiler): index_put writes;
   decode gathers whole blocks along the first dimension (one contiguous copy per
   block: 2.2x faster than gathering along an inner dimension) and attends block
   by block in batched matmuls.
+
+The cache may be narrower than the activations (``cache.dtype``: float16 or
+bfloat16 under float32 activations). Writes round to it (nearest even, in both
+implementations); reads convert gathered blocks back to the query's dtype. A
+prefill attends over its own fresh keys/values rounded the same way, so a
+request's tokens do not depend on whether its prefix came from the cache or from
+an earlier chunk.
 """
 
 from __future__ import annotations
@@ -126,7 +133,7 @@ class AttentionMetadata:
     #: Reused by every layer for its output (each layer's o_proj reads it before the next layer
     #: writes): a fresh multi-MB tensor per layer costs page faults on CPU. None: allocate.
     out: torch.Tensor | None = None
-    #: Cache writes and decode through baton's C++ CPU kernels (float32 on CPU only).
+    #: Cache writes and decode through baton's C++ CPU kernels (float32 activations on CPU only).
     kernels: bool = False
     #: slot_mapping split into (block, offset), once per step for every layer's writes.
     slot_blocks: torch.Tensor | None = field(init=False, default=None)
@@ -196,9 +203,11 @@ def paged_attention(
                 out[0, g.start : g.start + g.n],
             )
     else:
-        # index_put by (block, offset): [T, kv_heads, head_dim] (index_copy_ is ~30x slower on CPU)
-        k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = key[0].transpose(0, 1)
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = value[0].transpose(0, 1)
+        # index_put by (block, offset): [T, kv_heads, head_dim] (index_copy_ is ~30x slower on CPU);
+        # .to() rounds to a narrower cache dtype to nearest even, as paged_write does
+        blocks, offsets = meta.slot_blocks, meta.slot_offsets
+        k_cache[blocks, :, :, offsets] = key[0].transpose(0, 1).to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
         group = num_heads // num_kv_heads
         for g in meta.decode_groups:
             _decode(query, k_cache, v_cache, g, window, scale, group, out)
@@ -229,8 +238,8 @@ def _decode(
     # broadcast over the request's blocks.
     q = query[0, :, g.start : g.start + n].reshape(kvh, group, n, d).permute(2, 0, 1, 3)
     q = (q * scale).unsqueeze(1)
-    k = k_cache.index_select(0, g.blocks).view(n, nb, kvh, d, bs)
-    v = v_cache.index_select(0, g.blocks).view(n, nb, kvh, bs, d)
+    k = k_cache.index_select(0, g.blocks).view(n, nb, kvh, d, bs).to(q.dtype)
+    v = v_cache.index_select(0, g.blocks).view(n, nb, kvh, bs, d).to(q.dtype)
     scores = torch.matmul(q, k)  # [n, nb, KVH, G, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(n, kvh, group, nb * bs)
     scores.add_(g.mask(window).unsqueeze(1))  # [n, 1, 1, L]
@@ -254,18 +263,26 @@ def _prefill(
     end = p.start + p.q_len
     q = query[:, :, p.start : end]
     if p.blocks is None:
-        k = key[:, :, p.start : end]
-        v = value[:, :, p.start : end]
+        k = _as_cached(key[:, :, p.start : end], k_cache.dtype)
+        v = _as_cached(value[:, :, p.start : end], v_cache.dtype)
     else:  # K [blocks, KVH, D, bs] / V [blocks, KVH, bs, D] -> [1, KVH, keys, D]
         _, kvh, d, _ = k_cache.shape
         s = p.prefix_len + p.q_len
         k = k_cache.index_select(0, p.blocks).permute(1, 0, 3, 2).reshape(kvh, -1, d)[None, :, :s]
         v = v_cache.index_select(0, p.blocks).transpose(0, 1).reshape(kvh, -1, d)[None, :, :s]
+        k, v = k.to(q.dtype), v.to(q.dtype)
     mask = p.mask(window, causal, query.device)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and causal, scale=scale, enable_gqa=True
     )
     out[0, p.start : end] = o[0].transpose(0, 1)
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a decode would read it back from a cache of ``cache_dtype`` (rounded, same dtype)."""
+    if cache_dtype == x.dtype:
+        return x
+    return x.to(cache_dtype).to(x.dtype)
 
 
 _registered = False

@@ -30,6 +30,7 @@ from baton.protocol import (
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
 from baton.worker.input_batch import BatchContractError, InputBatch
+from baton.worker.kv_cache_dtype import kv_cache_dtype
 from baton.worker.sampler import Sampler, apply_bitmask
 from baton.worker.step_inputs import StepInputBuilder, StepInputs, sampling_metadata
 
@@ -125,6 +126,7 @@ class ModelRunner:
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.dtype = activation_dtype(self.model)
+        self.kv_dtype = kv_cache_dtype(self.cfg.cache.dtype, self.dtype, self.device)
         self.vocab_size = head_vocab_size(self.model.get_output_embeddings())
         self.max_model_len = self.model_info.max_model_len
         self.eos_token_ids = list(self.model_info.eos_token_ids)
@@ -178,7 +180,7 @@ class ModelRunner:
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_dtype).removeprefix("torch."),
         )
 
     def determine_available_memory(self) -> int:
@@ -248,7 +250,7 @@ class ModelRunner:
                 self.block_size,
                 self.head_dim,
             ),
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         self.kv_caches = list(cache.unbind(0))
@@ -268,7 +270,7 @@ class ModelRunner:
             self.num_layers,
             self.num_kv_heads,
             self.head_dim,
-            str(self.dtype).removeprefix("torch."),
+            str(self.kv_dtype).removeprefix("torch."),
         )
         self._warmup()
 
