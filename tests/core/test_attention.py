@@ -10,12 +10,17 @@ on torch ops and on baton's C++ kernels (``kernels`` fixture).
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from baton.kernels import loader
 from baton.protocol import NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
 from baton.worker.attention import key_cache_view, model_capabilities, paged_attention
@@ -325,3 +330,31 @@ def test_kernels_refuse_mixed_cache_dtypes(cpu_kernel_ops):
         torch.ops.baton.paged_write(
             torch.ones(1, 1, 4), torch.ones(1, 1, 4), k.double(), k.double(), torch.tensor([1])
         )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or loader.compiler() is None,
+    reason="the generic build is x86-64-v2; needs a C++ compiler",
+)
+def test_low_precision_kernels_without_f16c():
+    """BATON_KERNEL_ISA=generic (no AVX2, no F16C): the portable conversions pass the same tests."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "not slow",
+            __file__,
+            "-k",
+            "(low_precision and kernels) or rounds_like_torch or mixed_cache_dtypes",
+        ],
+        env={**os.environ, loader.ISA_ENV: "generic"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
