@@ -82,5 +82,7 @@ def main(args: argparse.Namespace) -> int:
 
     path = args.workload or str(default_bench_dir() / "workload.json")
     with LLM(config=args.config, **engine_overrides(args)) as llm:
-        emit(run_latency(llm, path, args.prompt_len, args.decode_tokens, args.repeats), args.json)
+        result = run_latency(llm, path, args.prompt_len, args.decode_tokens, args.repeats)
+        result["config"] = {"cache_dtype": llm.config.cache.dtype}
+        emit(result, args.json)
     return 0

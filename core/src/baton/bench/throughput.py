@@ -153,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
             "max_num_seqs": llm.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
             "block_size": llm.config.cache.block_size,
+            "cache_dtype": llm.config.cache.dtype,
         }
         stats = llm.get_stats()
         result["kv_blocks"] = stats.num_total_blocks
