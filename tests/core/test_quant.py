@@ -33,6 +33,7 @@ from baton.quant import (
     row_bytes,
 )
 from baton.quant.dequant import dequantize_torch
+from baton.quant.linear import quantize_activations
 
 needs_cxx = pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler")
 
@@ -201,6 +202,39 @@ def test_prefill_tiles_cover_every_output_row(qtype, kernels):
     assert lin(x[:0]).shape == (0, n)
 
 
+@pytest.mark.parametrize("qtype", list(QType))
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16])
+def test_int8_activations_equal_the_quantized_input_matmul(qtype, rows, kernels):
+    """linear_q8a (and the torch path) compute quantize_activations(x) @ W.T + bias."""
+    n, k = shape_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=rows + 3)
+    w = gguf_dequantize(raw, qtype)
+    bias = torch.randn(n)
+    lin = QuantLinear(raw, qtype, k, n, bias=bias, kernels=kernels)
+    lin.int8_activations = True
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    xq = quantize_activations(x)
+    y = lin(x)
+    assert_linear_close(y, xq, w, bias)
+    # the quantized input is what the kernel's integers say: d * round(x / d), |q| <= 127
+    d = x.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    q = xq.view(rows, -1, 32) / torch.where(d == 0, 1.0, d)
+    assert torch.allclose(q, q.round(), atol=1e-4) and q.abs().max() <= 127 + 1e-4
+    assert (xq - x).abs().max() <= d.max() / 2 * (1 + 1e-5)
+
+
+def test_int8_activations_leave_prefill_rows_in_float32(cpu_kernel_ops):
+    qtype = QType.Q4_1
+    n, k = shape_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=2)
+    lin = QuantLinear(raw, qtype, k, n)
+    lin.int8_activations = True
+    x = torch.randn(lin.KERNEL_MAX_ROWS + 1, k)
+    assert_linear_close(lin(x), x, gguf_dequantize(raw, qtype))
+    assert "int8_activations=True" in repr(lin)
+
+
 def test_prefill_tiles_under_inference_mode_on_two_threads(cpu_kernel_ops):
     """The engine's forward runs in inference mode; linear_q_tiles' GEMMs run on the thread pool.
 
@@ -313,9 +347,10 @@ out = []
 for raw, qtype, x, k in cases:
     y = torch.ops.baton.linear_q(x, raw, qtype)
     yt = torch.ops.baton.linear_q_tiles(x, raw, qtype)
+    y8 = torch.ops.baton.linear_q8a(x, raw, qtype)
     w = torch.empty(raw.shape[0], k)
     torch.ops.baton.dequantize_q(raw, qtype, w)
-    out.append((y, yt, w))
+    out.append((y, yt, y8, w))
 torch.save(out, sys.argv[2])
 """
 
@@ -344,11 +379,14 @@ def test_kernels_built_for_other_isas_give_the_same_results(isa, tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for (raw, qtype, x, _), (y, yt, w) in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
+    for (raw, qtype, x, _), (y, yt, y8, w) in zip(
+        cases, torch.load(tmp_path / "out.pt"), strict=True
+    ):
         want = gguf_dequantize(raw, QType(qtype))
         assert torch.equal(w, want)
         assert_linear_close(y, x, want)
         assert_linear_close(yt, x, want)
+        assert_linear_close(y8, quantize_activations(x), want)
 
 
 # --------------------------------------------------------------------------- the default model

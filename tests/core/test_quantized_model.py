@@ -72,6 +72,21 @@ def test_the_setting_and_its_refusals(monkeypatch):
     BatonConfig.load(**{"model.dtype": "bfloat16"}, tensor_parallel_size=2)
 
 
+def test_activation_quantization_setting(tiny_gguf, caplog):
+    assert BatonConfig.load().model.activation_quantization == "none"
+    with pytest.raises(ConfigError, match=r"quantization='none' makes none.*'auto', 'int8'"):
+        BatonConfig.load(**{"model.quantization": "none", "model.activation_quantization": "int8"})
+    _, folder = tiny_gguf
+    model = load(folder, "auto", **{"model.activation_quantization": "int8"})
+    linears = [m for m in quant_modules(model).values() if isinstance(m, QuantLinear)]
+    assert linears and all(m.int8_activations for m in linears)
+    plain = quant_modules(load(folder, "auto")).values()
+    assert not any(m.int8_activations for m in plain if isinstance(m, QuantLinear))
+    with caplog.at_level(logging.WARNING):  # a safetensors model under auto: nothing quantized
+        load(tiny_model("llama"), "auto", **{"model.activation_quantization": "int8"})
+    assert "has no quantized layer to apply to" in caplog.text
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -58,6 +58,11 @@ class ModelSection(_Section):
     groups of 32 (Q8_0 / Q4_1 blocks) applied at load to every plain linear layer, the LM head
     and the embedding (not with tensor_parallel_size > 1). Quantized layers compute in float32:
     "int8" and "int4" need dtype float32 (or "auto" on CPU)."""
+    activation_quantization: Literal["none", "int8"] = "none"
+    """Inputs of the quantized layers (model.quantization) in decode-sized steps (up to 16
+    rows). "none": float32, exact weight-only quantization. "int8": quantized to int8 per 32
+    values, integer dot products with the weight blocks (as llama.cpp computes), faster at one
+    request and not exact (greedy tokens may differ). Prefill keeps float32 inputs."""
 
     @pydantic.model_validator(mode="after")
     def _quantization_needs_float32(self) -> ModelSection:
@@ -66,6 +71,12 @@ class ModelSection(_Section):
                 f"quantization={self.quantization!r} runs its layers in float32, so it cannot "
                 f"take dtype={self.dtype!r}: set model.dtype to 'float32' (or 'auto'), or "
                 "model.quantization to 'none' for unquantized weights in that dtype"
+            )
+        if self.activation_quantization != "none" and self.quantization == "none":
+            raise ValueError(
+                f"activation_quantization={self.activation_quantization!r} applies to quantized "
+                "layers, and quantization='none' makes none: set model.quantization to 'auto', "
+                "'int8' or 'int4', or activation_quantization to 'none'"
             )
         return self
 

@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -384,6 +385,185 @@ void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const 
   }
 }
 
+// ------------------------------------------------------------------ int8 activations (linear_q8a)
+//
+// x is quantized per 32 values, as llama.cpp does for its CPU dot products: xq = round(x / dx),
+// dx = max |x| / 127 (round half to even; xq in [-127, 127]). A 32-weight unit of a row is then
+// one integer dot product of q and xq, scaled by d * dx; formats with offsets add M * sum(x) over
+// the group with sum(x) = dx * sum(xq). Not exact: the activations lose ~8 bits.
+
+constexpr int QX = 32;  // activations per int8 block
+
+// x [M, K] -> xq [M, K], dx [M, K / QX], and (xs, only when XS) dx * sum(xq) per G values [M, K / G].
+void quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G) {
+  const int64_t nb = K / QX;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * QX;
+    float amax = 0.0f;
+    for (int j = 0; j < QX; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    dx[i] = d;
+    int8_t* q = xq + i * QX;
+    for (int j = 0; j < QX; ++j) q[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
+    if (xs)
+      for (int64_t g = 0; g < QX / G; ++g) {
+        int32_t s = 0;
+        for (int64_t j = g * G; j < (g + 1) * G; ++j) s += q[j];
+        xs[i * (QX / G) + g] = d * static_cast<float>(s);
+      }
+  }
+}
+
+#if defined(__AVX2__)
+// 32 weights [32u, 32u + 32) of a block as bytes: unsigned for formats with offsets, two's
+// complement otherwise (as F::quants writes them).
+template <class F>
+inline __m256i quants32(const uint8_t* blk, int u) {
+  if constexpr (F::G == 32) {
+    u8x16 c[2];
+    F::quants(blk, u, c);
+    return _mm256_set_m128i((__m128i)c[1], (__m128i)c[0]);
+  } else {  // G == 16
+    u8x16 c0[1], c1[1];
+    F::quants(blk, 2 * u, c0);
+    F::quants(blk, 2 * u + 1, c1);
+    return _mm256_set_m128i((__m128i)c1[0], (__m128i)c0[0]);
+  }
+}
+
+// Eight int32 sums of q * xq, lane j over weights 4j .. 4j + 3. maddubs multiplies unsigned by
+// signed bytes: signed q gives its magnitude and its sign to xq (|xq| <= 127, so no overflow).
+template <bool SIGNED>
+inline __m256 dot32(__m256i q, __m256i x) {
+  __m256i p;
+  if constexpr (SIGNED)
+    p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+  else
+    p = _mm256_maddubs_epi16(q, x);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// y[m, n] for one weight row n and MR rows of quantized x. Two accumulators at one row (one FMA
+// chain would wait on its latency).
+template <class F, int MR>
+inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float* xsum, float* offs,
+                       const uint8_t* row, float bias, float* y, int64_t ys) {
+  constexpr int NG = F::QK / F::G, U = F::QK / QX, A = MR == 1 ? 2 : 1;
+  const int64_t nb = K / F::QK, units = K / QX, groups = K / F::G;
+  __m256 acc[MR][A];
+  for (int m = 0; m < MR; ++m)
+    for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * F::BYTES;
+    float d[NG], mn[NG];
+    F::scales(blk, d, mn);
+    if constexpr (F::MIN)
+      for (int g = 0; g < NG; ++g) offs[b * NG + g] = mn[g];
+    unroll<U>([&](auto uc) {
+      constexpr int u = decltype(uc)::value;
+      const __m256i q = quants32<F>(blk, u);
+      const int64_t xu = b * U + u;
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + xu * QX));
+        const float e = dx[m * units + xu];
+        __m256 sc;
+        if constexpr (F::G == 32)
+          sc = _mm256_set1_ps(d[u] * e);
+        else
+          sc = _mm256_set_m128(_mm_set1_ps(d[2 * u + 1] * e), _mm_set1_ps(d[2 * u] * e));
+        acc[m][u % A] = _mm256_fmadd_ps(dot32<F::SIGNED>(q, xv), sc, acc[m][u % A]);
+      }
+    });
+  }
+  for (int m = 0; m < MR; ++m) {
+    __m256 v = acc[m][0];
+    for (int a = 1; a < A; ++a) v = _mm256_add_ps(v, acc[m][a]);
+    float s = hsum8(v);
+    if constexpr (F::MIN) {
+      const float* xs = xsum + m * groups;
+      for (int64_t j = 0; j < groups; ++j) s += offs[j] * xs[j];
+    }
+    y[m * ys] = s + bias;
+  }
+}
+#else
+// Portable: the same integer dot products per 32 weights, scalar.
+template <class F, int MR>
+inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float* xsum, float* offs,
+                       const uint8_t* row, float bias, float* y, int64_t ys) {
+  constexpr int NG = F::QK / F::G, NC = F::G / 16;
+  const int64_t nb = K / F::QK, units = K / QX, groups = K / F::G;
+  float acc[MR] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * F::BYTES;
+    float d[NG], mn[NG];
+    F::scales(blk, d, mn);
+    for (int g = 0; g < NG; ++g) {
+      if constexpr (F::MIN) offs[b * NG + g] = mn[g];
+      u8x16 c[NC];
+      F::quants(blk, g, c);
+      const int64_t k0 = b * F::QK + g * F::G;
+      for (int m = 0; m < MR; ++m) {
+        int32_t s = 0;
+        for (int i = 0; i < F::G; ++i) {
+          const uint8_t qb = c[i / 16][i % 16];
+          const int32_t qv = F::SIGNED ? static_cast<int32_t>(static_cast<int8_t>(qb)) : static_cast<int32_t>(qb);
+          s += qv * xq[m * K + k0 + i];
+        }
+        acc[m] += static_cast<float>(s) * (d[g] * dx[m * units + k0 / QX]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float s = acc[m];
+    if constexpr (F::MIN)
+      for (int64_t j = 0; j < groups; ++j) s += offs[j] * xsum[m * groups + j];
+    y[m * ys] = s + bias;
+  }
+}
+#endif
+
+template <class F, int MR>
+void tile_rows_q8(const int8_t* xq, const float* dx, int64_t K, const float* xsum, float* offs, const uint8_t* w,
+                  int64_t row_bytes, const float* bias, float* y, int64_t N, int64_t t0, int64_t t1) {
+  for (int64_t n = t0; n < t1; ++n)
+    dot_row_q8<F, MR>(xq, dx, K, xsum, offs, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, N);
+}
+
+template <class F>
+void linear_rows_q8(const int8_t* xq, const float* dx, int64_t M, int64_t K, const float* xsum, const uint8_t* w,
+                    int64_t row_bytes, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t groups = K / F::G, units = K / QX;
+  const int64_t tile = std::max<int64_t>(1, TILE_BYTES / row_bytes);
+  std::vector<float> offs(F::MIN ? groups : 0);
+  float* o = offs.data();
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m = 0; m < M; m += MAX_MR) {
+      const int8_t* xm = xq + m * K;
+      const float* dm = dx + m * units;
+      const float* sm = xsum + m * groups;
+      float* ym = y + m * N;
+      switch (std::min<int64_t>(MAX_MR, M - m)) {
+        case 8: tile_rows_q8<F, 8>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        case 7: tile_rows_q8<F, 7>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        case 6: tile_rows_q8<F, 6>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        case 5: tile_rows_q8<F, 5>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        case 4: tile_rows_q8<F, 4>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        case 3: tile_rows_q8<F, 3>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        case 2: tile_rows_q8<F, 2>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+        default: tile_rows_q8<F, 1>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
+      }
+    }
+  }
+}
+
 // Calls fn.template operator()<Format>() for the format with ggml type id qtype.
 template <class Fn>
 void dispatch(int64_t qtype, const char* op, Fn&& fn) {
@@ -451,6 +631,29 @@ at::Tensor linear_q(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
   return out;
 }
 
+// y = xhat @ w^T (+ bias) with xhat = x quantized to int8 per 32 values (see quantize_x).
+at::Tensor linear_q8a(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype,
+                      const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_output("linear_q8a", x_in, w, bias);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  dispatch(qtype, "linear_q8a", [&]<class F>() {
+    check_weights<F>("linear_q8a", w, K);
+    if (M == 0 || N == 0) return;
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> dx(M * K / QX), xsum(F::MIN ? M * K / F::G : 0);
+    quantize_x(x.data_ptr<float>(), M, K, xq.data(), dx.data(), F::MIN ? xsum.data() : nullptr, F::G);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+    float* yp = out.data_ptr<float>();
+    const int64_t row_bytes = w.size(1);
+    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+      linear_rows_q8<F>(xq.data(), dx.data(), M, K, xsum.data(), wp, row_bytes, bp, yp, N, n0, n1);
+    });
+  });
+  return out;
+}
+
 // float32 weights per tile of linear_q_tiles (256 KiB: a thread's tile stays in its L2).
 constexpr int64_t TILE_FLOATS = 65536;
 
@@ -511,11 +714,13 @@ void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
   m.def("linear_q_tiles(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("linear_q8a(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
   m.def("dequantize_q(Tensor w, int qtype, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("linear_q", linear_q);
   m.impl("linear_q_tiles", linear_q_tiles);
+  m.impl("linear_q8a", linear_q8a);
   m.impl("dequantize_q", dequantize_q);
 }

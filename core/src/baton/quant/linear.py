@@ -8,6 +8,11 @@ the output rows split over the threads. More rows (prefill) go through
 ``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
 runs torch's GEMM on it. Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
+
+``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
+(up to KERNEL_MAX_ROWS rows) quantize x to int8 per 32 values (``quantize_activations``)
+and use integer dot products (``linear_q8a``), as llama.cpp does; not exact. Prefill-sized
+calls keep float32 activations.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class QuantLinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.kernels = use_kernels(kernels)
+        #: Decode-sized calls quantize x to int8 per 32 values (see quantize_activations).
+        self.int8_activations = False
         self.register_buffer("raw", raw.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
@@ -70,6 +77,7 @@ class QuantLinear(torch.nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"qtype={self.qtype.name}, bias={self.bias is not None}, kernels={self.kernels}"
+            + (", int8_activations=True" if self.int8_activations else "")
         )
 
     def dequantized(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -95,12 +103,17 @@ class QuantLinear(torch.nn.Module):
         bias = self.bias
         if bias is not None and bias.dtype is not torch.float32:
             bias = bias.float()  # the module was cast after it was built
+        few = rows <= self.KERNEL_MAX_ROWS
         if self.kernels and rows and x2.is_cpu:
-            if rows <= self.KERNEL_MAX_ROWS:
+            if few and self.int8_activations:
+                y = torch.ops.baton.linear_q8a(x2, self.raw, self._qtype_id, bias)
+            elif few:
                 y = torch.ops.baton.linear_q(x2, self.raw, self._qtype_id, bias)
             else:
                 y = torch.ops.baton.linear_q_tiles(x2, self.raw, self._qtype_id, bias)
         else:
+            if few and self.int8_activations:
+                x2 = quantize_activations(x2)
             y = self._sliced(x2.contiguous(), bias)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], self.out_features)
@@ -121,6 +134,24 @@ class QuantLinear(torch.nn.Module):
                 x2, self.dequantized(n0, n1), None if bias is None else bias[n0:n1]
             )
         return y
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) as linear_q8a sees it: per 32 values, d = max |x| / 127 and
+    x ~ d * round(x / d) (half to even), in float32 operations the kernel also performs."""
+    m, k = x.shape
+    if k % ACTIVATION_BLOCK:
+        raise QuantizationError(
+            f"int8 activations come in blocks of {ACTIVATION_BLOCK}: K = {k} is not a multiple"
+        )
+    xb = x.float().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(m, k)
+
+
+#: Activations per int8 block (and its float scale) in linear_q8a.
+ACTIVATION_BLOCK = 32
 
 
 class QuantEmbedding(torch.nn.Module):

@@ -78,7 +78,29 @@ def quantize_model(
     device: torch.device,
     dtype: torch.dtype,
 ) -> QuantizationReport:
-    """Apply ``cfg.model.quantization`` to ``model`` (loaded from ``folder``, still on the CPU)."""
+    """Apply ``cfg.model.quantization`` and ``activation_quantization`` to ``model`` (loaded
+    from ``folder``, still on the CPU)."""
+    report = _quantize_weights(model, cfg, folder, device, dtype)
+    act = cfg.model.activation_quantization
+    if report.quantized:
+        set_activation_quantization(model, act)
+    elif act != "none":
+        log.warning(
+            "model.activation_quantization=%s has no quantized layer to apply to "
+            "(model.quantization=%s left every weight in float)",
+            act,
+            report.mode,
+        )
+    return report
+
+
+def _quantize_weights(
+    model: torch.nn.Module,
+    cfg: BatonConfig,
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> QuantizationReport:
     mode = cfg.model.quantization
     report = QuantizationReport(mode)
     if mode == "none":
@@ -108,6 +130,15 @@ def quantize_model(
     _log_kept(report)
     log.info("%s", report.summary())
     return report
+
+
+def set_activation_quantization(model: torch.nn.Module, mode: str) -> None:
+    """Set every QuantLinear's ``int8_activations`` from ``model.activation_quantization``."""
+    from baton.quant import QuantLinear
+
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.int8_activations = mode == "int8"
 
 
 def own_float_tensors(model: torch.nn.Module) -> None:
