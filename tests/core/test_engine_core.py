@@ -136,6 +136,27 @@ def test_kv_cache_too_small_for_one_sequence_is_a_config_error():
         EngineCore(config, executor=FakeExecutor(num_blocks=8), info=INFO)
 
 
+def test_kv_capacity_check_leaves_out_the_null_block():
+    # 32 blocks of 16 are 512 slots, but block 0 is the null block: 496 usable tokens
+    config = BatonConfig.load(max_model_len=512, block_size=16)
+    with pytest.raises(ConfigError, match=r"model\.max_model_len <= 496 \(the largest that fits\)"):
+        EngineCore(config, executor=FakeExecutor(num_blocks=32), info=INFO)
+    core = EngineCore(config, executor=FakeExecutor(num_blocks=33), info=INFO)
+    core.add_request(req("full", n_prompt=500, max_tokens=12))  # exactly max_model_len
+    assert len(run_to_completion(core)["full"]) == 12
+
+
+def test_kv_capacity_lowers_a_limit_taken_from_the_model(caplog):
+    from baton.engine.kv_capacity import fit_max_model_len
+
+    assert fit_max_model_len(33, 16, 512, explicit=True) == 512
+    with caplog.at_level("INFO", logger="baton.engine.kv_capacity"):
+        assert fit_max_model_len(32, 16, 8192, explicit=False) == 496
+    assert "max_model_len = 496" in caplog.text
+    with pytest.raises(ConfigError, match=r"raise cache\.kv_cache_memory"):
+        fit_max_model_len(1, 16, 8192, explicit=False)
+
+
 def test_structured_output_without_backend_names_the_plugin():
     from baton.sampling_params import StructuredOutputSpec
 

@@ -15,9 +15,12 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
+
 from baton.config import BatonConfig
+from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import ConfigError, InvalidRequestError
+from baton.errors import InvalidRequestError
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
 from baton.plugins import Registry, get_registry
@@ -120,13 +123,14 @@ class EngineCore:
             mem // spec.page_size_bytes for spec, mem in zip(specs, available, strict=True)
         )
         block_size = self.config.cache.block_size
-        needed = -(-self.info.max_model_len // block_size)
-        if num_blocks < needed:
-            raise ConfigError(
-                f"cache: the KV cache holds {num_blocks} blocks of {block_size} tokens but one sequence of "
-                f"model.max_model_len={self.info.max_model_len} needs {needed}: raise cache.kv_cache_memory "
-                "or lower model.max_model_len"
-            )
+        max_model_len = fit_max_model_len(
+            num_blocks,
+            block_size,
+            self.info.max_model_len,
+            explicit=self.config.model.max_model_len is not None,
+        )
+        if max_model_len != self.info.max_model_len:
+            self.info = msgspec.structs.replace(self.info, max_model_len=max_model_len)
         self.executor.initialize_kv_cache(
             KVCacheConfig(num_blocks=num_blocks, block_size=block_size)
         )
