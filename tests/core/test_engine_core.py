@@ -88,6 +88,21 @@ def test_abort_in_any_state_is_idempotent():
     assert core.get_stats().num_free_blocks == core.num_blocks - 1  # block 0 is the null block
 
 
+@pytest.mark.parametrize("batches", [1, 2])
+def test_abort_on_an_idle_engine_reaches_the_runner_in_the_next_step(batches):
+    core = make_core(max_concurrent_batches=batches)
+    core.add_request(req("a", max_tokens=50))
+    while "a" not in core.executor.reqs or core.batch_queue:
+        core.step_fn()
+    core.abort_requests(["a"])
+    assert not core.scheduler.has_unfinished_requests()
+    for _ in range(10):  # the batch queue returns before its batch completes
+        core.step_fn()
+        if not core.has_work():
+            break
+    assert "a" not in core.executor.reqs and not core.has_work()
+
+
 def test_bad_requests_raise_and_the_engine_keeps_serving():
     core = make_core()
     core.add_request(req("ok"))

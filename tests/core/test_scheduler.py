@@ -252,12 +252,26 @@ def test_abort_in_every_state_is_idempotent_and_frees_blocks():
     (r,) = s.finish_requests("run", ABORTED)
     assert r.finish_reason == FinishReason.ABORT
     assert s.kv.num_free_blocks == s.kv.num_total_blocks and not s.has_unfinished_requests()
-    # the runner is told about the running one (it never saw "wait"), in the next non-empty output
+    # the runner is told about the running one (it never saw "wait"), in the next output
     d.add(make_request("next", 5))
     so = s.schedule()
     assert so.finished_req_ids == ["run"] and list(so.num_scheduled_tokens) == ["next"]
     _finish(d, so)
     assert s.finish_requests(["next"], ABORTED) == []  # finished already
+
+
+def test_abort_on_an_idle_scheduler_is_reported_in_the_next_empty_output():
+    s = make_scheduler()
+    d = Driver(s)
+    d.add(make_request("a", 20, max_tokens=50))
+    d.step()
+    s.finish_requests(["a"], ABORTED)
+    assert s.has_runner_news() and not s.has_unfinished_requests()
+    so = s.schedule()
+    assert so.is_empty and so.finished_req_ids == ["a"] and so.preempted_req_ids == []
+    d.ex.execute_model(so)
+    assert "a" not in d.ex.reqs  # the runner dropped its state without new work arriving
+    assert not s.has_runner_news() and s.schedule().finished_req_ids == []
 
 
 def test_abort_while_in_flight_drops_its_output():

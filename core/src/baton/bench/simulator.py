@@ -116,6 +116,9 @@ def simulate(
         steps += 1
         if not so.num_scheduled_tokens:
             # nothing runnable (an admission-control policy holding back): time still passes
+            if so.finished_req_ids or so.preempted_req_ids:
+                ex.execute_model(so)  # the runner still drops those requests
+                preemptions += len(so.preempted_req_ids)
             now = max(now + cost.step_overhead_s, pending[0].arrival_time if pending else 0.0)
             continue
         for new in so.scheduled_new_reqs:

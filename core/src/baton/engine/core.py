@@ -182,13 +182,14 @@ class EngineCore:
     def step(self) -> tuple[EngineCoreOutputs | None, bool]:
         """One step. Returns (outputs or None, whether the model ran)."""
         errors = self._finish_failed_grammars()
-        if not self.scheduler.has_unfinished_requests():
+        scheduler = self.scheduler
+        pending = scheduler.has_unfinished_requests()
+        if not pending and not scheduler.has_runner_news():
             return self._outputs(errors), False
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            time.sleep(
-                IDLE_YIELD_S
-            )  # e.g. only grammars compiling: the runner still learns of finished ids
+        # without pending work this step only tells the runner of finished (aborted) requests
+        scheduler_output = scheduler.schedule()
+        if scheduler_output.is_empty and pending:
+            time.sleep(IDLE_YIELD_S)  # e.g. only grammars compiling: don't spin
         future = self.executor.execute_model(scheduler_output, non_block=True)
         grammar_output = self.structured_output.grammar_bitmask(
             self.scheduler, scheduler_output
@@ -211,9 +212,12 @@ class EngineCore:
         errors = self._finish_failed_grammars()
         queue = self.batch_queue
         scheduled = False
-        if len(queue) < self.batch_queue_size and self.scheduler.has_requests_to_schedule():
+        if len(queue) < self.batch_queue_size and (
+            self.scheduler.has_requests_to_schedule() or self.scheduler.has_runner_news()
+        ):
             so = self.scheduler.schedule()
-            if not so.is_empty:
+            if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+                # an empty output with news still goes: the runner drops those requests
                 future = self.executor.execute_model(so, non_block=True)
                 if so.structured_output_req_ids:
                     grammar_output = self.structured_output.grammar_bitmask(self.scheduler, so)

@@ -13,7 +13,10 @@ batch queue).
 When a running request needs a block and none is free, the policy picks a
 victim; its blocks are freed and it is recomputed later from its tokens
 (prompt + what it generated), producing the same output. The model runner
-learns of finished and preempted requests through the next SchedulerOutput.
+learns of finished and preempted requests through the next SchedulerOutput
+that schedules something, or, once no request is left (an abort on an idle
+engine), through the next output even if empty: that one must reach the
+executor (``has_runner_news`` says an idle engine still has news to send).
 
 What a policy decides (order, admission, victim) is behind
 ``baton.interfaces.SchedulerPolicy``; everything here is mechanism.
@@ -176,6 +179,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_runner_news(self) -> bool:
+        """Whether finished or preempted requests wait to be reported to the runner.
+
+        With no unfinished request left, the next ``schedule()`` reports them in an
+        output that schedules nothing: an idle engine steps once more to pass them on.
+        """
+        return bool(self._finished_ids or self._preempted_ids)
+
     def has_requests_to_schedule(self) -> bool:
         """Whether a request exists that is not in flight and not waiting for its grammar."""
         if len(self.requests) - len(self._waiting_for_fsm) > len(self._in_flight):
@@ -264,13 +275,15 @@ class Scheduler:
         if num_scheduled:
             in_flight.update(dict.fromkeys(num_scheduled, step_id))
             self._steps_in_flight.add(step_id)
+        if num_scheduled or not self.requests:
+            # idle (e.g. after an abort): nothing else would carry the news, so it goes now
             finished_ids, self._finished_ids = self._finished_ids, []
             if self._preempted_ids:
                 preempted[:0] = self._preempted_ids
                 self._preempted_ids = []
         else:
-            # an empty output may never reach the runner (the batch queue skips it):
-            # keep its news for the next output that does
+            # an empty output with work pending may never reach the runner (the batch
+            # queue skips it): keep its news for the next output that does
             finished_ids = []
             self._preempted_ids.extend(preempted)
             preempted = []
