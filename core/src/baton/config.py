@@ -107,6 +107,14 @@ class SchedulerSection(_Section):
     """Token budget of one step (prompt chunks + decodes)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget over several steps."""
+    reserve_full_prompt: bool = True
+    """Admit a waiting request only when the blocks of its whole sequence (prompt, plus the
+    tokens a preempted request had generated) can be taken at once, and take them at admission,
+    though the step computes only the first chunk. Prefix-cache hits need no block; cached blocks
+    no request uses count as free (evicted at admission). Its later prompt chunks then never need
+    a block, so a request never preempts itself mid-prompt; decodes still take blocks one at a
+    time and may preempt. False: admission takes the first chunk's blocks only (earlier
+    admission, but a long prompt may be preempted and recomputed when the cache runs short)."""
 
 
 class ExecutorSection(_Section):

@@ -65,8 +65,17 @@ class SchedulerPolicy(Protocol):
     def select_victim(self, running: Sequence[Request]) -> Request:
         """Choose which running request to preempt when KV blocks run out.
 
-        ``running`` is in admission order and never empty. The victim's blocks
-        are freed and it comes back through ``add`` with status PREEMPTED.
+        ``running`` is never empty and in admission order. It holds the running
+        requests that are not in flight: a request in a SchedulerOutput whose
+        result is not applied yet is never a candidate. The requester (the
+        running request that needs a block) is a candidate: choosing it makes it
+        yield, and no later running request is scheduled this step. A request
+        scheduled earlier in the same step is a candidate too; choosing it takes
+        its tokens for the step back. With ``scheduler.reserve_full_prompt`` (the
+        default) the requester is always decoding, since a request computing its
+        prompt already holds all the prompt's blocks. The victim's blocks are
+        freed and it comes back through ``add`` with status PREEMPTED. Return a
+        member of ``running``; any other request fails the step (RuntimeError).
         """
 
     def __len__(self) -> int: ...

@@ -79,6 +79,7 @@ class Scheduler:
         self.max_num_seqs_per_batch = max_num_seqs_per_batch or self.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.reserve_full_prompt = config.scheduler.reserve_full_prompt
         self.block_size = config.cache.block_size
         self.enable_caching = config.cache.enable_prefix_caching
         self.max_model_len = (
@@ -333,7 +334,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break
                 n = budget
-            new_ids = kv.allocate_slots(req, n, hits)
+            # reserving the whole sequence's blocks now means its later prompt chunks never need
+            # one, so it cannot preempt itself mid-prompt (it waits until they are all free)
+            reserve = ntok - num_hit if self.reserve_full_prompt else n
+            new_ids = kv.allocate_slots(req, reserve, hits)
             if new_ids is None:
                 break
             policy.pop(req)

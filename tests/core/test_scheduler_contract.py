@@ -1,0 +1,88 @@
+"""Scenario checks of the scheduler's contract (derived from vLLM's scheduler tests), on the fake executor."""
+
+from __future__ import annotations
+
+from baton.request import RequestStatus
+
+from .sched_helpers import Driver, make_request, make_scheduler
+
+
+def _run_two_prompts(reserve_full_prompt: bool) -> tuple[Driver, dict[str, int]]:
+    """ "a" decodes while "b" (5 blocks) arrives to a cache of 6 blocks that a already holds 2 of."""
+    s = make_scheduler(
+        num_blocks=7, max_num_batched_tokens=32, reserve_full_prompt=reserve_full_prompt
+    )
+    d = Driver(s)
+    d.add(make_request("a", 30, max_tokens=20), make_request("b", 80, max_tokens=4))
+    # how many of b's tokens were computed when it was preempted, per preemption
+    computed_at_preemption: dict[str, int] = {}
+    while s.has_unfinished_requests():
+        before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
+        d.step()
+        for rid in d.scheduler_outputs[-1].preempted_req_ids:
+            computed_at_preemption[rid] = before[rid]
+    return d, computed_at_preemption
+
+
+def test_without_reservation_a_prompt_admitted_by_its_first_chunk_preempts_itself():
+    d, preempted = _run_two_prompts(reserve_full_prompt=False)
+    assert 0 < preempted["b"] < 80  # b computed part of its prompt, then gave up its blocks
+    assert {k: len(v) for k, v in d.tokens.items()} == {"a": 20, "b": 4}
+
+
+def test_reserve_full_prompt_admits_a_prompt_only_when_all_its_blocks_are_free():
+    d, preempted = _run_two_prompts(reserve_full_prompt=True)
+    assert preempted == {} and d.preemptions == 0
+    # b waited for a's blocks instead of starting: its first step is after a finished
+    first_b = next(i for i, so in enumerate(d.scheduler_outputs) if "b" in so.num_scheduled_tokens)
+    last_a = max(i for i, so in enumerate(d.scheduler_outputs) if "a" in so.num_scheduled_tokens)
+    assert first_b > last_a
+    (new_b,) = d.scheduler_outputs[first_b].scheduled_new_reqs
+    assert len(new_b.block_ids) == 5 and d.scheduler_outputs[first_b].num_scheduled_tokens == {
+        "b": 32
+    }
+    # the later chunks need no block
+    assert [
+        so.scheduled_cached_reqs.new_block_ids
+        for so in d.scheduler_outputs[first_b + 1 : first_b + 3]
+    ] == [[[]], [[]]]
+    assert {k: len(v) for k, v in d.tokens.items()} == {"a": 20, "b": 4}
+
+
+def test_reserve_full_prompt_counts_prefix_cache_hits_as_held():
+    s = make_scheduler(num_blocks=8, max_num_batched_tokens=32)
+    d = Driver(s)
+    shared = list(range(1, 65))  # 4 blocks
+    d.add(make_request("a", [*shared, 900], max_tokens=1))
+    d.run()
+    # 7 usable blocks, "c" holds 2: b needs 5, 4 of them cached, so the one free block admits it
+    d.add(make_request("c", 20, max_tokens=10))
+    d.step()
+    d.add(make_request("b", [*shared, *range(500, 515)], max_tokens=2))
+    d.step()
+    so = d.scheduler_outputs[-1]
+    (new_b,) = so.scheduled_new_reqs
+    assert new_b.num_computed_tokens == 64 and len(new_b.block_ids) == 5
+    assert s.requests["b"].status == RequestStatus.RUNNING
+    d.run()
+    assert len(d.tokens["b"]) == 2 and d.preemptions == 0
+
+
+def test_select_victim_sees_the_requester_and_no_request_in_flight():
+    seen: list[list[str]] = []
+    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64, max_num_seqs=4)
+    select = s.policy.select_victim
+
+    def spy(running):
+        seen.append([r.request_id for r in running])
+        return select(running)
+
+    s.policy.select_victim = spy  # type: ignore[method-assign]
+    d = Driver(s)
+    # 4 usable blocks: a and b hold 2 each after their prompts, then both need a third
+    d.add(make_request("a", 31, max_tokens=10), make_request("b", 31, max_tokens=10))
+    d.run()
+    assert seen and all(ids for ids in seen)
+    # the first time a block ran out, "a" asked for it with both running and neither in flight
+    assert seen[0] == ["a", "b"]
+    assert {k: len(v) for k, v in d.tokens.items()} == {"a": 10, "b": 10}
