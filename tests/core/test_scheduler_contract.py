@@ -86,3 +86,59 @@ def test_select_victim_sees_the_requester_and_no_request_in_flight():
     # the first time a block ran out, "a" asked for it with both running and neither in flight
     assert seen[0] == ["a", "b"]
     assert {k: len(v) for k, v in d.tokens.items()} == {"a": 10, "b": 10}
+
+
+# ----------------------------------------------------------------------------- prefill caps
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_chunk():
+    s = make_scheduler(max_num_batched_tokens=256, long_prefill_token_threshold=32)
+    d = Driver(s)
+    d.add(make_request("a", 70, max_tokens=3), make_request("b", 40, max_tokens=3))
+    d.step()
+    assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 32, "b": 32}
+    d.step()
+    assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 32, "b": 8}
+    d.step()
+    assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 6, "b": 1}
+    d.run()
+    assert {k: len(v) for k, v in d.tokens.items()} == {"a": 3, "b": 3}
+
+
+def test_max_num_partial_prefills_holds_back_prompts_that_would_not_end_this_step():
+    s = make_scheduler(
+        max_num_batched_tokens=256, long_prefill_token_threshold=32, max_num_partial_prefills=1
+    )
+    d = Driver(s)
+    d.add(
+        make_request("a", 100, max_tokens=2),
+        make_request("short", 10, max_tokens=2),  # ends in its first step: not partial
+        make_request("b", 100, max_tokens=2),
+    )
+    for _ in range(4):
+        d.step()
+    # b waits while a is part-way through its prompt, and starts in the step a's prompt ends
+    assert [so.num_scheduled_tokens for so in d.scheduler_outputs] == [
+        {"a": 32, "short": 10},
+        {"a": 32, "short": 1},
+        {"a": 32},
+        {"a": 4, "b": 32},
+    ]
+    d.run()
+    assert {k: len(v) for k, v in d.tokens.items()} == {"a": 2, "short": 2, "b": 2}
+
+
+def test_prefill_caps_are_off_by_default_and_without_chunked_prefill():
+    s = make_scheduler(max_num_batched_tokens=256)
+    assert s.long_prefill_token_threshold is None and s.max_num_partial_prefills is None
+    s = make_scheduler(
+        max_num_batched_tokens=256,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=32,
+        max_num_partial_prefills=1,
+    )
+    d = Driver(s)
+    d.add(make_request("a", 100, max_tokens=2), make_request("b", 100, max_tokens=2))
+    d.step()
+    assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 100, "b": 100}
+    d.run()

@@ -115,6 +115,15 @@ class SchedulerSection(_Section):
     a block, so a request never preempts itself mid-prompt; decodes still take blocks one at a
     time and may preempt. False: admission takes the first chunk's blocks only (earlier
     admission, but a long prompt may be preempted and recomputed when the cache runs short)."""
+    long_prefill_token_threshold: int | None = Field(None, gt=0)
+    """Most prompt tokens one request computes in a step (vLLM's long_prefill_token_threshold),
+    so a long prompt leaves budget to others; None: up to the step's budget. Needs
+    enable_chunked_prefill (ignored without it)."""
+    max_num_partial_prefills: int | None = Field(None, gt=0)
+    """Most requests part-way through their prompt at once (vLLM's max_num_partial_prefills): a
+    waiting request whose prompt does not end in its first step is admitted only below this
+    cap (admission stops there, keeping the policy's order); None: no cap. Needs
+    enable_chunked_prefill (ignored without it)."""
 
 
 class ExecutorSection(_Section):

@@ -80,6 +80,14 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
         self.reserve_full_prompt = config.scheduler.reserve_full_prompt
+        # both caps need chunked prefill: without it a prompt is computed whole
+        chunked = self.enable_chunked_prefill
+        self.long_prefill_token_threshold = (
+            config.scheduler.long_prefill_token_threshold if chunked else None
+        )
+        self.max_num_partial_prefills = (
+            config.scheduler.max_num_partial_prefills if chunked else None
+        )
         self.block_size = config.cache.block_size
         self.enable_caching = config.cache.enable_prefix_caching
         self.max_model_len = (
@@ -221,6 +229,7 @@ class Scheduler:
         # running requests: decodes and the next chunks of started prompts
         running = self.running
         per_batch = self.max_num_seqs_per_batch
+        long_prefill = self.long_prefill_token_threshold
         for req in running:
             if budget <= 0 or len(num_scheduled) >= per_batch:
                 break
@@ -231,6 +240,8 @@ class Scheduler:
             computed = req.num_computed_tokens
             ntok = len(tokens)
             n = ntok - computed
+            if long_prefill and n > long_prefill:
+                n = long_prefill
             if n > budget:
                 n = budget
             if n <= 0:
@@ -319,6 +330,14 @@ class Scheduler:
         kv = self.kv
         running = self.running
         per_batch = self.max_num_seqs_per_batch
+        long_prefill = self.long_prefill_token_threshold
+        max_partial = self.max_num_partial_prefills
+        # prompts admitted but not computed to their end by the steps scheduled so far
+        num_partial = (
+            sum(1 for r in running if r.status == _RUNNING and r.num_computed_tokens < r.num_tokens)
+            if max_partial is not None
+            else 0
+        )
         while budget > 0 and len(running) < self.max_num_seqs and len(num_scheduled) < per_batch:
             req = policy.peek(now)
             if req is None:
@@ -328,12 +347,18 @@ class Scheduler:
             tokens = req.all_token_ids
             ntok = len(tokens)
             n = ntok - num_hit
+            if long_prefill and n > long_prefill:
+                n = long_prefill
             if n > budget:
                 # without chunked prefill a prompt waits for a step it fits in whole; one that
                 # can never fit (a long request resumed after preemption) is chunked anyway
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break
                 n = budget
+            if max_partial is not None and num_hit + n < ntok:
+                if num_partial >= max_partial:
+                    break  # it would be one partial prefill too many: it waits its turn
+                num_partial += 1
             # reserving the whole sequence's blocks now means its later prompt chunks never need
             # one, so it cannot preempt itself mid-prompt (it waits until they are all free)
             reserve = ntok - num_hit if self.reserve_full_prompt else n
