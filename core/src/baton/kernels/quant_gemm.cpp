@@ -484,12 +484,16 @@ inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float
   for (int m = 0; m < MR; ++m) {
     __m256 v = acc[m][0];
     for (int a = 1; a < A; ++a) v = _mm256_add_ps(v, acc[m][a]);
-    float s = hsum8(v);
-    if constexpr (F::MIN) {
+    if constexpr (F::MIN) {  // the offsets' dot product with the group sums of x
       const float* xs = xsum + m * groups;
-      for (int64_t j = 0; j < groups; ++j) s += offs[j] * xs[j];
+      int64_t j = 0;
+      for (; j + 8 <= groups; j += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(offs + j), _mm256_loadu_ps(xs + j), v);
+      float s = hsum8(v);
+      for (; j < groups; ++j) s += offs[j] * xs[j];
+      y[m * ys] = s + bias;
+    } else {
+      y[m * ys] = hsum8(v) + bias;
     }
-    y[m * ys] = s + bias;
   }
 }
 #else
