@@ -135,6 +135,23 @@ def test_utilities():
     core.check_health()
 
 
+def test_reset_prefix_cache_with_reset_running_mid_run_keeps_the_tokens():
+    plain, reset = make_core(), make_core()
+    for core in (plain, reset):
+        for i in range(3):
+            core.add_request(req(f"r{i}", n_prompt=40 + 10 * i, max_tokens=10))
+    early: dict[str, list[int]] = {}
+    for _ in range(3):
+        outs, _ = reset.step_fn()
+        for o in outs.outputs if outs else ():
+            early.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert early and reset.reset_prefix_cache() is False
+    assert reset.reset_prefix_cache(True) is True
+    assert reset.get_stats().num_free_blocks == reset.num_blocks - 1
+    late = run_to_completion(reset)
+    assert {k: early.get(k, []) + v for k, v in late.items()} == run_to_completion(plain)
+
+
 def test_executor_failure_surfaces_from_step():
     config = BatonConfig.load(max_model_len=512)
     core = EngineCore(config, executor=FakeExecutor(fail_at_step=2), info=INFO)

@@ -142,3 +142,81 @@ def test_prefill_caps_are_off_by_default_and_without_chunked_prefill():
     d.step()
     assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 100, "b": 100}
     d.run()
+
+
+# ----------------------------------------------------------------------------- prefix-cache reset
+
+
+def _reference_tokens(*specs: tuple[str, int, int]) -> dict[str, list[int]]:
+    d = Driver(make_scheduler())
+    d.add(*(make_request(rid, n, max_tokens=m) for rid, n, m in specs))
+    return d.run().tokens
+
+
+def test_reset_prefix_cache_with_reset_running_preempts_and_frees_every_block():
+    specs = (("a", 40, 6), ("b", 50, 6))
+    s = make_scheduler()
+    d = Driver(s)
+    d.add(*(make_request(rid, n, max_tokens=m) for rid, n, m in specs))
+    d.step()
+    d.step()
+    assert s.kv.view().block_hashes  # full prompt blocks are cached
+    assert s.reset_prefix_cache() is False  # held blocks: refused, nothing changed
+    assert s.requests["a"].status == RequestStatus.RUNNING
+    assert s.reset_prefix_cache(reset_running=True) is True
+    view = s.kv.view()
+    assert view.num_free_blocks == view.num_usable_blocks and not view.block_hashes
+    assert view.req_block_ids == {} and set(view.ref_cnts[1:]) == {0}
+    assert [r.request_id for r in s.policy] == ["a", "b"]  # admission order kept
+    assert all(r.status == RequestStatus.PREEMPTED for r in s.requests.values())
+    d.step()
+    so = d.scheduler_outputs[-1]
+    assert so.preempted_req_ids == ["b", "a"]  # the runner drops them, then gets them anew
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["a", "b"]
+    assert all(n.num_computed_tokens == 0 for n in so.scheduled_new_reqs)  # nothing cached
+    d.run()
+    assert d.tokens == _reference_tokens(*specs)
+    assert s.make_stats(delta=False).num_preemptions == 2
+
+
+def test_reset_running_is_refused_while_a_batch_is_in_flight():
+    s = make_scheduler()
+    d = Driver(s)
+    d.add(make_request("a", 40))
+    so = s.schedule()
+    assert s.reset_prefix_cache(reset_running=True) is False
+    assert s.requests["a"].status == RequestStatus.RUNNING
+    d.record(s.update_from_output(so, d.ex.execute_model(so)))
+    assert s.reset_prefix_cache(reset_running=True) is True
+    d.run()
+    assert len(d.tokens["a"]) == 8
+
+
+# ----------------------------------------------------------------------------- the KV view
+
+
+def test_kv_view_shows_eviction_order_references_and_hashes():
+    s = make_scheduler(num_blocks=8)
+    d = Driver(s)
+    shared = list(range(1, 33))  # 2 blocks
+    d.add(make_request("a", [*shared, 100, 101], max_tokens=5))
+    d.step()
+    view = s.kv.view()
+    a_blocks = view.req_block_ids["a"]
+    assert len(a_blocks) == 3 and view.num_free_blocks == 4
+    assert [view.ref_cnts[b] for b in a_blocks] == [1, 1, 1] and view.ref_cnts[0] == 1
+    assert set(view.block_hashes) == set(a_blocks[:2])  # the computed full blocks
+    d.add(make_request("b", [*shared, 200], max_tokens=2))
+    d.step()
+    view = s.kv.view()
+    assert [view.ref_cnts[b] for b in a_blocks[:2]] == [2, 2]  # shared by a and b
+    d.run()
+    view = s.kv.view()
+    assert view.num_free_blocks == 7 and view.req_block_ids == {}
+    # freed tail first: uncached blocks at the head (reused first), cached prefixes last
+    assert view.cached_free_block_ids == view.free_block_ids[-len(view.block_hashes) :]
+    assert view.free_block_ids[-2:] == (a_blocks[1], a_blocks[0])  # the head is evicted last
+    before = view.free_block_ids
+    d.add(make_request("c", 20))
+    d.run()
+    assert view.free_block_ids == before  # a view is a snapshot

@@ -281,8 +281,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ utilities (callable remotely)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """Forget the prefix cache; see Scheduler.reset_prefix_cache (``reset_running`` preempts)."""
+        return self.scheduler.reset_prefix_cache(reset_running)
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot: counters (prefix-cache queries/hits, preemptions) are totals since start."""

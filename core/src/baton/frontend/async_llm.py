@@ -214,8 +214,9 @@ class AsyncLLM:
     async def get_stats(self) -> Any:
         return await self.engine.call_utility_async("get_stats")
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine.call_utility_async("reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """As ``LLM.reset_prefix_cache``."""
+        return await self.engine.call_utility_async("reset_prefix_cache", reset_running)
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

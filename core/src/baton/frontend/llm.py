@@ -90,8 +90,10 @@ class LLM:
             tokenized.append((self.tokenizer.decode(ids), ids))
         return self._run(tokenized, sampling_params, use_tqdm, None, None)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.call_utility("reset_prefix_cache")
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """Forget the prefix cache; False while requests hold blocks, unless ``reset_running``
+        preempts the running ones first (they are recomputed later, with the same tokens)."""
+        return self.engine.call_utility("reset_prefix_cache", reset_running)
 
     def get_stats(self) -> Any:
         return self.engine.call_utility("get_stats")

@@ -9,9 +9,11 @@ so a cache hit never points at KV a forward pass has yet to write.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from baton.kv.block_pool import BlockPool, KVBlock
+from baton.kv.view import KVCacheView
 
 if TYPE_CHECKING:
     from baton.request import Request
@@ -145,6 +147,22 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False (and nothing done) while requests hold blocks."""
         return self.pool.reset_prefix_cache()
+
+    def view(self) -> KVCacheView:
+        """A read-only snapshot of the books (free queue order, references, hashes, tables)."""
+        pool = self.pool
+        return KVCacheView(
+            block_size=self.block_size,
+            num_usable_blocks=pool.num_usable_blocks,
+            free_block_ids=tuple(b.block_id for b in pool.free_queue),
+            ref_cnts=tuple(b.ref_cnt for b in pool.blocks),
+            block_hashes=MappingProxyType(
+                {b.block_id: b.block_hash for b in pool.blocks if b.block_hash is not None}
+            ),
+            req_block_ids=MappingProxyType(
+                {rid: tuple(ids) for rid, ids in self.req_to_block_ids.items()}
+            ),
+        )
 
     # ------------------------------------------------------------------ stats
 

@@ -202,7 +202,27 @@ class Scheduler:
             return True
         return any(r.grammar is not None for r in self._waiting_for_fsm.values())
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """Forget every prefix-cache entry; whether it was done.
+
+        Refused (False, nothing changed) while requests hold blocks, unless
+        ``reset_running``: then every running request is preempted first (as by
+        the policy: it is recomputed later and produces the same tokens), so all
+        blocks are free. Still refused while a request is in flight (a batch of
+        the pipeline's queue): its blocks are being written.
+        """
+        if reset_running and self.running:
+            if self._in_flight:
+                return False
+            now = self.clock()
+            preempted: list[str] = []
+            # latest admitted first: a policy that puts preempted requests first keeps their order
+            for req in reversed(self.running):
+                if req.status == _RUNNING:
+                    self._preempt(req, now, preempted)
+            self._preempted_ids.extend(preempted)
+            self._num_preemptions += len(preempted)
+            self.total_preemptions += len(preempted)
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------- schedule
@@ -400,6 +420,11 @@ class Scheduler:
             raise RuntimeError(
                 f"scheduler policy chose {victim!r}, which is not a preemption candidate"
             )
+        self._preempt(victim, now, preempted)
+        return victim
+
+    def _preempt(self, victim: Request, now: float, preempted: list[str]) -> None:
+        """Free a running request's blocks and queue it again to be recomputed."""
         self.kv.free(victim)
         victim.status = _PREEMPTED
         victim.num_computed_tokens = 0
@@ -409,7 +434,6 @@ class Scheduler:
             preempted.append(victim.request_id)
         self._running_dirty = True
         self.policy.add(victim)
-        return victim
 
     def _release_ready_grammars(self) -> None:
         ready = [r for r in self._waiting_for_fsm.values() if r.grammar is not None]
