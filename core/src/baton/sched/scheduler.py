@@ -59,6 +59,31 @@ _FINISHED = RequestStatus.FINISHED_STOPPED  # every status >= this one is finish
 _ERROR = RequestStatus.FINISHED_ERROR
 
 
+class _StepPlan:
+    """One step's decisions while ``schedule()`` makes them."""
+
+    __slots__ = ("budget", "cached", "new_reqs", "num_scheduled", "preempted", "so_ids")
+
+    def __init__(self, budget: int) -> None:
+        #: Tokens the step can still take.
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        #: Running requests scheduled: req id -> (new token ids, new block ids, computed before).
+        self.cached: dict[str, tuple[list[int], list[int], int]] = {}
+        self.new_reqs: list[NewRequestData] = []
+        #: Scheduled requests that sample under a grammar this step.
+        self.so_ids: list[str] = []
+        #: Requests preempted this step that the runner holds.
+        self.preempted: list[str] = []
+
+    def take_back(self, req_id: str) -> None:
+        """Unschedule a running request scheduled earlier in this step (it was preempted)."""
+        self.budget += self.num_scheduled.pop(req_id)
+        del self.cached[req_id]
+        if req_id in self.so_ids:
+            self.so_ids.remove(req_id)
+
+
 class Scheduler:
     """Decides each step's work and applies its results. See the module docstring."""
 
@@ -233,24 +258,24 @@ class Scheduler:
         if self._waiting_for_fsm:
             self._release_ready_grammars()
         self._step += 1
-        step_id = self._step
-        budget = self.max_num_batched_tokens
+        plan = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(plan, now)
+        if self._running_dirty:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+            self._running_dirty = False
+        if not plan.preempted:  # blocks ran short: admitting more would only preempt again
+            self._admit(plan, now)
+        return self._make_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan, now: float) -> None:
+        """Schedule running requests in admission order: decodes and next prompt chunks."""
         in_flight = self._in_flight
         num_sent = self._num_sent
-        allocate = self.kv.allocate_slots
-        num_scheduled: dict[str, int] = {}
-        c_ids: list[str] = []
-        c_tokens: list[list[int]] = []
-        c_blocks: list[list[int]] = []
-        c_computed: list[int] = []
-        so_ids: list[str] = []
-        preempted: list[str] = []
-
-        # running requests: decodes and the next chunks of started prompts
-        running = self.running
+        num_scheduled = plan.num_scheduled
         per_batch = self.max_num_seqs_per_batch
         long_prefill = self.long_prefill_token_threshold
-        for req in running:
+        for req in self.running:
+            budget = plan.budget
             if budget <= 0 or len(num_scheduled) >= per_batch:
                 break
             rid = req.request_id
@@ -266,46 +291,45 @@ class Scheduler:
                 n = budget
             if n <= 0:
                 continue
-            new_ids = allocate(req, n)
-            while new_ids is None:
-                victim = self._preempt_for(req, now, preempted)
-                if victim is req:
-                    break
-                vid = victim.request_id
-                if vid in num_scheduled:  # scheduled earlier this step: take it back
-                    budget += num_scheduled.pop(vid)
-                    k = c_ids.index(vid)
-                    del c_ids[k], c_tokens[k], c_blocks[k], c_computed[k]
-                    if vid in so_ids:
-                        so_ids.remove(vid)
-                new_ids = allocate(req, n)
+            new_ids = self._allocate_or_preempt(req, n, plan, now)
             if new_ids is None:
                 break  # the request preempted itself: nothing more fits
             num_scheduled[rid] = n
-            budget -= n
-            c_ids.append(rid)
-            c_tokens.append(tokens[num_sent[rid] : ntok])
+            plan.budget -= n
+            plan.cached[rid] = (tokens[num_sent[rid] : ntok], new_ids, computed)
             num_sent[rid] = ntok
-            c_blocks.append(new_ids)
-            c_computed.append(computed)
             computed += n
             req.num_computed_tokens = computed
             if req.grammar is not None and computed == ntok:
-                so_ids.append(rid)
+                plan.so_ids.append(rid)
 
-        if self._running_dirty:
-            running = self.running = [r for r in running if r.status == _RUNNING]
-            self._running_dirty = False
+    def _allocate_or_preempt(
+        self, req: Request, n: int, plan: _StepPlan, now: float
+    ) -> list[int] | None:
+        """Blocks for ``n`` more tokens of a running request, preempting victims until they fit.
 
-        # waiting requests, in policy order, unless this step had to preempt
-        new_reqs: list[NewRequestData] = []
-        if not preempted:
-            budget = self._admit(now, budget, num_scheduled, new_reqs, so_ids)
+        None when the policy chose ``req`` itself as the victim.
+        """
+        allocate = self.kv.allocate_slots
+        new_ids = allocate(req, n)
+        while new_ids is None:
+            victim = self._preempt_for(req, now, plan.preempted)
+            if victim is req:
+                return None
+            if victim.request_id in plan.num_scheduled:  # scheduled earlier this step
+                plan.take_back(victim.request_id)
+            new_ids = allocate(req, n)
+        return new_ids
 
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Mark the scheduled requests in flight, attach the runner's news, build the output."""
+        step_id = self._step
+        num_scheduled = plan.num_scheduled
+        preempted = plan.preempted
         self._num_preemptions += len(preempted)
         self.total_preemptions += len(preempted)
         if num_scheduled:
-            in_flight.update(dict.fromkeys(num_scheduled, step_id))
+            self._in_flight.update(dict.fromkeys(num_scheduled, step_id))
             self._steps_in_flight.add(step_id)
         if num_scheduled or not self.requests:
             # idle (e.g. after an abort): nothing else would carry the news, so it goes now
@@ -319,36 +343,32 @@ class Scheduler:
             finished_ids = []
             self._preempted_ids.extend(preempted)
             preempted = []
-        total = self.max_num_batched_tokens - budget
+        total = self.max_num_batched_tokens - plan.budget
         self._last_num_scheduled = total
+        cached = plan.cached
         return SchedulerOutput(
             step_id=step_id,
-            scheduled_new_reqs=new_reqs,
+            scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=CachedRequestData(
-                req_ids=c_ids,
-                new_token_ids=c_tokens,
-                new_block_ids=c_blocks,
-                num_computed_tokens=c_computed,
+                req_ids=list(cached),
+                new_token_ids=[c[0] for c in cached.values()],
+                new_block_ids=[c[1] for c in cached.values()],
+                num_computed_tokens=[c[2] for c in cached.values()],
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted,
-            structured_output_req_ids=so_ids,
+            structured_output_req_ids=plan.so_ids,
         )
 
-    def _admit(
-        self,
-        now: float,
-        budget: int,
-        num_scheduled: dict[str, int],
-        new_reqs: list[NewRequestData],
-        so_ids: list[str],
-    ) -> int:
-        """Admit waiting requests while budget, seats and blocks last; returns the budget left."""
+    def _admit(self, plan: _StepPlan, now: float) -> None:
+        """Admit waiting requests, in the policy's order, while budget, seats and blocks last."""
         policy = self.policy
         kv = self.kv
         running = self.running
+        num_scheduled = plan.num_scheduled
+        budget = plan.budget
         per_batch = self.max_num_seqs_per_batch
         long_prefill = self.long_prefill_token_threshold
         max_partial = self.max_num_partial_prefills
@@ -382,8 +402,7 @@ class Scheduler:
             # reserving the whole sequence's blocks now means its later prompt chunks never need
             # one, so it cannot preempt itself mid-prompt (it waits until they are all free)
             reserve = ntok - num_hit if self.reserve_full_prompt else n
-            new_ids = kv.allocate_slots(req, reserve, hits)
-            if new_ids is None:
+            if kv.allocate_slots(req, reserve, hits) is None:
                 break
             policy.pop(req)
             req.status = _RUNNING
@@ -391,7 +410,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.record_event(EngineCoreEventType.SCHEDULED, now)
-            new_reqs.append(
+            plan.new_reqs.append(
                 NewRequestData(
                     req_id=rid,
                     prompt_token_ids=req.prompt_token_ids,
@@ -406,8 +425,8 @@ class Scheduler:
             budget -= n
             req.num_computed_tokens = num_hit + n
             if req.grammar is not None and num_hit + n == ntok:
-                so_ids.append(rid)
-        return budget
+                plan.so_ids.append(rid)
+        plan.budget = budget
 
     def _preempt_for(self, req: Request, now: float, preempted: list[str]) -> Request:
         """Preempt the policy's victim among running requests not in flight (``req`` included)."""
