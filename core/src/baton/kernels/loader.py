@@ -14,7 +14,8 @@ warning naming the cause and returns False, and attention and linears run on
 torch ops.
 Registered operators (documented in the sources): ``torch.ops.baton.paged_decode``
 and ``paged_write`` (paged_attention.cpp), ``linear_small`` (small_gemm.cpp),
-``linear_q`` and ``dequantize_q`` (quant_gemm.cpp).
+``linear_q`` and ``dequantize_q`` (quant_gemm.cpp), ``decode_layers`` (decode_stack.cpp: a
+decode step's whole layer stack, calling the others).
 
 ``$BATON_KERNEL_ISA`` picks the instruction set the kernels are compiled for (part
 of the cache key): ``native`` (default: everything this CPU has), ``avx2`` (this

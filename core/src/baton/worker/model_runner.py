@@ -29,6 +29,7 @@ from baton.protocol import (
 )
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
+from baton.worker.fast_decode import FastDecode, build_fast_decode
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache_dtype import kv_cache_dtype
 from baton.worker.sampler import Sampler, apply_bitmask
@@ -109,6 +110,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor | None] = []
         self.num_blocks = 0
         self._pending: PendingStep | None = None
+        self.fast_decode: FastDecode | None = None
 
     # ------------------------------------------------------------------ model
 
@@ -139,6 +141,7 @@ class ModelRunner:
         self.kernels = self._use_kernels()
         if self.device.type == "cpu":
             self._cpu_linears()
+        self.fast_decode = self._fast_decode()
         self.inputs = StepInputBuilder(
             self.input_batch, self.max_num_tokens, self.device, kernels=self.kernels
         )
@@ -153,6 +156,22 @@ class ModelRunner:
         from baton.kernels import loader
 
         return loader.load()
+
+    def _fast_decode(self) -> FastDecode | None:
+        """The native layer stack for decode-only steps, when executor.fast_decode is on and it applies.
+
+        Only this class's own forward: a parallel runner (a subclass) holds a cut or sharded model.
+        """
+        if not self.cfg.executor.fast_decode:
+            return None
+        cls = type(self)
+        if (cls.forward, cls.prepare_model) != (ModelRunner.forward, ModelRunner.prepare_model):
+            log.debug("fast decode off: %s runs a cut or sharded model", cls.__name__)
+            return None
+        fast = build_fast_decode(self.model, self.device, self.kernels, self.max_model_len)
+        if fast is not None:
+            log.info("decode-only steps run the layer stack in one native call (fast_decode)")
+        return fast
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Hook: change the loaded model (still on CPU) before it moves to the device.
@@ -414,6 +433,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampling requests, vocab] for the positions that sample."""
+        if self.fast_decode is not None and self.fast_decode.applies(inputs):
+            return self.fast_decode.logits(inputs)
         out = self.model(
             input_ids=inputs.input_ids[None],
             position_ids=inputs.positions[None],

@@ -1,0 +1,293 @@
+"""Decode-only steps of Llama-block models in one native call (``torch.ops.baton.decode_layers``).
+
+A batch-1 decode step through transformers' modules dispatches ~15 torch ops per
+layer from Python: ~13 ms per token on a 30-layer model, more than its matmuls.
+For a step whose every token is a decode token (one query per request, no
+prefill chunk) the runner instead embeds the tokens in Python, takes cos/sin from
+the model's own rotary module (so any rope_scaling transformers implements
+applies), runs every layer and the final norm in ``decode_layers``
+(kernels/decode_stack.cpp) and the LM head with the model's module.
+
+It applies to models whose layers are exactly the Llama block: LlamaForCausalLM,
+Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM, without sliding windows,
+float32 on CPU with baton's kernels, linears that are nn.Linear /
+SmallBatchLinear / QuantLinear, and no hooks on any module (LoRA and other
+wrappers change the modules and are refused). ``build_fast_decode`` returns None,
+with a debug log of the reason, for anything else; transformers' code then runs
+every step, as it always does for prefill and mixed steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.worker.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+#: transformers classes whose decoder layers are the Llama block (checked module by module too).
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"})
+#: The linears of one layer, in the order decode_layers takes them.
+LINEARS = (
+    ("self_attn", "q_proj"),
+    ("self_attn", "k_proj"),
+    ("self_attn", "v_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_proj"),
+    ("mlp", "up_proj"),
+    ("mlp", "down_proj"),
+)
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+_NO_BIAS = torch.empty(0)
+#: rope types whose cos/sin depend on the position alone (not on the sequence length, as
+#: "dynamic" and "longrope" do): tabulated once at load.
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+class Unsupported(Exception):
+    """Why the fast path does not apply to a model (caught by build_fast_decode)."""
+
+
+@dataclass
+class FastDecode:
+    """The weights of a model's layer stack as decode_layers takes them; runs decode-only steps."""
+
+    embed: torch.nn.Module
+    rotary: torch.nn.Module
+    head: torch.nn.Module
+    norms: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor]
+    qtypes: list[int]
+    q8a: list[int]
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    scale: float
+    quant_max_rows: int
+    float_max_rows: int
+    #: cos/sin [max positions, head_dim] computed once by ``rotary`` when its rope type does not
+    #: depend on the sequence length; None: ``rotary`` runs every step.
+    cos_table: torch.Tensor | None = None
+    sin_table: torch.Tensor | None = None
+    #: decode-only steps run so far (tests and benchmarks check that the path is taken)
+    steps: int = field(default=0, init=False)
+
+    @staticmethod
+    def applies(inputs: StepInputs) -> bool:
+        """Whether ``inputs`` is a decode-only step in one decode group through the kernels."""
+        a = inputs.attn
+        return (
+            a.kernels
+            and not a.prefills
+            and len(a.decode_groups) == 1
+            and a.decode_groups[0].n == a.num_tokens
+            and a.kv_caches is not None
+        )
+
+    def logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [sampling requests, vocab] of a decode-only step (``applies(inputs)``)."""
+        a = inputs.attn
+        g = a.decode_groups[0]
+        h = self.embed(inputs.input_ids)
+        if self.cos_table is not None and self.sin_table is not None:
+            cos = self.cos_table.index_select(0, inputs.positions)
+            sin = self.sin_table.index_select(0, inputs.positions)
+        else:
+            cos, sin = (t[0].contiguous() for t in self.rotary(h[None], inputs.positions[None]))
+        hidden = torch.ops.baton.decode_layers(
+            h,
+            cos,
+            sin,
+            self.norms,
+            self.weights,
+            self.biases,
+            self.qtypes,
+            self.q8a,
+            a.kv_caches,
+            a.slot_mapping,
+            g.blocks.view(g.n, -1),
+            g.ctx_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+            self.quant_max_rows,
+            self.float_max_rows,
+        )
+        self.steps += 1
+        if inputs.logits_indices.numel() != g.n:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        return self.head(hidden)
+
+
+def build_fast_decode(
+    model: torch.nn.Module, device: torch.device, kernels: bool, max_positions: int
+) -> FastDecode | None:
+    """The fast decode path for ``model`` (positions below ``max_positions``), or None (debug
+    log: why) when it does not apply."""
+    try:
+        fast = _build(model, device, kernels)
+    except Unsupported as e:
+        log.debug("fast decode off, transformers' modules run every step: %s", e)
+        return None
+    if getattr(fast.rotary, "rope_type", None) in STATIC_ROPE_TYPES:
+        fast.cos_table, fast.sin_table = _rotary_tables(fast.rotary, fast.embed, max_positions)
+    return fast
+
+
+def _rotary_tables(
+    rotary: torch.nn.Module, embed: torch.nn.Module, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, head_dim] of positions 0..n-1 from the model's rotary module (elementwise in
+    the position: each row is what a step at that position computes)."""
+    with torch.inference_mode():
+        x = embed(torch.zeros(1, 1, dtype=torch.long))
+        cos, sin = rotary(x, torch.arange(n)[None])
+    return cos[0].contiguous(), sin[0].contiguous()
+
+
+def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastDecode:
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        raise Unsupported(f"{arch} is not one of {', '.join(sorted(ARCHITECTURES))}")
+    if device.type != "cpu":
+        raise Unsupported(f"device {device} (the native layer stack is CPU-only)")
+    if not kernels or not hasattr(torch.ops.baton, "decode_layers"):
+        raise Unsupported("baton's C++ kernels are off or not built")
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "hidden_act", None) != "silu":
+        raise Unsupported(f"hidden_act={getattr(cfg, 'hidden_act', None)!r}, not silu")
+    if arch == "MistralForCausalLM" and getattr(cfg, "sliding_window", None) is not None:
+        raise Unsupported(f"sliding_window={cfg.sliding_window}")
+    inner = model.model
+    layers = list(inner.layers)
+    if len(layers) != cfg.num_hidden_layers:
+        raise Unsupported(f"{len(layers)} layers, config says {cfg.num_hidden_layers}")
+    _check_no_hooks(model)
+    embed, head = inner.embed_tokens, model.get_output_embeddings()
+    if type(embed).__name__ not in ("Embedding", "QuantEmbedding"):
+        raise Unsupported(f"embedding {type(embed).__name__}")
+
+    num_heads = cfg.num_attention_heads
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+    norms, weights, biases, qtypes, q8a = [], [], [], [], []
+    eps: float | None = None
+    scale: float | None = None
+    for i, layer in enumerate(layers):
+        if not type(layer).__name__.endswith("DecoderLayer"):
+            raise Unsupported(f"layer {i} is a {type(layer).__name__}")
+        _children(layer, _LAYER_CHILDREN, f"layer {i}")
+        attn, mlp = layer.self_attn, layer.mlp
+        _children(attn, _ATTN_CHILDREN, f"layer {i} attention")
+        _children(mlp, _MLP_CHILDREN, f"layer {i} MLP")
+        if getattr(attn, "sliding_window", None) is not None:
+            raise Unsupported(f"layer {i} has sliding_window={attn.sliding_window}")
+        if type(mlp.act_fn).__name__ not in ("SiLUActivation", "SiLU"):
+            raise Unsupported(f"layer {i} activation {type(mlp.act_fn).__name__}")
+        if scale is None:
+            scale = float(attn.scaling)
+        elif float(attn.scaling) != scale:
+            raise Unsupported(f"layer {i} attention scaling {attn.scaling} != {scale}")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            eps = _norm(norm, eps, norms, f"layer {i}")
+        for parent, name in LINEARS:
+            _linear(
+                getattr(getattr(layer, parent), name),
+                f"layer {i} {name}",
+                weights,
+                biases,
+                qtypes,
+                q8a,
+            )
+    eps = _norm(inner.norm, eps, norms, "final norm")
+    assert eps is not None and scale is not None  # at least one layer
+    from baton.quant.linear import QuantLinear
+    from baton.worker.cpu_linear import KERNEL_MAX_ROWS
+
+    return FastDecode(
+        embed=embed,
+        rotary=inner.rotary_emb,
+        head=head,
+        norms=norms,
+        weights=weights,
+        biases=biases,
+        qtypes=qtypes,
+        q8a=q8a,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        eps=eps,
+        scale=scale,
+        quant_max_rows=QuantLinear.KERNEL_MAX_ROWS,
+        float_max_rows=KERNEL_MAX_ROWS,
+    )
+
+
+def _check_no_hooks(model: torch.nn.Module) -> None:
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            raise Unsupported(f"module {name or type(m).__name__} has forward hooks")
+
+
+def _children(module: torch.nn.Module, expected: set[str], what: str) -> None:
+    names = {n for n, _ in module.named_children()}
+    if names != expected:
+        raise Unsupported(f"{what} has modules {sorted(names)}, expected {sorted(expected)}")
+
+
+def _norm(norm: torch.nn.Module, eps: float | None, out: list[torch.Tensor], what: str) -> float:
+    """Check an RMSNorm (Llama's form: weight * normed), append its weight, return its eps."""
+    name = type(norm).__name__
+    if name not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"):
+        raise Unsupported(f"{what} norm {name}")
+    w = norm.weight.detach()
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+        raise Unsupported(f"{what} norm weight {w.dtype} on {w.device}")
+    e = float(norm.variance_epsilon)
+    if eps is not None and e != eps:
+        raise Unsupported(f"{what} norm eps {e} != {eps}")
+    out.append(w)
+    return e
+
+
+def _linear(
+    m: torch.nn.Module,
+    what: str,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor],
+    qtypes: list[int],
+    q8a: list[int],
+) -> None:
+    """Append one linear's weight, bias (empty: none), qtype (-1: float32) and int8-activation flag."""
+    from baton.quant.linear import QuantLinear
+    from baton.worker.cpu_linear import SmallBatchLinear
+
+    bias = m.bias.detach() if m.bias is not None else None
+    if type(m) in (torch.nn.Linear, SmallBatchLinear):
+        w = m.weight.detach()
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            raise Unsupported(f"{what} weight {w.dtype}, contiguous={w.is_contiguous()}")
+        weights.append(w)
+        qtypes.append(-1)
+        q8a.append(0)
+    elif type(m) is QuantLinear:
+        if not m.kernels:
+            raise Unsupported(f"{what} is a QuantLinear without kernels")
+        weights.append(m.raw)
+        qtypes.append(int(m.qtype))
+        q8a.append(
+            int(
+                bool(getattr(m, "int8_activations", False))
+                and hasattr(torch.ops.baton, "linear_q8a")
+            )
+        )
+    else:
+        raise Unsupported(f"{what} is a {type(m).__name__}")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise Unsupported(f"{what} bias {bias.dtype}")
+    biases.append(bias if bias is not None else _NO_BIAS)

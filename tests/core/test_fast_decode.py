@@ -1,0 +1,148 @@
+"""executor.fast_decode: decode-only steps of Llama-block models through decode_layers.
+
+Greedy tokens equal transformers' (near-tie rule) with the fast path taken for
+every decode-only step; batches of decodes at different context lengths whose
+blocks cross boundaries, beyond the row counts where the linears change kernels;
+quantized linears; and the fast path refused where it does not apply.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from baton.kernels import loader
+from baton.testing.runner_driver import Driver
+from baton.testing.tiny_model import tiny_model
+from baton.worker.fast_decode import build_fast_decode
+from baton.worker.model_runner import ModelRunner
+
+from .test_model_runner import NUM_BLOCKS, assert_greedy_parity, hf_greedy, make_runner, prompts
+
+pytestmark = pytest.mark.usefixtures("cpu_kernel_ops")
+
+
+def run_driver(runner, lens, max_tokens, block_size=4, budget=24, seed=1, grow=1) -> Driver:
+    """Requests of prompt lengths ``lens``; request i generates ``max_tokens + grow * i`` tokens."""
+    d = Driver(runner, NUM_BLOCKS, block_size, budget=budget)
+    for i, p in enumerate(prompts(seed=seed, lens=lens)):
+        d.add(f"r{i}", p, max_tokens=max_tokens + grow * i)
+    d.run()
+    return d
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # q/k/v biases
+        ("mistral", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True}),
+        # cos/sin tabulated at load (linear) or from the rotary module every step (dynamic)
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    ],
+    ids=["llama", "qwen2", "mistral", "llama-biases", "rope-linear", "rope-dynamic"],
+)
+def test_greedy_matches_transformers_through_the_fast_path(arch, overrides):
+    path = tiny_model(arch, **overrides)
+    runner = make_runner(path, block_size=4, budget=24, max_seqs=8)
+    assert runner.fast_decode is not None
+    dynamic = overrides.get("rope_scaling", {}).get("rope_type") == "dynamic"
+    assert (runner.fast_decode.cos_table is None) is dynamic
+    lens = (5, 17, 1, 30, 9, 45, 12)
+    d = run_driver(runner, lens, max_tokens=20)
+    # the prompts are prefilled within the first steps; most later steps are decode-only
+    assert runner.fast_decode.steps > 20
+    for i, p in enumerate(prompts(seed=1, lens=lens)):
+        want, logits = hf_greedy(path, p, 20 + i)
+        assert_greedy_parity(d.all[f"r{i}"].output, want, logits)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "activations"),
+    [("none", "none"), ("int8", "none"), ("int4", "none"), ("int4", "int8")],
+)
+def test_many_rows_give_the_tokens_of_the_modules(quantization, activations):
+    """34 decodes at once (past the row counts where linear_small / linear_q hand over), with
+    block size 3: the fast path's tokens are those of transformers' modules on the same weights."""
+    path = tiny_model("qwen2")
+    lens = tuple(2 + (5 * i) % 13 for i in range(34))
+    if activations != "none":  # linear_q8a only up to QuantLinear.KERNEL_MAX_ROWS: fewer requests
+        lens = lens[:12]
+    outputs = []
+    for fast in (True, False):
+        runner = make_runner(
+            path,
+            block_size=3,
+            budget=512,
+            max_seqs=len(lens),
+            fast_decode=fast,
+            **{"model.quantization": quantization, "model.activation_quantization": activations},
+        )
+        d = run_driver(runner, lens, max_tokens=5, block_size=3, budget=512, seed=7, grow=0)
+        assert (runner.fast_decode is not None and runner.fast_decode.steps > 0) is fast
+        outputs.append([d.all[f"r{i}"].output for i in range(len(lens))])
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "reason"),
+    [
+        ("gemma", {}, "GemmaForCausalLM is not one of"),
+        ("qwen3", {}, "Qwen3ForCausalLM is not one of"),
+        ("phi3", {}, "Phi3ForCausalLM is not one of"),
+        ("mistral", {"sliding_window": 8}, "sliding_window=8"),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+            "sliding_window=6",
+        ),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_refused_for_other_architectures(arch, overrides, reason, caplog):
+    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
+        runner = make_runner(tiny_model(arch, **overrides))
+    assert runner.fast_decode is None
+    assert reason in caplog.text
+
+
+def test_refused_when_switched_off_without_kernels_and_for_subclasses(caplog):
+    path = tiny_model("llama")
+    assert make_runner(path, fast_decode=False).fast_decode is None
+    assert make_runner(path, cpu_kernels=False).fast_decode is None
+
+    class Staged(ModelRunner):  # a parallel runner's model is cut or sharded
+        def forward(self, inputs):
+            return super().forward(inputs)
+
+    from baton.config import BatonConfig
+
+    runner = Staged(BatonConfig.load(model=str(path)), torch.device("cpu"))
+    runner.load_model()
+    assert runner.fast_decode is None
+
+
+def test_refused_with_hooks_and_foreign_linears(caplog):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
+    assert loader.load()
+    assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is not None
+    assert build_fast_decode(model, torch.device("cpu"), kernels=False, max_positions=64) is None
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
+        assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is None
+    assert "model.layers.1.mlp has forward hooks" in caplog.text
+    handle.remove()
+
+    class Wrapped(torch.nn.Linear):  # e.g. a LoRA layer: its forward does more
+        pass
+
+    model.model.layers[0].self_attn.q_proj.__class__ = Wrapped
+    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
+        assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is None
+    assert "layer 0 q_proj is a Wrapped" in caplog.text
