@@ -5,9 +5,9 @@ for equal tokens: every prefix of the float32-activation greedy continuation is
 sent as a prompt, with steps of at most 16 tokens (so every linear call of the
 step takes the decode-sized path that quantizes its input) and the prefix read
 from the cache, and the next token must be the float32 one at a high share of
-positions. Measured (AVX2 host): the tiny GGUF model (random weights, all six
-block formats) 100% of 192 positions on the kernels and the torch path;
-SmolLM2-135M Q4_1 see MIN_AGREEMENT_SMOLLM2.
+positions. Measured on an AVX2 host (2026-12-02): the tiny GGUF model (random
+weights, all six block formats) 190 of 192 positions (99.0%) on the kernels and
+on the torch path; SmolLM2-135M's Q4_1 file 189 of 192 (98.4%).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ N = 24
 #: steps of <= 16 tokens: QuantLinear.KERNEL_MAX_ROWS, the rows that quantize their input
 BASE = dict(block_size=8, max_model_len=512, max_num_batched_tokens=16, enable_chunked_prefill=True)
 MIN_AGREEMENT_TINY = 0.95
-MIN_AGREEMENT_SMOLLM2 = 0.9
+MIN_AGREEMENT_SMOLLM2 = 0.94
 
 
 def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
