@@ -178,6 +178,21 @@ def test_kv_capacity_check_leaves_out_the_null_block():
     assert len(run_to_completion(core)["full"]) == 12
 
 
+def test_max_model_len_left_unset_is_the_models_capped_by_the_kv_cache(caplog):
+    config = BatonConfig.load(block_size=16)
+    assert config.model.max_model_len is None
+    with caplog.at_level("INFO", logger="baton.engine.kv_capacity"):
+        core = EngineCore(config, executor=FakeExecutor(num_blocks=17), info=INFO)
+    assert core.info.max_model_len == 256 and "max_model_len = 256" in caplog.text
+    assert core.scheduler.max_model_len == 256
+    with pytest.raises(InvalidRequestError, match="max_model_len is 256"):
+        core.add_request(req("long", n_prompt=300))
+    core.add_request(req("fits", n_prompt=250, max_tokens=6))
+    assert len(run_to_completion(core)["fits"]) == 6
+    roomy = EngineCore(config, executor=FakeExecutor(num_blocks=64), info=INFO)
+    assert roomy.info.max_model_len == 512  # the model's own limit
+
+
 def test_kv_capacity_lowers_a_limit_taken_from_the_model(caplog):
     from baton.engine.kv_capacity import fit_max_model_len
 

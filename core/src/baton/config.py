@@ -42,8 +42,11 @@ class ModelSection(_Section):
     """A built-in alias, a local Hugging Face model folder, or a .gguf file."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Weights and activations; "auto" takes the model's own dtype."""
-    max_model_len: int | None = Field(2048, gt=0)
-    """Longest prompt + output; None takes the model's own limit."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt + output. None: the model's own limit (max_position_embeddings; 8192 for
+    SmolLM2), lowered to what the KV cache holds, with an info log saying so. A value set here
+    must be within the model's limit and fit in the KV cache (else a ConfigError naming the
+    largest that fits)."""
     tokenizer: str | None = None
     """A tokenizer folder when it differs from the model's."""
     cache_dir: Path | None = None

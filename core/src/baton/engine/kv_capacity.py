@@ -21,6 +21,12 @@ def fit_max_model_len(
     """
     fits = max(num_blocks - 1, 0) * block_size
     if max_model_len <= fits:
+        if not explicit:
+            log.info(
+                "model.max_model_len = %d, the model's own limit (the KV cache holds %d tokens)",
+                max_model_len,
+                fits,
+            )
         return max_model_len
     if not explicit and fits > 0:
         log.info(

@@ -38,12 +38,14 @@ class LLM:
         **overrides: Any,
     ) -> None:
         self.config = BatonConfig.load(config, model=model, **overrides)
-        self.info = model_info(self.config)
-        self.tokenizer = load_tokenizer(self.config, self.info)
-        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        info = model_info(self.config)
+        self.tokenizer = load_tokenizer(self.config, info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = StatLoggers(self.config)
-        self.engine: EngineCoreClient = make_client(self.config, info=self.info)
+        self.engine: EngineCoreClient = make_client(self.config, info=info)
+        # the engine's info: its max_model_len may be lowered to what the KV cache holds
+        self.info = self.engine.info
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ API
