@@ -63,6 +63,20 @@ def check_parity(model_dir: Path, tokenizer: Any, **parallel: Any) -> None:
         assert_parity(model_dir, prompt_ids, ours, ref)
 
 
+def check_cache_dtype_parity(model_dir: Path, tokenizer: Any, dtype: str, **parallel: Any) -> None:
+    """With cache.dtype = ``dtype`` (the shared cache allocation path) the parallel executor gives
+    uniproc's tokens with the same cache, fresh and from the prefix cache: at least 95% of them
+    (a low-precision cache is not exact, so no near-tie rule against float32; measured: all)."""
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    (ref,) = generate(model_dir, prompt_ids, **{"cache.dtype": dtype})
+    total = sum(len(r) for r in ref)
+    for ours in generate(model_dir, prompt_ids, passes=2, **parallel, **{"cache.dtype": dtype}):
+        same = sum(
+            a == b for o, r in zip(ours, ref, strict=True) for a, b in zip(o, r, strict=True)
+        )
+        assert same >= 0.95 * total, f"{same} of {total} tokens equal with cache.dtype={dtype}"
+
+
 def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: Any) -> None:
     """SIGKILL one worker mid-generation: EngineDeadError within 5 s, every later call too.
 

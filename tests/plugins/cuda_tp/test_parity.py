@@ -11,12 +11,18 @@ from __future__ import annotations
 import pytest
 
 from baton.testing.tiny_model import tiny_model
-from tests.plugins.parallel_common import check_parity
+from tests.plugins.parallel_common import check_cache_dtype_parity, check_parity
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases are sharded too
 def test_tp2_matches_uniproc(arch, tokenizer):
     check_parity(tiny_model(arch), tokenizer, executor="cuda-tp", tensor_parallel_size=2)
+
+
+def test_tp2_with_a_bfloat16_cache_matches_uniproc(tokenizer):
+    check_cache_dtype_parity(
+        tiny_model("llama"), tokenizer, "bfloat16", executor="cuda-tp", tensor_parallel_size=2
+    )
 
 
 @pytest.mark.slow
