@@ -88,7 +88,7 @@ class CacheSection(_Section):
     block_size: int = Field(16, gt=0, le=1024)
     """Tokens per KV-cache block (the unit of allocation and of prefix caching)."""
     kv_cache_memory: ByteSize | None = None
-    """KV cache size, e.g. "2GiB". None: memory_utilization on CUDA; on CPU what max_num_seqs full-length sequences need, at most 1GiB."""
+    """KV cache size, e.g. "2GiB". None: memory_utilization on CUDA; on CPU what max_num_seqs full-length sequences need, at most 1GiB (with a cache.dtype narrower than the activations, at most the tokens 1GiB holds in the activation dtype)."""
     memory_utilization: float | None = Field(None, gt=0, le=1)
     """On CUDA: the fraction of device memory the model and the KV cache may use (default 0.9)."""
     enable_prefix_caching: bool = True

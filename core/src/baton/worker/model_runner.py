@@ -215,7 +215,10 @@ class ModelRunner:
             return int(psutil.virtual_memory().available * cache.memory_utilization)
         spec = self.get_kv_cache_spec()
         per_token = spec.page_size_bytes // spec.block_size
-        return min(CPU_DEFAULT_KV_BYTES, self.max_num_reqs * self.max_model_len * per_token)
+        # a cache narrower than the activations (cache.dtype) keeps the default's tokens in less
+        # memory: on CPU it is there to save memory (kv_cache_memory buys more blocks instead)
+        cap = CPU_DEFAULT_KV_BYTES * min(1.0, self.kv_dtype.itemsize / self.dtype.itemsize)
+        return min(int(cap), self.max_num_reqs * self.max_model_len * per_token)
 
     @torch.inference_mode()
     def _cuda_available_memory(self, utilization: float) -> int:
