@@ -213,3 +213,27 @@ def test_eos_ends_a_request(llm):
     out = llm.generate("eos test", params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and len(out.token_ids) <= 3
     assert eos is not None
+
+
+def test_max_model_len_unset_is_the_models_lowered_to_the_kv_cache(model_dir):
+    import json
+    from pathlib import Path
+
+    from baton.errors import InvalidRequestError
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page = 2 * cfg["num_hidden_layers"] * 16 * heads * head_dim * 4  # one float32 block of 16
+    # 33 blocks: 32 usable after the null block, 512 tokens, below the model's 2048
+    with LLM(model=model_dir, block_size=16, kv_cache_memory=33 * page) as llm:
+        assert llm.config.model.max_model_len is None
+        assert llm.info.max_model_len == 512 < cfg["max_position_embeddings"]
+        with pytest.raises(InvalidRequestError, match="max_model_len is 512"):
+            llm.generate({"prompt_token_ids": [5] * 600}, use_tqdm=False)
+        (out,) = llm.generate(
+            {"prompt_token_ids": [5] * 500},
+            SamplingParams(max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert len(out.outputs[0].token_ids) == 12
