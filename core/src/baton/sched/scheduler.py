@@ -8,8 +8,12 @@ requests in the order the policy gives. A request's ``num_computed_tokens``
 advances when it is scheduled; until its output is applied by
 ``update_from_output`` it is *in flight* and is neither scheduled again nor
 preempted (so several SchedulerOutputs can be in flight: the pipeline-parallel
-batch queue).
+batch queue). Optional caps bound a prompt's chunk per step
+(``long_prefill_token_threshold``) and the prompts in progress at once
+(``max_num_partial_prefills``).
 
+Admission takes the blocks of a request's whole sequence at once
+(``reserve_full_prompt``, the default), so its later prompt chunks need none.
 When a running request needs a block and none is free, the policy picks a
 victim; its blocks are freed and it is recomputed later from its tokens
 (prompt + what it generated), producing the same output. The model runner
