@@ -103,6 +103,26 @@ def test_abort_on_an_idle_engine_reaches_the_runner_in_the_next_step(batches):
     assert "a" not in core.executor.reqs and not core.has_work()
 
 
+@pytest.mark.parametrize("batches", [1, 2])
+def test_inproc_client_abort_on_an_idle_engine_reaches_the_runner_at_once(batches):
+    from baton.engine.client import InprocClient
+
+    config = BatonConfig.load(max_model_len=512)
+    fake = FakeExecutor(
+        block_size=config.cache.block_size, max_concurrent_batches=batches, latency_s=0.0
+    )
+    client = InprocClient(config, executor=fake, info=INFO)
+    client.add_request(req("a", max_tokens=50))
+    client.add_request(req("b", max_tokens=50))
+    while not {"a", "b"} <= set(fake.reqs) or client.core.batch_queue:
+        client.get_output()
+    client.abort_requests(["a"])  # b still runs: its next step tells the runner
+    assert "a" in fake.reqs
+    client.abort_requests(["b"])  # now idle: nothing else would step the engine
+    assert not fake.reqs and not client.core.has_work()
+    client.get_output()  # a stashed output, if any, then empty steps
+
+
 def test_bad_requests_raise_and_the_engine_keeps_serving():
     core = make_core()
     core.add_request(req("ok"))

@@ -64,14 +64,29 @@ class InprocClient(EngineCoreClient):
     def __init__(self, config: BatonConfig, **core_kwargs: Any) -> None:
         self.core = EngineCore(config, **core_kwargs)
         self.info = self.core.info
+        #: Outputs of steps taken outside get_output (an abort's flush), returned first.
+        self._stashed: list[EngineCoreOutputs] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        core = self.core
+        core.abort_requests(request_ids)
+        # nothing steps an idle in-process engine until the next request: step now so the
+        # runner drops the aborted requests (a batch queue needs a step per batch in flight)
+        for _ in range(core.batch_queue_size + 1):
+            if not core.scheduler.has_runner_news() and not core.batch_queue:
+                break
+            if core.scheduler.has_unfinished_requests():
+                break  # the next get_output's step carries the news
+            outputs, _ = core.step_fn()
+            if outputs is not None:
+                self._stashed.append(outputs)
 
     def get_output(self) -> EngineCoreOutputs:
+        if self._stashed:
+            return self._stashed.pop(0)
         outputs, _ = self.core.step_fn()
         return outputs or EngineCoreOutputs()
 
