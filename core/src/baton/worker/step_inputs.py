@@ -244,9 +244,10 @@ def sampling_metadata(
         md.frequency_penalty = t(freq[p_idx]) if (freq[p_idx] != 0).any() else None
         md.repetition_penalty = t(rep[p_idx]) if (rep[p_idx] != 1).any() else None
 
-    for i, r in enumerate(rows):
-        ids = batch.min_tokens_stop_ids[r]
-        if ids is not None and n_out[i] < batch.min_tokens[r]:
+    # only the rows still below their min_tokens (a Python loop over every row costs per step)
+    for i in np.nonzero(n_out < batch.min_tokens[rows])[0].tolist():
+        ids = batch.min_tokens_stop_ids[rows[i]]
+        if ids is not None:
             md.min_tokens_bans.append((i, ids))
     lp = batch.num_logprobs[rows]
     if (lp >= 0).any():
