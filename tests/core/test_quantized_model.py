@@ -214,9 +214,9 @@ def test_none_and_non_float32_dtypes_load_the_gguf_dequantized(tiny_gguf, caplog
     _, folder = tiny_gguf
     assert not quant_modules(load(folder, "none"))
     with caplog.at_level(logging.INFO):
-        model = load(folder, "auto", dtype="bfloat16")
+        model = load(folder, "auto", **{"model.dtype": "bfloat16"})
     assert not quant_modules(model)
-    assert "compute in float32, not bfloat16" in caplog.text
+    assert "compute in float32, not bfloat16, so every weight is dequantized" in caplog.text
 
 
 def test_auto_runs_a_safetensors_model_as_stored():

@@ -41,7 +41,13 @@ class ModelSection(_Section):
     name: str = "smollm2-135m-instruct"
     """A built-in alias, a local Hugging Face model folder, or a .gguf file."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """Weights and activations; "auto" takes the model's own dtype."""
+    """Weights and activations. "auto": the checkpoint's dtype; on CPU a bfloat16 / float16
+    checkpoint keeps it only where the CPU computes that type natively (bf16: avx512_bf16,
+    amx_bf16, arm bf16; fp16: avx512_fp16, amx_fp16, arm asimdhp), else runs in float32 (the
+    weights upcast once at load; info log), and float32 with quantization int8/int4. An explicit
+    "bfloat16" / "float16" runs as asked; where the CPU emulates it, torch converts around every
+    op and baton's float32-only CPU kernels and fast decode are off, so it is slower than float32
+    (a warning says by how much) and only halves the weights' memory."""
     max_model_len: int | None = Field(None, gt=0)
     """Longest prompt + output. None: the model's own limit (max_position_embeddings; 8192 for
     SmolLM2), lowered to what the KV cache holds, with an info log saying so. A value set here

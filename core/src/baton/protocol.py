@@ -225,6 +225,8 @@ class ModelInfo(msgspec.Struct, **_STRUCT):
     vocab_size: int
     max_model_len: int  # the effective limit: config.model.max_model_len capped by the model's
     eos_token_ids: list[int]
+    dtype: str = ""  # what the loaded model computes in; "" until a worker has loaded it
+    dtype_native: bool = True  # whether the device computes dtype in hardware (not emulated)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -155,6 +155,16 @@ def now() -> float:
     return time.perf_counter()
 
 
+def dtype_config(llm: Any) -> dict[str, Any]:
+    """The dtype the engine's model computes in and whether the device has it natively
+    (``model.dtype`` resolved: "auto", and a 16-bit type emulated on CPU, differ from the setting)."""
+    return {
+        "model_dtype": llm.config.model.dtype,
+        "dtype": llm.info.dtype,
+        "dtype_native": llm.info.dtype_native,
+    }
+
+
 def emit(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))

@@ -14,6 +14,7 @@ from typing import Any
 from baton.bench.common import (
     CpuMonitor,
     default_bench_dir,
+    dtype_config,
     emit,
     load_workload,
     peak_rss_mb,
@@ -83,6 +84,6 @@ def main(args: argparse.Namespace) -> int:
     path = args.workload or str(default_bench_dir() / "workload.json")
     with LLM(config=args.config, **engine_overrides(args)) as llm:
         result = run_latency(llm, path, args.prompt_len, args.decode_tokens, args.repeats)
-        result["config"] = {"cache_dtype": llm.config.cache.dtype}
+        result["config"] = {"cache_dtype": llm.config.cache.dtype, **dtype_config(llm)}
         emit(result, args.json)
     return 0

@@ -17,6 +17,7 @@ from baton.bench.common import (
     children_peak_rss_mb,
     default_bench_dir,
     digest,
+    dtype_config,
     emit,
     load_workload,
     peak_rss_mb,
@@ -154,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
             "block_size": llm.config.cache.block_size,
             "cache_dtype": llm.config.cache.dtype,
+            **dtype_config(llm),
         }
         stats = llm.get_stats()
         result["kv_blocks"] = stats.num_total_blocks

@@ -68,9 +68,12 @@ class EngineCore:
             executor = entry.create(config, settings)
         self.executor: Executor = executor
         try:
-            self.info: ModelInfo = (
-                info or getattr(executor, "model_info", None) or model_info(config)
-            )
+            loaded: ModelInfo | None = getattr(executor, "model_info", None)
+            self.info: ModelInfo = info or loaded or model_info(config)
+            if loaded is not None and loaded.dtype:  # what only the loaded model knows
+                self.info = msgspec.structs.replace(
+                    self.info, dtype=loaded.dtype, dtype_native=loaded.dtype_native
+                )
             self.config = config = self._apply_model_capabilities(config)
             self.num_blocks = self._initialize_kv_cache()
             entry = self.registry.get("scheduler_policy", config.scheduler.policy)

@@ -325,20 +325,6 @@ def check_architecture(hf_config: Any) -> type:
     return cls
 
 
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """The torch dtype for ``model.dtype``; "auto" takes the checkpoint's, but float32 on CPU."""
-    import torch
-
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32  # no native bf16/fp16 compute on most CPUs: fp32 is the fast choice
-    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dt, str):
-        dt = getattr(torch, dt, None)
-    return dt if dt in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-
-
 def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
     """(resolved folder, transformers config) for ``cfg.model.name``."""
     from transformers import AutoConfig
@@ -366,10 +352,11 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     from baton.worker import attention
+    from baton.worker.compute_dtype import resolve_dtype
 
     folder, hf_config = load_hf_config(cfg)
     check_architecture(hf_config)
-    dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device)
+    dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device, cfg.model.quantization)
     attention.register()
     t0 = time.monotonic()
     try:

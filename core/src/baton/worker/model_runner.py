@@ -14,6 +14,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -28,6 +29,7 @@ from baton.protocol import (
     TokenLogprobs,
 )
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
+from baton.worker.cpu_features import native_compute
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
 from baton.worker.fast_decode import FastDecode, build_fast_decode
 from baton.worker.input_batch import BatchContractError, InputBatch
@@ -128,6 +130,11 @@ class ModelRunner:
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.dtype = activation_dtype(self.model)
+        self.model_info = msgspec.structs.replace(
+            self.model_info,
+            dtype=str(self.dtype).removeprefix("torch."),
+            dtype_native=native_compute(self.dtype, self.device),
+        )
         self.kv_dtype = kv_cache_dtype(self.cfg.cache.dtype, self.dtype, self.device)
         self.vocab_size = head_vocab_size(self.model.get_output_embeddings())
         self.max_model_len = self.model_info.max_model_len

@@ -156,7 +156,11 @@ def _why_dequantized(cfg: BatonConfig, device: torch.device, dtype: torch.dtype)
     if device.type != "cpu":
         return f"quantized layers run on the CPU only (device {device})"
     if dtype != torch.float32:
-        return f"quantized layers compute in float32, not {str(dtype).removeprefix('torch.')}"
+        return (
+            f"quantized layers compute in float32, not {str(dtype).removeprefix('torch.')}, "
+            "so every weight is dequantized to it (model.dtype = 'float32' or 'auto' keeps "
+            "the file's blocks)"
+        )
     if cfg.executor.tensor_parallel_size > 1:
         return "tensor parallel shards keep float weights in this version"
     return ""
