@@ -459,14 +459,16 @@ inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float
   __m256 acc[MR][A];
   for (int m = 0; m < MR; ++m)
     for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  // Block b's unit u goes to accumulator (slot + u) % A; with one unit a block (32-weight
+  // formats) blocks alternate slots, so consecutive FMAs do not wait on each other.
+  auto block = [&](int64_t b, auto slot) {
     const uint8_t* blk = row + b * F::BYTES;
     float d[NG], mn[NG];
     F::scales(blk, d, mn);
     if constexpr (F::MIN)
       for (int g = 0; g < NG; ++g) offs[b * NG + g] = mn[g];
     unroll<U>([&](auto uc) {
-      constexpr int u = decltype(uc)::value;
+      constexpr int u = decltype(uc)::value, a = (decltype(slot)::value + u) % A;
       const __m256i q = quants32<F>(blk, u);
       const int64_t xu = b * U + u;
       for (int m = 0; m < MR; ++m) {
@@ -477,10 +479,17 @@ inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float
           sc = _mm256_set1_ps(d[u] * e);
         else
           sc = _mm256_set_m128(_mm_set1_ps(d[2 * u + 1] * e), _mm_set1_ps(d[2 * u] * e));
-        acc[m][u % A] = _mm256_fmadd_ps(dot32<F::SIGNED>(q, xv), sc, acc[m][u % A]);
+        acc[m][a] = _mm256_fmadd_ps(dot32<F::SIGNED>(q, xv), sc, acc[m][a]);
       }
     });
-  }
+  };
+  int64_t b = 0;
+  if constexpr (A == 2 && U == 1)
+    for (; b + 2 <= nb; b += 2) {
+      block(b, std::integral_constant<int, 0>{});
+      block(b + 1, std::integral_constant<int, 1>{});
+    }
+  for (; b < nb; ++b) block(b, std::integral_constant<int, 0>{});
   for (int m = 0; m < MR; ++m) {
     __m256 v = acc[m][0];
     for (int a = 1; a < A; ++a) v = _mm256_add_ps(v, acc[m][a]);
