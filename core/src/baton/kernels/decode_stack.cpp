@@ -62,14 +62,16 @@ struct LinearArgs {
 };
 
 // y = x @ W.T + b as the layer's module computes it for x's row count (QuantLinear.forward or
-// SmallBatchLinear.forward): the same op, so the same summation order.
+// SmallBatchLinear.forward): the same op, so the same summation order. `buf`: the float path's
+// output, reused by the same linear of every layer (each is consumed before the next layer).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a,
-                  const LinearArgs& la) {
+                  const LinearArgs& la, at::Tensor& buf) {
   const int64_t M = x.size(0);
   const bool has_bias = b.defined() && b.numel() > 0;
   if (qtype < 0) {  // float32 weights [N, K]
     if (M > la.float_max_rows) return at::linear(x, w, has_bias ? std::optional<at::Tensor>(b) : std::nullopt);
-    at::Tensor y = at::empty({M, w.size(0)}, x.options());
+    if (!buf.defined() || buf.size(1) != w.size(0)) buf = at::empty({M, w.size(0)}, x.options());
+    at::Tensor& y = buf;
     std::vector<c10::IValue> stack{x, w, y};
     ops().linear_small.callBoxed(&stack);
     if (has_bias) add_bias(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0));
@@ -126,14 +128,15 @@ __attribute__((optimize("fp-contract=off"))) void add_into(float* h, const float
 
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList norms, at::TensorList weights, at::TensorList biases,
-                         at::IntArrayRef qtypes, at::IntArrayRef q8a, at::TensorList kv_caches,
+                         at::IntArrayRef qtypes, at::IntArrayRef q8a, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& ctx_lens,
                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t quant_max_rows,
                          int64_t float_max_rows) {
-  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
-  TORCH_CHECK(L > 0, "decode_layers: no layers (kv_caches is empty)");
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches.size()) == L,
+              "decode_layers: k_caches and v_caches must hold one cache per layer, got ", L, " and ", v_caches.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1,
               "decode_layers: norms must hold 2 per layer and the final one: ", norms.size(), " for ", L, " layers");
   const size_t nl = static_cast<size_t>(PER_LAYER * L);
@@ -141,7 +144,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
               "decode_layers: weights, biases, qtypes and q8a must hold ", PER_LAYER, " entries per layer (", nl,
               "), got ", weights.size(), ", ", biases.size(), ", ", qtypes.size(), ", ", q8a.size());
   const int64_t M = hidden.size(0), Hd = hidden.size(1);
-  const int64_t D = kv_caches[0].size(4), H = num_heads, KVH = num_kv_heads;
+  const int64_t D = v_caches[0].size(3), H = num_heads, KVH = num_kv_heads;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.numel() == M * D && sin.numel() == M * D,
               "decode_layers: cos and sin must be contiguous float32 [tokens, head_dim=", D, "]");
@@ -156,13 +159,15 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
   at::Tensor attn = at::empty({M, H, D}, h.options());
+  at::Tensor attn2 = attn.view({M, H * D});
   float* hp = h.data_ptr<float>();
   float* xp = x.data_ptr<float>();
+  at::Tensor bufs[PER_LAYER];
 
   for (int64_t l = 0; l < L; ++l) {
     const int64_t w0 = l * PER_LAYER;
     auto lin = [&](const at::Tensor& in, Linear i) {
-      return linear(in, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la);
+      return linear(in, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i]);
     };
     // attention block
     rms_norm(hp, norms[2 * l].data_ptr<float>(), xp, M, Hd, feps);
@@ -172,10 +177,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                 " do not match ", H, " heads and ", KVH, " KV heads of ", D);
     rotary(q.data_ptr<float>(), M, H, D, H * D, cp, sp);
     rotary(k.data_ptr<float>(), M, KVH, D, KVH * D, cp, sp);
-    const at::Tensor& cache = kv_caches[l];  // [2, blocks, kv_heads, block_size, head_dim]
-    const int64_t nb = cache.size(1), bs = cache.size(3);
-    at::Tensor k_cache = cache.select(0, 0).view({nb, KVH, D, bs});  // keys stored transposed per block
-    at::Tensor v_cache = cache.select(0, 1);
+    const at::Tensor& k_cache = k_caches[l];  // [blocks, kv_heads, head_dim, block_size]: keys transposed
+    const at::Tensor& v_cache = v_caches[l];  // [blocks, kv_heads, block_size, head_dim]
     {
       std::vector<c10::IValue> stack{k.view({M, KVH, D}), v.view({M, KVH, D}), k_cache, v_cache, slots};
       ops().paged_write.callBoxed(&stack);
@@ -185,7 +188,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                                      static_cast<int64_t>(0), scale, attn};
       ops().paged_decode.callBoxed(&stack);
     }
-    at::Tensor o = lin(attn.view({M, H * D}), O);
+    at::Tensor o = lin(attn2, O);
     add_into(hp, o.data_ptr<float>(), M * Hd);
     // MLP block
     rms_norm(hp, norms[2 * l + 1].data_ptr<float>(), xp, M, Hd, feps);
@@ -205,7 +208,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def(
       "decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, "
-      "int[] qtypes, int[] q8a, Tensor(a!)[] kv_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
+      "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows) -> Tensor");
 }
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.worker.attention import key_cache_view
 from baton.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class FastDecode:
     sin_table: torch.Tensor | None = None
     #: decode-only steps run so far (tests and benchmarks check that the path is taken)
     steps: int = field(default=0, init=False)
+    #: the K / V views of the step's caches, made once for the list the runner passes every step
+    _caches: list[torch.Tensor | None] | None = field(default=None, init=False, repr=False)
+    _k: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    _v: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
 
     @staticmethod
     def applies(inputs: StepInputs) -> bool:
@@ -94,6 +99,10 @@ class FastDecode:
         """Logits [sampling requests, vocab] of a decode-only step (``applies(inputs)``)."""
         a = inputs.attn
         g = a.decode_groups[0]
+        if a.kv_caches is not self._caches:
+            self._k = [key_cache_view(c) for c in a.kv_caches]
+            self._v = [c[1] for c in a.kv_caches]
+            self._caches = a.kv_caches
         h = self.embed(inputs.input_ids)
         if self.cos_table is not None and self.sin_table is not None:
             cos = self.cos_table.index_select(0, inputs.positions)
@@ -109,7 +118,8 @@ class FastDecode:
             self.biases,
             self.qtypes,
             self.q8a,
-            a.kv_caches,
+            self._k,
+            self._v,
             a.slot_mapping,
             g.blocks.view(g.n, -1),
             g.ctx_lens,
