@@ -75,10 +75,19 @@ def test_half_width_cache_buys_twice_the_blocks():
 
 
 def test_bad_cache_dtypes_are_refused(monkeypatch):
-    with pytest.raises(ConfigError, match="cache.dtype"):
+    with pytest.raises(ConfigError, match=r"cache\.dtype"):
         LLM(model=str(tiny_model("llama")), **{"cache.dtype": "float8"})
     assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
     assert kv_cache_dtype("float16", torch.float32, torch.device("cpu")) == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
-    with pytest.raises(ConfigError, match="no native bfloat16; use cache.dtype='float16'"):
+    with pytest.raises(ConfigError, match=r"no native bfloat16; use cache\.dtype='float16'"):
         kv_cache_dtype("bfloat16", torch.float16, torch.device("cuda"))
+
+
+def test_cli_dtype_flag_is_the_models():
+    from baton.cli.main import build_parser, engine_overrides
+    from baton.config import BatonConfig
+
+    argv = ["generate", "hi", "--dtype", "float16", "--set", "cache.dtype=bfloat16"]
+    cfg = BatonConfig.load(**engine_overrides(build_parser().parse_args(argv)))
+    assert (cfg.model.dtype, cfg.cache.dtype) == ("float16", "bfloat16")

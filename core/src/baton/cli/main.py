@@ -52,6 +52,8 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_parallel_size",
     )
     overrides: dict[str, Any] = {n: getattr(args, n, None) for n in names}
+    # --dtype is the model's: a bare "dtype" is ambiguous since cache.dtype
+    overrides["model.dtype"] = overrides.pop("dtype")
     for item in getattr(args, "set", None) or ():
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
