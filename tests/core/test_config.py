@@ -77,6 +77,12 @@ def test_invalid_values_name_the_field_path(overrides, fragment):
     assert fragment in str(err.value)
 
 
+def test_vllm_flat_names_dtype_and_kv_cache_dtype():
+    """LLM(dtype=...) is the model's dtype as in vLLM, though cache.dtype shares the field name."""
+    c = BatonConfig.load(dtype="bfloat16", kv_cache_dtype="float16")
+    assert (c.model.dtype, c.cache.dtype) == ("bfloat16", "float16")
+
+
 def test_invalid_file_value_names_the_file(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text("[cache]\nblock_size = -3\n")

@@ -404,6 +404,9 @@ def _flat_aliases() -> dict[str, tuple[str, str]]:
         executor=("executor", "backend"),
         policy=("scheduler", "policy"),
         structured_output=("structured_output", "backend"),
+        # vLLM's names: LLM(dtype=...) is the model's dtype, kv_cache_dtype the cache's
+        dtype=("model", "dtype"),
+        kv_cache_dtype=("cache", "dtype"),
     )
     return aliases
 
