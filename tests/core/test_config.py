@@ -65,7 +65,7 @@ def test_yaml_file(tmp_path):
     ("overrides", "fragment"),
     [
         ({"max_num_seqs": 0}, "scheduler.max_num_seqs: Input should be greater than 0 (got 0)"),
-        ({"dtype": "float8"}, "model.dtype"),
+        ({"model.dtype": "float8"}, "model.dtype"),
         ({"device": "tpu"}, "executor.device"),
         ({"kv_cache_memory": "lots"}, "cache.kv_cache_memory"),
         ({"port": 70000}, "server.port"),
