@@ -357,6 +357,24 @@ void tile_rows(const float* x, int64_t K, const float* xsum, float* offs, const 
     dot_row<F, MR>(x, K, xsum, offs, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, N);
 }
 
+// fn(m, std::integral_constant<int, MR>{}) for the rows of x in groups of MR = MAX_MR and one
+// group of the MR < MAX_MR left: the row count of a dot product must be a compile-time constant.
+template <class Fn>
+inline void row_groups(int64_t M, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + MAX_MR <= M; m += MAX_MR) fn(m, std::integral_constant<int, MAX_MR>{});
+  switch (M - m) {
+    case 7: fn(m, std::integral_constant<int, 7>{}); break;
+    case 6: fn(m, std::integral_constant<int, 6>{}); break;
+    case 5: fn(m, std::integral_constant<int, 5>{}); break;
+    case 4: fn(m, std::integral_constant<int, 4>{}); break;
+    case 3: fn(m, std::integral_constant<int, 3>{}); break;
+    case 2: fn(m, std::integral_constant<int, 2>{}); break;
+    case 1: fn(m, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
 template <class F>
 void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
@@ -366,22 +384,10 @@ void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const 
   float* o = offs.data();
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
-    int64_t m = 0;
-    for (; m + MAX_MR <= M; m += MAX_MR)
-      tile_rows<F, MAX_MR>(x + m * K, K, xsum + m * groups, o, w, row_bytes, bias, y + m * N, N, t0, t1);
-    const float* xm = x + m * K;
-    const float* sm = xsum + m * groups;
-    float* ym = y + m * N;
-    switch (M - m) {
-      case 7: tile_rows<F, 7>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      case 6: tile_rows<F, 6>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      case 5: tile_rows<F, 5>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      case 4: tile_rows<F, 4>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      case 3: tile_rows<F, 3>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      case 2: tile_rows<F, 2>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      case 1: tile_rows<F, 1>(xm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      default: break;
-    }
+    row_groups(M, [&](int64_t m, auto mr) {
+      tile_rows<F, decltype(mr)::value>(x + m * K, K, xsum + m * groups, o, w, row_bytes, bias, y + m * N, N, t0,
+                                        t1);
+    });
   }
 }
 
@@ -558,22 +564,10 @@ void linear_rows_q8(const int8_t* xq, const float* dx, int64_t M, int64_t K, con
   float* o = offs.data();
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t m = 0; m < M; m += MAX_MR) {
-      const int8_t* xm = xq + m * K;
-      const float* dm = dx + m * units;
-      const float* sm = xsum + m * groups;
-      float* ym = y + m * N;
-      switch (std::min<int64_t>(MAX_MR, M - m)) {
-        case 8: tile_rows_q8<F, 8>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        case 7: tile_rows_q8<F, 7>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        case 6: tile_rows_q8<F, 6>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        case 5: tile_rows_q8<F, 5>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        case 4: tile_rows_q8<F, 4>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        case 3: tile_rows_q8<F, 3>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        case 2: tile_rows_q8<F, 2>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-        default: tile_rows_q8<F, 1>(xm, dm, K, sm, o, w, row_bytes, bias, ym, N, t0, t1); break;
-      }
-    }
+    row_groups(M, [&](int64_t m, auto mr) {
+      tile_rows_q8<F, decltype(mr)::value>(xq + m * K, dx + m * units, K, xsum + m * groups, o, w, row_bytes, bias,
+                                           y + m * N, N, t0, t1);
+    });
   }
 }
 
