@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from baton.hookspecs import PLUGIN_API_VERSION, hookimpl
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
+from baton.scheduling_info import SchedulingInfo
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "SchedulingInfo",
     "StructuredOutputSpec",
     "__version__",
     "hookimpl",

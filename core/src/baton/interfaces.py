@@ -42,6 +42,15 @@ class SchedulerPolicy(Protocol):
     blocks or token counts. Requests waiting for a grammar are kept out of the
     policy until they are ready. Every method must be cheap: peek/pop run for
     each admitted request, ``select_victim`` on each preemption.
+
+    Optional: ``finished(request)`` (see ``FinishAwarePolicy``), called once
+    when a request the policy was given finishes. A policy without it is
+    never told (the kernel's default does nothing).
+
+    A request carries what its sender said about it in ``request.scheduling``
+    (a ``baton.scheduling_info.SchedulingInfo``: priority, deadline, tenant,
+    tags) and ``request.deadline_time`` (its deadline on the clock ``peek``
+    gets, or None).
     """
 
     def add(self, request: Request) -> None:
@@ -82,6 +91,22 @@ class SchedulerPolicy(Protocol):
 
     def __iter__(self) -> Iterator[Request]:
         """The waiting requests, in the order the policy would admit them."""
+
+
+@runtime_checkable
+class FinishAwarePolicy(Protocol):
+    """The optional event of a ``SchedulerPolicy``: implement it to learn when requests finish."""
+
+    def finished(self, request: Request) -> None:
+        """``request`` finished: stopped, length-capped, aborted or failed (``request.status``).
+
+        Called exactly once for each request the policy was given through ``add``
+        (a request aborted while its grammar compiled never was), after it left
+        the policy (an aborted waiting request was ``remove``d first) and after
+        its last output was produced. ``request`` is read-only here as everywhere;
+        ``request.num_computed_tokens`` and ``num_output_tokens`` say how far it got.
+        An exception raised here fails the engine (a policy bug), not the request.
+        """
 
 
 # --------------------------------------------------------------------------- executor

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from baton.sampling_params import SamplingParams
+from baton.scheduling_info import SchedulingInfo
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, kw_only=True)
 
@@ -56,6 +57,9 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):
     #: Mixed into prefix-cache block hashes: requests with different salts never share KV.
     cache_salt: str | None = None
     client_index: int = 0
+    #: What the scheduler policy may read (deadline, tenant, tags); its priority equals
+    #: ``priority``. None: only ``priority`` (clients that predate it send none).
+    scheduling: SchedulingInfo | None = None
 
 
 class UtilityRequest(msgspec.Struct, **_STRUCT):

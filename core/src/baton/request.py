@@ -13,6 +13,7 @@ from typing import Any
 
 from baton.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from baton.sampling_params import SamplingParams
+from baton.scheduling_info import SchedulingInfo, as_scheduling_info
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,6 +54,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "client_index",
+        "deadline_time",
         "eos_token_id",
         "error",
         "events",
@@ -66,6 +68,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "sampling_params",
+        "scheduling",
         "status",
         "stop_reason",
         "user",
@@ -83,6 +86,7 @@ class Request:
         cache_salt: str | None = None,
         client_index: int = 0,
         max_model_len: int | None = None,
+        scheduling: SchedulingInfo | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -92,8 +96,18 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
-        self.priority = priority
+        if scheduling is None:
+            scheduling = SchedulingInfo(priority=priority)
+        elif scheduling.priority != priority:
+            scheduling = as_scheduling_info(scheduling, priority)  # merged, or a conflict refused
+        #: The request's scheduling metadata, for policies (deadline, tenant, tags).
+        self.scheduling = scheduling
+        self.priority = scheduling.priority
         self.user = user
+        #: ``arrival_time + scheduling.deadline`` on the scheduler's clock, or None.
+        self.deadline_time: float | None = (
+            None if self.scheduling.deadline is None else arrival_time + self.scheduling.deadline
+        )
         self.cache_salt = cache_salt
         self.client_index = client_index
         # max_tokens=None: up to the model's length limit
@@ -127,6 +141,7 @@ class Request:
             req.cache_salt,
             req.client_index,
             max_model_len,
+            req.scheduling,
         )
 
     @property

@@ -5,7 +5,8 @@ be sent EngineCoreRequests by a client without a frontend) all call
 ``check_request``, so a request is refused at the same boundaries, with the
 same message, wherever it enters. SamplingParams checks what needs no model
 (types, ranges) itself; this module adds what depends on the model (context
-length, vocabulary) and on the request's own fields (priority, user).
+length, vocabulary) and on the request's own fields (priority, user, the
+scheduling metadata).
 
 Every error is an InvalidRequestError whose ``param`` names the request field
 ("prompt", "max_tokens", "top_k", ...), and whose message names the bad value
@@ -14,12 +15,21 @@ and the fix.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from baton.errors import ContextLengthError, InvalidRequestError
 from baton.sampling_params import MAX_LOGPROBS, SamplingParams, show_value
+from baton.scheduling_info import (
+    MAX_DEADLINE_S,
+    MAX_TAG_KEY_CHARS,
+    MAX_TAG_VALUE_CHARS,
+    MAX_TAGS,
+    MAX_TENANT_CHARS,
+    SchedulingInfo,
+)
 
 if TYPE_CHECKING:
     from baton.protocol import EngineCoreRequest, ModelInfo
@@ -36,8 +46,13 @@ def check_request(
     priority: int = 0,
     user: str | None = None,
     cache_salt: str | None = None,
+    scheduling: SchedulingInfo | None = None,
 ) -> None:
-    """Raise InvalidRequestError unless the request can run on the model ``info`` describes."""
+    """Raise InvalidRequestError unless the request can run on the model ``info`` describes.
+
+    ``scheduling``, when given, must carry the same priority as ``priority`` (the
+    frontends merge the two with ``baton.scheduling_info.as_scheduling_info``).
+    """
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(
             f"sampling_params must be a SamplingParams, got {type(params).__name__}",
@@ -53,6 +68,14 @@ def check_request(
             raise InvalidRequestError(
                 f"{name} must be a string or None, got {show_value(value)}", param=name
             )
+    if scheduling is not None:
+        check_scheduling(scheduling)
+        if scheduling.priority != priority:
+            raise InvalidRequestError(
+                f"priority={show_value(priority)} and scheduling.priority="
+                f"{show_value(scheduling.priority)} disagree: give the priority once",
+                param="priority",
+            )
 
 
 def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:
@@ -64,6 +87,7 @@ def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:
         priority=request.priority,
         user=request.user,
         cache_salt=request.cache_salt,
+        scheduling=request.scheduling,
     )
 
 
@@ -146,6 +170,82 @@ def check_priority(priority: Any) -> None:
         raise InvalidRequestError(
             f"priority must be in [-2**63, 2**63) (an int64), got {show_value(priority)}",
             param="priority",
+        )
+
+
+def check_scheduling(info: Any) -> None:
+    """A SchedulingInfo whose every field has its type and is within its bound.
+
+    The error's ``param`` is ``scheduling.<field>``.
+    """
+    if not isinstance(info, SchedulingInfo):
+        raise InvalidRequestError(
+            f"scheduling must be a SchedulingInfo, got {type(info).__name__}", param="scheduling"
+        )
+    try:
+        check_priority(info.priority)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"scheduling.{e}", param="scheduling.priority") from None
+    deadline = info.deadline
+    if deadline is not None:
+        if not isinstance(deadline, numbers.Real) or isinstance(deadline, bool):
+            raise InvalidRequestError(
+                f"scheduling.deadline must be a number of seconds after arrival, got "
+                f"{show_value(deadline)} ({type(deadline).__name__})",
+                param="scheduling.deadline",
+            )
+        if not (math.isfinite(deadline) and 0 < deadline <= MAX_DEADLINE_S):
+            raise InvalidRequestError(
+                f"scheduling.deadline must be in (0, {MAX_DEADLINE_S:.0f}] seconds after the "
+                f"request's arrival, got {show_value(deadline)}",
+                param="scheduling.deadline",
+            )
+    _check_string(info.tenant, "scheduling.tenant", MAX_TENANT_CHARS, optional=True)
+    tags = info.tags
+    if not isinstance(tags, dict):
+        raise InvalidRequestError(
+            f"scheduling.tags must be a mapping of strings to strings, got {type(tags).__name__}",
+            param="scheduling.tags",
+        )
+    if len(tags) > MAX_TAGS:
+        raise InvalidRequestError(
+            f"scheduling.tags has {len(tags)} entries, more than the {MAX_TAGS} allowed: drop some",
+            param="scheduling.tags",
+        )
+    for key, value in tags.items():
+        _check_string(key, "scheduling.tags", MAX_TAG_KEY_CHARS, what="a key of scheduling.tags")
+        _check_string(
+            value,
+            "scheduling.tags",
+            MAX_TAG_VALUE_CHARS,
+            what=f"scheduling.tags[{show_value(key, 40)}]",
+            min_chars=0,
+        )
+
+
+def _check_string(
+    value: Any,
+    param: str,
+    max_chars: int,
+    *,
+    what: str | None = None,
+    optional: bool = False,
+    min_chars: int = 1,
+) -> None:
+    """A str of ``min_chars`` to ``max_chars`` characters (or None when ``optional``)."""
+    if value is None and optional:
+        return
+    name = what or param
+    if not isinstance(value, str):
+        raise InvalidRequestError(
+            f"{name} must be a string, got {show_value(value)} ({type(value).__name__})",
+            param=param,
+        )
+    if not min_chars <= len(value) <= max_chars:
+        raise InvalidRequestError(
+            f"{name} must have {min_chars} to {max_chars} characters, got {len(value)}: "
+            f"{show_value(value, 40)}",
+            param=param,
         )
 
 

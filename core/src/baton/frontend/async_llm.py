@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from baton.config import BatonConfig
@@ -26,6 +26,7 @@ from baton.metrics.stats import IterationStats
 from baton.model_info import model_info
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
+from baton.scheduling_info import SchedulingInfo
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +96,21 @@ class AsyncLLM:
         *,
         priority: int = 0,
         user: str | None = None,
+        scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative, delta or final only per params.output_kind).
 
-        Cancelling the consumer (or closing the generator) aborts the request in the engine.
+        ``priority``, ``user`` and ``scheduling`` (a SchedulingInfo or a dict of its fields)
+        are for the scheduler policy, as in ``LLM.generate``. Cancelling the consumer (or
+        closing the generator) aborts the request in the engine.
         """
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         params = sampling_params or SamplingParams()
         text, ids = self.input_processor.tokenize(prompt)
-        self.input_processor.validate(ids, params, priority=priority, user=user)
+        info = self.input_processor.validate(
+            ids, params, priority=priority, user=user, scheduling=scheduling
+        )
         rid = request_id or f"req-{next(self._ids)}"
         if self.output_processor.is_live(rid):
             # a second request under a live id would take over the first one's outputs
@@ -129,7 +135,13 @@ class AsyncLLM:
                     sink=queue.put_nowait,
                 )
                 req = self.input_processor.process(
-                    child_id, ids, p, arrival_time=arrival, priority=priority, user=user
+                    child_id,
+                    ids,
+                    p,
+                    arrival_time=arrival,
+                    priority=info.priority,
+                    user=user,
+                    scheduling=info,
                 )
                 await self.engine.add_request_async(req)
             while True:

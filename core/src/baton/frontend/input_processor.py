@@ -10,6 +10,7 @@ from baton.errors import ContextLengthError, InvalidRequestError
 from baton.model_info import ModelInfo
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, show_value
+from baton.scheduling_info import SchedulingInfo, as_scheduling_info
 from baton.validation import as_token_ids, check_context_length, check_request, check_text
 
 #: A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": [...]}.
@@ -224,9 +225,17 @@ class InputProcessor:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
+        scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
     ) -> EngineCoreRequest:
         """Validate and build the request for the engine core."""
-        self.validate(prompt_token_ids, params, priority=priority, user=user, cache_salt=cache_salt)
+        info = self.validate(
+            prompt_token_ids,
+            params,
+            priority=priority,
+            user=user,
+            cache_salt=cache_salt,
+            scheduling=scheduling,
+        )
         eos = self.info.eos_token_id
         extra_eos = self.info.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:  # further EOS ids of the model stop like EOS does
@@ -237,9 +246,11 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=eos,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=int(priority),
+            priority=info.priority,
             user=user,
             cache_salt=cache_salt,
+            # only the priority: the field a client that predates scheduling sends
+            scheduling=None if info == SchedulingInfo(priority=info.priority) else info,
         )
 
     def validate(
@@ -250,11 +261,23 @@ class InputProcessor:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
-    ) -> None:
-        """baton.validation.check_request against this processor's model."""
+        scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
+    ) -> SchedulingInfo:
+        """baton.validation.check_request against this processor's model.
+
+        Returns the request's SchedulingInfo: ``scheduling`` with ``priority`` merged in.
+        """
+        info = as_scheduling_info(scheduling, priority)
         check_request(
-            prompt_token_ids, params, self.info, priority=priority, user=user, cache_salt=cache_salt
+            prompt_token_ids,
+            params,
+            self.info,
+            priority=info.priority,
+            user=user,
+            cache_salt=cache_salt,
+            scheduling=info,
         )
+        return info
 
 
 def _cut(text: str, limit: int = 300) -> str:

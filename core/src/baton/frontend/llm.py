@@ -22,6 +22,10 @@ from baton.metrics.stats import IterationStats
 from baton.model_info import model_info
 from baton.outputs import RequestOutput
 from baton.sampling_params import SamplingParams
+from baton.scheduling_info import SchedulingInfo
+
+#: One request's scheduling metadata as the API takes it: the struct or a mapping of its fields.
+SchedulingArg = SchedulingInfo | Mapping[str, Any] | None
 
 
 class LLM:
@@ -61,11 +65,17 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         user: str | Sequence[str | None] | None = None,
+        scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt; outputs in prompt order."""
+        """Generate for each prompt; outputs in prompt order.
+
+        ``priority``, ``user`` and ``scheduling`` (a ``SchedulingInfo`` or a dict of its
+        fields: priority, deadline, tenant, tags) are for the scheduler policy: one for
+        all prompts, or one per prompt.
+        """
         prompt_list = _as_prompt_list(prompts)
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        return self._run(tokenized, sampling_params, use_tqdm, priority, user)
+        return self._run(tokenized, sampling_params, use_tqdm, priority, user, scheduling)
 
     def chat(
         self,
@@ -74,8 +84,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several."""
+        """Answer one conversation (a list of messages) or several; ``scheduling`` as in
+        ``generate``."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidRequestError(
                 "chat() got no messages: give a conversation (a list of {'role', 'content'} "
@@ -90,7 +102,7 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             tokenized.append((self.tokenizer.decode(ids), ids))
-        return self._run(tokenized, sampling_params, use_tqdm, None, None)
+        return self._run(tokenized, sampling_params, use_tqdm, None, None, scheduling)
 
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """Forget the prefix cache; False while requests hold blocks, unless ``reset_running``
@@ -118,21 +130,27 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None,
         user: str | Sequence[str | None] | None,
+        scheduling: SchedulingArg | Sequence[SchedulingArg],
     ) -> list[RequestOutput]:
         n = len(tokenized)
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
         users = _per_prompt(user, n, "user")
+        given = _per_prompt(scheduling, n, "scheduling")
         request_ids = []
         # validate everything before anything reaches the engine
-        for (_, ids), p, prio, u in zip(tokenized, params, priorities, users, strict=True):
-            self.input_processor.validate(ids, p, priority=prio, user=u)
+        infos = [
+            self.input_processor.validate(ids, p, priority=prio, user=u, scheduling=s)
+            for (_, ids), p, prio, u, s in zip(
+                tokenized, params, priorities, users, given, strict=True
+            )
+        ]
         added: list[str] = []
         try:
-            for (text, ids), p, prio, u in zip(tokenized, params, priorities, users, strict=True):
+            for (text, ids), p, u, info in zip(tokenized, params, users, infos, strict=True):
                 rid = str(next(self._ids))
                 request_ids.append(rid)
-                added.extend(self._add_request(rid, text, ids, p, prio, u))
+                added.extend(self._add_request(rid, text, ids, p, u, info))
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
@@ -144,8 +162,8 @@ class LLM:
         prompt: str | None,
         ids: list[int],
         params: SamplingParams,
-        priority: int,
         user: str | None,
+        scheduling: SchedulingInfo,
     ) -> list[str]:
         arrival = time.monotonic()
         children = split_request(request_id, params)
@@ -154,7 +172,13 @@ class LLM:
                 rid, prompt, ids, p, arrival, index=index, parent=parent, user=user
             )
             req = self.input_processor.process(
-                rid, ids, p, arrival_time=arrival, priority=priority, user=user
+                rid,
+                ids,
+                p,
+                arrival_time=arrival,
+                priority=scheduling.priority,
+                user=user,
+                scheduling=scheduling,
             )
             self.engine.add_request(req)
         return [c[0] for c in children]
@@ -200,6 +224,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    """``value`` once per prompt: a sequence (not a string) gives one item per prompt."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != n:
             raise InvalidRequestError(

@@ -23,7 +23,12 @@ engine), through the next output even if empty: that one must reach the
 executor (``has_runner_news`` says an idle engine still has news to send).
 
 What a policy decides (order, admission, victim) is behind
-``baton.interfaces.SchedulerPolicy``; everything here is mechanism.
+``baton.interfaces.SchedulerPolicy``; everything here is mechanism. A policy
+with a ``finished(request)`` method is told once of every request it was given
+(``add``) when that request finishes, whatever the reason, after the request
+has left it; the call is made once the scheduler's books are settled (at the
+end of ``finish_requests`` / ``update_from_output``), so a policy that raises
+there fails the engine rather than the request.
 """
 
 from __future__ import annotations
@@ -101,6 +106,10 @@ class Scheduler:
         max_num_seqs_per_batch: int | None = None,
     ) -> None:
         self.policy = policy
+        #: The policy's optional finished(request) event; the kernel's default does nothing.
+        self._policy_finished: Callable[[Request], object] | None = getattr(
+            policy, "finished", None
+        )
         self.clock = clock
         self.max_num_seqs = config.scheduler.max_num_seqs
         #: Most requests in one SchedulerOutput (None: max_num_seqs). The batch queue sets it to
@@ -139,6 +148,8 @@ class Scheduler:
         #: Runner news not yet sent: finished and preempted request ids.
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
+        #: Finished requests the policy has not been told of yet (its finished event).
+        self._finished_for_policy: list[Request] = []
         self._step = 0
         # figures for make_stats (deltas since its previous call)
         self._last_num_scheduled = 0
@@ -187,26 +198,42 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
+            seen_by_policy = True
             if req.status == _WAITING or req.status == _PREEMPTED:
                 waiting.add(rid)
             elif req.status == RequestStatus.WAITING_FOR_FSM:
                 del self._waiting_for_fsm[rid]
+                seen_by_policy = False  # its grammar never compiled: the policy never had it
             req.status = status
             self._in_flight.pop(rid, None)  # its in-flight output, if any, is dropped
-            self._release(req)
+            self._release(req, seen_by_policy)
             done.append(req)
         if waiting:
             self.policy.remove(waiting)
+        self._tell_policy_finished()
         return done
 
-    def _release(self, req: Request) -> None:
-        """Drop a finished request: blocks back to the pool, the runner told next step."""
+    def _release(self, req: Request, seen_by_policy: bool = True) -> None:
+        """Drop a finished request: blocks back to the pool, the runner told next step, the
+        policy told by the next ``_tell_policy_finished``."""
         rid = req.request_id
         self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
         if self._num_sent.pop(rid, None) is not None:
             self._finished_ids.append(rid)
+        if seen_by_policy and self._policy_finished is not None:
+            self._finished_for_policy.append(req)
+
+    def _tell_policy_finished(self) -> None:
+        """The policy's finished event for each request released since the last call, in order."""
+        if not self._finished_for_policy:
+            return
+        done, self._finished_for_policy = self._finished_for_policy, []
+        finished = self._policy_finished
+        assert finished is not None
+        for req in done:
+            finished(req)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -551,6 +578,7 @@ class Scheduler:
                 log.debug("request %s: traceback", rid, exc_info=e)
                 out = self._finish_with_error(req, message)
             outputs.append(out)
+        self._tell_policy_finished()
         return outputs
 
     def _finish_with_error(self, req: Request, message: str) -> EngineCoreOutput:
