@@ -90,9 +90,38 @@ def test_unused_estimate_is_refunded_when_a_request_ends_early():
     assert p.charged["alice"] == 110
     r.num_computed_tokens = 14  # it stopped after 5 tokens
     r.status = RequestStatus.FINISHED_STOPPED
-    p.add(make_request("s", 10, 10, user="bob"))
-    p.peek(1.0)
+    p.finished(r)
     assert p.charged["alice"] == 14
+    p.finished(make_request("never-admitted", 10, 10, user="alice"))  # aborted while waiting
+    assert p.charged["alice"] == 14
+
+
+def test_refunds_come_from_the_finished_event_in_a_real_run():
+    """Requests that stop early: only the tokens computed stay charged once they finished."""
+    p = FairPolicy()
+    h = PolicyHarness(p, _config(), step_s=0.02)
+    reqs = [make_request(f"{u}-{i}", 16, 40, user=u) for i in range(6) for u in ("a", "b")]
+    h.submit(*reqs)
+    for _ in range(5):
+        h.step()
+    h.abort([r.request_id for r in reqs if r.user == "b"])  # running and waiting ones
+    h.run()
+    assert p._admitted == {} and p._running_per_tenant == {"a": 0, "b": 0}
+    # b was charged only what it computed before the aborts (its requests' prompts and a few tokens)
+    computed_b = sum(n for sched, _ in h.trace[:5] for rid, n in sched if rid.startswith("b"))
+    assert p.charged["b"] == computed_b
+
+
+def test_the_tenant_is_scheduling_tenant_then_user():
+    from baton.request import Request
+    from baton.sampling_params import SamplingParams
+    from baton.scheduling_info import SchedulingInfo
+
+    p = FairPolicy()
+    both = Request("x", [1], SamplingParams(), user="u", scheduling=SchedulingInfo(tenant="t"))
+    assert p.tenant(both) == "t"
+    assert p.tenant(make_request("y", 4, 4, user="u")) == "u"
+    assert p.tenant(make_request("z", 4, 4)) == "default"
 
 
 def test_victim_comes_from_the_tenant_most_over_its_share():

@@ -1,12 +1,13 @@
 """Scheduler policy ``fair``: weighted fair share of tokens between tenants.
 
-A tenant is ``request.user`` (``default_tenant`` when unset). Each tenant has a
-FIFO queue and a *virtual service* ``charged[t]``, in tokens divided by the
-tenant's weight. Admitting a request charges its tenant the request's
-estimated work (tokens to compute + output tokens it may still produce);
-when a request finishes early (EOS, abort) or is preempted, the unused part
-is refunded, so over time a tenant is charged exactly the tokens computed for
-it. The next request comes from the backlogged tenant with the least virtual
+A tenant is ``request.scheduling.tenant``, else ``request.user``
+(``default_tenant`` when neither is set). Each tenant has a FIFO queue and a
+*virtual service* ``charged[t]``, in tokens divided by the tenant's weight.
+Admitting a request charges its tenant the request's estimated work (tokens
+to compute + output tokens it may still produce); when a request finishes
+early (EOS, abort, error: the kernel's ``finished`` event) or is preempted, the
+unused part is refunded, so over time a tenant is charged exactly the tokens
+computed for it. The next request comes from the backlogged tenant with the least virtual
 service (weighted fair queueing; ties by first appearance).
 
 A tenant that goes idle and comes back starts at the least virtual service of
@@ -34,13 +35,12 @@ from typing import Any
 from pydantic import BaseModel, Field, PositiveFloat
 
 from baton import hookimpl
-from baton.request import RequestStatus
+from baton.request import Request, RequestStatus
 
 __version__ = "0.1.0"
 BATON_PLUGIN_API = 1
 
 _PREEMPTED = RequestStatus.PREEMPTED
-_FINISHED = RequestStatus.FINISHED_STOPPED  # every status from here on is finished
 #: ``max_tokens=None`` means "up to max_model_len"; the engine caps it, this bounds estimates elsewhere.
 MAX_OUTPUT_ESTIMATE = 1 << 20
 
@@ -52,7 +52,7 @@ class FairSettings(BaseModel):
     """Tenant -> weight; a tenant's share of tokens is proportional to its weight."""
     default_weight: PositiveFloat = 1.0
     default_tenant: str = "default"
-    """The tenant of requests without a ``user``."""
+    """The tenant of requests with neither ``scheduling.tenant`` nor ``user``."""
 
 
 def estimated_work(request: Any) -> int:
@@ -74,13 +74,15 @@ class FairPolicy:
         self.charged: dict[str, float] = {}
         self._queues: dict[str, deque[Any]] = {}
         self._tenant_of: dict[str, str] = {}  # waiting request id -> tenant
-        #: admitted request id -> (request, tenant, tokens computed when admitted, tokens charged)
-        self._admitted: dict[str, tuple[Any, str, int, int]] = {}
+        #: admitted request id -> (tenant, tokens computed when admitted, tokens charged)
+        self._admitted: dict[str, tuple[str, int, int]] = {}
         self._running_per_tenant: dict[str, int] = {}
-        self._last_refresh: float | None = None
 
-    def tenant(self, request: Any) -> str:
-        return request.user if request.user is not None else self.default_tenant
+    def tenant(self, request: Request) -> str:
+        tenant = request.scheduling.tenant
+        if tenant is None:
+            tenant = request.user
+        return tenant if tenant is not None else self.default_tenant
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -95,20 +97,11 @@ class FairPolicy:
 
     def _settle(self, rid: str, computed_now: int) -> None:
         """An admitted request left (finished, preempted): refund what it did not use."""
-        _, tenant, computed0, charged = self._admitted.pop(rid)
+        tenant, computed0, charged = self._admitted.pop(rid)
         used = max(0, computed_now - computed0)
         if used < charged:
             self._charge(tenant, used - charged)
         self._running_per_tenant[tenant] -= 1
-
-    def _refresh(self, now: float) -> None:
-        """Settle requests that finished since the last step (once per scheduler step)."""
-        if now == self._last_refresh:
-            return
-        self._last_refresh = now
-        done = [(rid, r) for rid, (r, *_rest) in self._admitted.items() if r.status >= _FINISHED]
-        for rid, r in done:
-            self._settle(rid, r.num_computed_tokens)
 
     # ---------------------------------------------------------------- SchedulerPolicy
 
@@ -138,7 +131,6 @@ class FairPolicy:
         return best
 
     def peek(self, now: float) -> Any:
-        self._refresh(now)
         tenant = self._next_tenant(self.charged, self._queues)
         return None if tenant is None else self._queues[tenant][0]
 
@@ -152,7 +144,7 @@ class FairPolicy:
         del self._tenant_of[rid]
         work = estimated_work(request)
         self._charge(tenant, work)
-        self._admitted[rid] = (request, tenant, request.num_computed_tokens, work)
+        self._admitted[rid] = (tenant, request.num_computed_tokens, work)
         self._running_per_tenant[tenant] = self._running_per_tenant.get(tenant, 0) + 1
 
     def remove(self, request_ids: set[str]) -> list[Any]:
@@ -178,6 +170,11 @@ class FairPolicy:
         if victim.request_id in self._admitted:
             self._settle(victim.request_id, victim.num_computed_tokens)
         return victim
+
+    def finished(self, request: Request) -> None:
+        """A request finished (stop, length, abort, error): refund what it did not use."""
+        if request.request_id in self._admitted:  # not if it finished waiting (or preempted)
+            self._settle(request.request_id, request.num_computed_tokens)
 
     def __len__(self) -> int:
         return len(self._tenant_of)

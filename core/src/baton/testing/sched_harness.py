@@ -5,8 +5,10 @@ seconds per step), feeding arrivals as their time comes, and records what a
 test needs: tokens per request, finish reasons, first-admission times,
 preemptions and a trace of every step (for determinism checks). The policy is
 wrapped in ``CheckedPolicy``, which asserts the ``SchedulerPolicy`` contract
-on every call, and after every step the harness checks that the policy holds
-exactly the requests the mechanism thinks are waiting.
+on every call (and receives the kernel's ``finished`` event, passing it on to a
+policy that has one), and after every step the harness checks that the policy
+holds exactly the requests the mechanism thinks are waiting, and that every
+request that finished was reported to it once.
 
 Tokens come from the FakeExecutor: a pure function of a request's tokens, so
 ``expected_tokens`` gives the right output of any request, whatever the
@@ -19,11 +21,14 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
+
 from baton.config import BatonConfig
 from baton.protocol import FinishReason
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler
+from baton.scheduling_info import SchedulingInfo
 from baton.testing.fake_executor import FakeExecutor
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -37,6 +42,8 @@ class CheckedPolicy:
         self.queued: dict[str, Request] = {}  # what the policy must hold
         self._peeked: Request | None = None
         self.num_victims = 0
+        #: request id -> its status when the kernel's finished event came (once per request)
+        self.told: dict[str, RequestStatus] = {}
 
     def add(self, request: Request) -> None:
         rid = request.request_id
@@ -84,6 +91,17 @@ class CheckedPolicy:
         self.num_victims += 1
         return victim
 
+    def finished(self, request: Request) -> None:
+        """The kernel's finished event: once per request, after it left the policy."""
+        rid = request.request_id
+        assert request.status.finished, f"finished({rid!r}) with status {request.status.name}"
+        assert rid not in self.told, f"finished({rid!r}) told twice"
+        assert rid not in self.queued, f"finished({rid!r}) while the policy still holds it"
+        self.told[rid] = request.status
+        inner = getattr(self.inner, "finished", None)  # optional: the kernel's default ignores it
+        if inner is not None:
+            inner(request)
+
     def __len__(self) -> int:
         return len(self.inner)
 
@@ -129,6 +147,8 @@ class PolicyHarness:
         self.finished: dict[str, FinishReason] = {}
         self.admitted_at: dict[str, float] = {}
         self.aborted: set[str] = set()
+        #: Requests the next step that schedules them reports failed, as a runner would.
+        self.to_fail: set[str] = set()
         self.trace: list[tuple[Any, ...]] = []
         self.num_preemptions = 0
         self.steps = 0
@@ -146,9 +166,17 @@ class PolicyHarness:
             self.scheduler.add_request(self.pending.pop())
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        done = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         self.aborted.update(request_ids)
+        for r in done:
+            assert self.policy.told.get(r.request_id) == RequestStatus.FINISHED_ABORTED, (
+                f"{r.request_id!r} was aborted but the policy was not told"
+            )
         self.policy.check()
+
+    def fail(self, request_ids: Sequence[str]) -> None:
+        """The next step that schedules these requests reports them failed (finish reason error)."""
+        self.to_fail.update(request_ids)
 
     def step(self) -> None:
         if not self.scheduler.has_unfinished_requests() and self.pending:
@@ -158,6 +186,11 @@ class PolicyHarness:
         for new in so.scheduled_new_reqs:
             self.admitted_at.setdefault(new.req_id, self.now)
         mro = self.executor.execute_model(so)
+        failing = self.to_fail.intersection(so.num_scheduled_tokens)
+        if failing and mro is not None:
+            self.to_fail -= failing
+            failed = {rid: "RuntimeError: injected by PolicyHarness.fail" for rid in failing}
+            mro = msgspec.structs.replace(mro, failed={**(mro.failed or {}), **failed})
         outs = self.scheduler.update_from_output(so, mro)
         self.num_preemptions += len(so.preempted_req_ids)
         self.trace.append((tuple(so.num_scheduled_tokens.items()), tuple(so.preempted_req_ids)))
@@ -168,6 +201,10 @@ class PolicyHarness:
             self.tokens.setdefault(rid, []).extend(o.new_token_ids)
             if o.finish_reason is not None:
                 self.finished[rid] = o.finish_reason
+                told = self.policy.told.get(rid)
+                assert told is not None and told.finish_reason == o.finish_reason, (
+                    f"{rid!r} finished ({o.finish_reason}) but the policy was told {told}"
+                )
         self.policy.check()
         self.steps += 1
         self.now += self.step_s
@@ -206,13 +243,25 @@ def make_request(
     priority: int = 0,
     user: str | None = None,
     salt: int = 0,
+    scheduling: SchedulingInfo | None = None,
+    stop_token_ids: list[int] | None = None,
 ) -> Request:
-    """A request with a deterministic prompt derived from its id (distinct ids, distinct prompts)."""
+    """A request with a deterministic prompt derived from its id (distinct ids, distinct prompts).
+
+    ``scheduling``'s priority, when not 0, is the request's priority.
+    """
     seed = sum(map(ord, rid)) + salt
     prompt = [(7 * i + 13 * seed) % 997 + 1 for i in range(prompt_len)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop_token_ids)
     return Request(
-        rid, prompt, params, eos_token_id=0, arrival_time=arrival_time, priority=priority, user=user
+        rid,
+        prompt,
+        params,
+        eos_token_id=0,
+        arrival_time=arrival_time,
+        priority=priority,
+        user=user,
+        scheduling=scheduling,
     )
 
 

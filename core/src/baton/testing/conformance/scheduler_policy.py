@@ -13,8 +13,10 @@ with exactly its tokens (none lost, none repeated, identical after
 preemption), the policy must hold exactly the requests the mechanism queued
 after every step, ``select_victim`` must return one of its candidates, aborts
 of waiting requests go through ``remove``, two runs of one workload must be
-identical, and no request may wait beyond a bound while a flood of shorter
-requests keeps arriving.
+identical, no request may wait beyond a bound while a flood of shorter
+requests keeps arriving, and every request, however it ends (stop, length,
+abort, error), is reported once to the policy's optional ``finished`` (a policy
+without one passes the same checks).
 
 Class attributes tune the suite: ``admission_control`` (the policy's ``peek``
 may return None while requests wait), the starvation workload's length
@@ -260,6 +262,42 @@ class SchedulerPolicyConformance:
         h.run()
         self._assert_complete(h, reqs, aborted=h.aborted)
         assert len(h.policy) == 0
+
+    def test_finished_is_told_once_however_a_request_ends(self) -> None:
+        h = self.harness(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
+        reqs = []
+        for i in range(16):
+            r = make_request(
+                f"f{i}", 16 + 5 * (i % 4), 30, arrival_time=0.01 * i, user=("a", "b", None)[i % 3]
+            )
+            if i % 4 == 0:  # stops on the third token the fake executor gives it
+                stop = [h.expected(r)[2]]
+                r = make_request(
+                    r.request_id,
+                    r.num_prompt_tokens,
+                    30,
+                    arrival_time=0.01 * i,
+                    stop_token_ids=stop,
+                )
+            reqs.append(r)
+        h.submit(*reqs)
+        h.fail(["f1", "f6"])
+        for _ in range(6):
+            h.step()
+        waiting = [r.request_id for r in h.policy.inner]
+        running = [r.request_id for r in h.scheduler.running if r.status == RequestStatus.RUNNING]
+        assert waiting and running, "the workload should leave requests waiting and running"
+        h.abort([*waiting[:2], *running[:1]])
+        h.run()
+        told = h.policy.told
+        assert sorted(told) == sorted(r.request_id for r in reqs), "every request is told once"
+        assert set(told.values()) == {
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
+        }
+        assert len(h.policy) == 0 and h.policy.peek(h.now) is None
 
     def test_admission_returning_none(self) -> None:
         cfg = self.config()
