@@ -25,13 +25,14 @@ from pydantic_settings import (
 )
 
 from baton.errors import ConfigError
+from baton.plugin_kinds import BY_SECTION, PLUGIN_KINDS
 
 CONFIG_ENV = "BATON_CONFIG"
 
 
 class _Section(BaseModel):
-    # extra keys are plugin sub-tables (e.g. [transport.zmq]); plain typos are
-    # caught in BatonConfig.check_extras once the plugins are known.
+    # extra keys are plugin sub-tables (e.g. [transport.zmq]); plain typos are caught
+    # by baton.engine.plugin_check.check_config_plugins once the plugins are known.
     model_config = ConfigDict(
         extra="allow", validate_assignment=True, use_attribute_docstrings=True
     )
@@ -252,12 +253,11 @@ SECTIONS = (
     "server",
     "observability",
 )
-#: Which section field a plugin-kind's sub-table belongs to, and which field names it.
+#: plugin kind -> (section, field) naming the plugin, for kinds selected by one name.
 PLUGIN_SELECTORS = {
-    "scheduler_policy": ("scheduler", "policy"),
-    "executor": ("executor", "backend"),
-    "transport": ("transport", "name"),
-    "structured_output": ("structured_output", "backend"),
+    k.name: (k.section, k.selector)
+    for k in PLUGIN_KINDS.values()
+    if k.section is not None and k.selector is not None and not k.many
 }
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -350,7 +350,7 @@ class BatonConfig(BaseSettings):
         """A copy with ``overrides`` applied (same forms as ``load``), validated."""
         data = self.model_dump()
         for section, values in nest_overrides(overrides).items():
-            data[section] = {**data[section], **values}
+            data[section] = deep_merge(data[section], values)
         try:
             return type(self).model_validate(data)
         except pydantic.ValidationError as e:
@@ -361,35 +361,50 @@ class BatonConfig(BaseSettings):
     def plugin_settings(
         self, section: str, name: str, model: type[BaseModel] | None
     ) -> BaseModel | None:
-        """Validate the ``[section.name]`` sub-table with the plugin's settings model."""
+        """Validate the ``[section.name]`` sub-table with the plugin's settings model.
+
+        A key the model has no field (or alias) for is refused here, whatever the model's own
+        ``extra`` setting says: a misspelt setting must not be ignored.
+        """
         raw = (getattr(self, section).model_extra or {}).get(name, {})
+        record = BY_SECTION.get(section)
+        plugin = f"{record.word if record else 'plugin'} {name!r}"
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{section}.{name} must be a table of settings ([{section}.{name}]), got {raw!r}"
+            )
         if model is None:
             if raw:
                 raise ConfigError(
-                    f"{section}.{name}: plugin {name!r} takes no settings, got {raw!r}"
+                    f"{section}.{name}: {plugin} takes no settings, got "
+                    f"{', '.join(map(repr, raw))}: remove the [{section}.{name}] table"
                 )
             return None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{section}.{name} must be a table of settings, got {raw!r}")
+        known = settings_keys(model)
+        unknown = [key for key in raw if key not in known]
+        if unknown:
+            paths = ", ".join(f"{section}.{name}.{key}" for key in unknown)
+            raise ConfigError(
+                f"{paths}: unknown setting{'s' * (len(unknown) > 1)} of {plugin} (its settings: "
+                f"{', '.join(model.model_fields) or 'none'}): fix the key or remove it"
+            )
         try:
             return model.model_validate(raw)
         except pydantic.ValidationError as e:
             raise ConfigError(format_validation_error(e, prefix=f"{section}.{name}")) from None
 
-    def check_extras(self, plugin_names: dict[str, set[str]]) -> None:
-        """Refuse unknown keys: an extra key in a section must name an installed plugin.
 
-        ``plugin_names`` maps a section to the plugin names whose sub-tables it may hold.
-        """
-        for section in SECTIONS:
-            for key in getattr(self, section).model_extra or {}:
-                allowed = plugin_names.get(section, set())
-                if key not in allowed:
-                    fields = ", ".join(type(getattr(self, section)).model_fields)
-                    plugins = ", ".join(sorted(allowed)) or "none installed"
-                    raise ConfigError(
-                        f"{section}.{key}: unknown setting (fields: {fields}; plugin sub-tables: {plugins})"
-                    )
+def settings_keys(model: type[BaseModel]) -> set[str]:
+    """The keys a settings model has a field for: field names and their string aliases."""
+    keys = set()
+    for name, info in model.model_fields.items():
+        keys.add(name)
+        for alias in (info.alias, info.validation_alias):
+            if isinstance(alias, str):
+                keys.add(alias)
+            elif isinstance(alias, pydantic.AliasChoices):
+                keys.update(c for c in alias.choices if isinstance(c, str))
+    return keys
 
 
 def _flat_aliases() -> dict[str, tuple[str, str]]:
@@ -398,12 +413,11 @@ def _flat_aliases() -> dict[str, tuple[str, str]]:
         for field in BatonConfig.model_fields[section].annotation.model_fields:  # type: ignore[union-attr]
             seen.setdefault(field, []).append((section, field))
     aliases = {k: v[0] for k, v in seen.items() if len(v) == 1}
+    # a section's name for the field that selects its plugin: executor="cuda-tp"
+    aliases.update({section: (section, field) for section, field in PLUGIN_SELECTORS.values()})
     aliases.update(
         model=("model", "name"),
-        transport=("transport", "name"),
-        executor=("executor", "backend"),
         policy=("scheduler", "policy"),
-        structured_output=("structured_output", "backend"),
         # vLLM's names: LLM(dtype=...) is the model's dtype, kv_cache_dtype the cache's
         dtype=("model", "dtype"),
         kv_cache_dtype=("cache", "dtype"),
@@ -422,14 +436,19 @@ def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
             continue  # unset CLI flags and defaulted keyword arguments
         if key in SECTIONS and isinstance(value, dict | BaseModel):
             data = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
-            nested.setdefault(key, {}).update(data)
+            nested[key] = deep_merge(nested.get(key, {}), data)
         elif "." in key:
-            section, _, field = key.partition(".")
+            section, *path = key.split(".")
             if section not in SECTIONS:
                 raise ConfigError(
                     f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})"
                 )
-            nested.setdefault(section, {})[field] = value
+            if not all(path):
+                raise ConfigError(
+                    f"{key!r}: an empty name between dots; use 'section.field' or "
+                    "'section.plugin.setting', e.g. scheduler.max_num_seqs"
+                )
+            _set_path(nested.setdefault(section, {}), path, value, key)
         elif key in _ALIASES:
             section, field = _ALIASES[key]
             nested.setdefault(section, {})[field] = value
@@ -439,6 +458,38 @@ def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 f"'section.field', or a section dict (sections: {', '.join(SECTIONS)})"
             )
     return nested
+
+
+def _set_path(table: dict[str, Any], path: list[str], value: Any, key: str) -> None:
+    """``table[a][b]... = value`` for ``path`` [a, b, ...]: ``scheduler.edf.x`` sets key ``x``
+    of the ``edf`` sub-table; tables on the way are created or merged, never replaced."""
+    *tables, last = path
+    for i, name in enumerate(tables):
+        inner = table.setdefault(name, {})
+        if not isinstance(inner, dict):
+            where = ".".join([key.split(".")[0], *tables[: i + 1]])
+            raise ConfigError(f"{key!r}: {where} is a setting ({inner!r}), not a table of settings")
+        table = inner
+    old = table.get(last)
+    if isinstance(value, dict):
+        table[last] = deep_merge(old if isinstance(old, dict) else {}, value)
+    elif isinstance(old, dict) and old:
+        raise ConfigError(f"{key!r}: a table of settings cannot be set to {value!r}")
+    else:
+        table[last] = value
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top``'s keys, tables merged key by key (a new dict; neither argument
+    nor any table in them is changed)."""
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict):
+            below = out.get(k)
+            out[k] = deep_merge(below if isinstance(below, dict) else {}, v)
+        else:
+            out[k] = v
+    return out
 
 
 def format_validation_error(

@@ -25,7 +25,11 @@ install. An unknown key in a section is refused unless it is the sub-table of
 an installed plugin of that section's kind.
 
 A plugin's own settings sit in a sub-table named after it and are validated by
-the settings model it registered:
+the settings model it registered; a key that model has no field for is refused
+(naming the key, the plugin and its settings), whatever the model's own `extra`
+says. On the command line a dotted key reaches into the sub-table:
+`--set transport.zmq.protocol=tcp` (`BATON_TRANSPORT__ZMQ__PROTOCOL=tcp` in the
+environment).
 
 ```toml
 [transport]
@@ -33,6 +37,12 @@ name = "zmq"
 [transport.zmq]
 protocol = "tcp"
 ```
+
+`baton config check [FILE]` checks a config (with `BATON_*` variables and the
+same flags and `--set` as `baton generate`) against every installed plugin's
+settings without loading a model or tokenizer: it prints the selected plugins
+and exits 0, or prints every problem and exits 1. `LLM`, `AsyncLLM` and
+`baton generate` / `chat` / `serve` run the same check before anything loads.
 
 Other environment switches: `BATON_PLUGINS` (comma-separated allowlist of
 plugin or distribution names; baton-core's built-ins always load),

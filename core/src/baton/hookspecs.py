@@ -12,8 +12,10 @@ core, workers). A hook must only register: no I/O, no threads, no heavy
 imports (import heavy dependencies inside the factory).
 
 Installing a plugin only makes its names available; the config chooses.
-The factory signatures below are part of the contract; the protocols their
-products implement are in ``baton.interfaces``.
+The factory signatures below are part of the contract, typed as the protocols
+in ``baton.plugin_kinds`` (``Register[SchedulerPolicyFactory]``, ...), which
+also holds what the kernel knows about each kind (``PLUGIN_KINDS``); the
+protocols their products implement are in ``baton.interfaces``.
 
 Nothing here is imported at runtime but pluggy (types are under TYPE_CHECKING),
 so this module never causes an import cycle.
@@ -26,7 +28,15 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from baton.plugins import RegisterFn
+    from baton.plugin_kinds import (
+        CommandFactory,
+        ExecutorFactory,
+        Register,
+        SchedulerPolicyFactory,
+        StatLoggerFactory,
+        StructuredOutputFactory,
+        TransportFactory,
+    )
 
 #: The version of this contract. A plugin module may declare
 #: ``BATON_PLUGIN_API = 1`` (or a list of versions it supports); a plugin that
@@ -43,7 +53,7 @@ hookimpl = pluggy.HookimplMarker("baton")
 
 
 @hookspec
-def register_scheduler_policies(register: RegisterFn) -> None:
+def register_scheduler_policies(register: Register[SchedulerPolicyFactory]) -> None:
     """Register scheduler policies: which waiting request runs next, who is preempted.
 
     :param register: call ``register(name, factory, settings_model=None)`` once per
@@ -63,7 +73,7 @@ def register_scheduler_policies(register: RegisterFn) -> None:
 
 
 @hookspec
-def register_executors(register: RegisterFn) -> None:
+def register_executors(register: Register[ExecutorFactory]) -> None:
     """Register executor backends: how the model runs (in-process, TP, PP, ...).
 
     :param register: ``register(name, factory, settings_model=None)``;
@@ -83,7 +93,7 @@ def register_executors(register: RegisterFn) -> None:
 
 
 @hookspec
-def register_transports(register: RegisterFn) -> None:
+def register_transports(register: Register[TransportFactory]) -> None:
     """Register frontend <-> engine-core transports.
 
     :param register: ``register(name, factory, settings_model=None)``;
@@ -103,7 +113,7 @@ def register_transports(register: RegisterFn) -> None:
 
 
 @hookspec
-def register_structured_output_backends(register: RegisterFn) -> None:
+def register_structured_output_backends(register: Register[StructuredOutputFactory]) -> None:
     """Register structured-output (grammar) backends.
 
     :param register: ``register(name, factory, settings_model=None)``;
@@ -123,7 +133,7 @@ def register_structured_output_backends(register: RegisterFn) -> None:
 
 
 @hookspec
-def register_stat_loggers(register: RegisterFn) -> None:
+def register_stat_loggers(register: Register[StatLoggerFactory]) -> None:
     """Register stat loggers: observers of per-step engine and per-request stats.
 
     :param register: ``register(name, factory, settings_model=None)``;
@@ -136,7 +146,7 @@ def register_stat_loggers(register: RegisterFn) -> None:
 
 
 @hookspec
-def register_commands(register: RegisterFn) -> None:
+def register_commands(register: Register[CommandFactory]) -> None:
     """Register ``baton`` CLI subcommands.
 
     :param register: ``register(name, factory)``; ``factory(parser)`` receives the
@@ -145,5 +155,5 @@ def register_commands(register: RegisterFn) -> None:
         command gets ``--config`` added by the kernel.
 
     Called once when the CLI starts. Built in: ``generate``, ``chat``,
-    ``plugins``, ``bench``; ``baton-plugin-openai`` adds ``serve``.
+    ``plugins``, ``bench``, ``config``; ``baton-plugin-openai`` adds ``serve``.
     """

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import importlib_metadata
 import pluggy
@@ -24,44 +24,19 @@ from pydantic import BaseModel
 
 from baton import hookspecs
 from baton.errors import DuplicatePluginError, PluginError, PluginLoadError, PluginNotFoundError
+from baton.plugin_kinds import BY_HOOK, PLUGIN_KINDS, PluginKind, kind_word
 
 log = logging.getLogger(__name__)
 
 GROUP = "baton"
 CORE_DIST = "baton-core"
 
-#: hook name -> the kind of thing it registers
-KINDS = {
-    "register_scheduler_policies": "scheduler_policy",
-    "register_executors": "executor",
-    "register_transports": "transport",
-    "register_structured_output_backends": "structured_output",
-    "register_stat_loggers": "stat_logger",
-    "register_commands": "command",
-}
-_KIND_WORDS = {
-    "scheduler_policy": "scheduler policy",
-    "structured_output": "structured-output backend",
-}
-#: Where a missing first-party name comes from, for the "pip install ..." hint.
+#: hook name -> the kind of thing it registers (from baton.plugin_kinds)
+KINDS = {k.hook: k.name for k in PLUGIN_KINDS.values()}
+#: Where a missing name that baton-core does not provide comes from, for the "pip install ..." hint.
 KNOWN_DISTRIBUTIONS = {
-    ("transport", "zmq"): "baton-plugin-zmq",
-    ("transport", "shm"): "baton-plugin-shm",
-    ("executor", "cuda"): "baton-plugin-cuda",
-    ("executor", "cuda-tp"): "baton-plugin-cuda-tp",
-    ("executor", "pipeline"): "baton-plugin-pipeline",
-    ("structured_output", "xgrammar"): "baton-plugin-xgrammar",
-    ("command", "serve"): "baton-plugin-openai",
-    ("stat_logger", "prometheus"): "baton-plugin-openai",
-    ("scheduler_policy", "sjf"): "baton-contrib-sjf",
-    ("scheduler_policy", "fair"): "baton-contrib-fair",
+    (k.name, name): dist for k in PLUGIN_KINDS.values() for name, dist in k.distributions.items()
 }
-
-
-class RegisterFn(Protocol):
-    def __call__(
-        self, name: str, factory: Callable[..., Any], settings_model: type[BaseModel] | None = None
-    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -86,7 +61,7 @@ class PluginEntry:
             raise PluginError(f"{self.describe()} failed to start: {type(e).__name__}: {e}") from e
 
     def describe(self) -> str:
-        return f"{_KIND_WORDS.get(self.kind, self.kind)} {self.name!r} (plugin {self.plugin!r} from {self.distribution} {self.version})"
+        return f"{kind_word(self.kind)} {self.name!r} (plugin {self.plugin!r} from {self.distribution} {self.version})"
 
 
 @dataclass
@@ -101,9 +76,9 @@ class Registry:
         if entry is not None:
             return entry
         installed = ", ".join(self.names(kind)) or "none"
-        dist = KNOWN_DISTRIBUTIONS.get((kind, name))
-        hint = f"pip install {dist}" if dist else "install the distribution that provides it"
-        msg = f"{_KIND_WORDS.get(kind, kind)} {name!r} is not installed (installed: {installed}). {hint}"
+        record = PLUGIN_KINDS.get(kind)
+        hint = record.install_hint(name) if record else "install the distribution that provides it"
+        msg = f"{kind_word(kind)} {name!r} is not installed (installed: {installed}). {hint}"
         if self.failed:
             msg += "; plugins that failed to load: " + "; ".join(
                 f"{p} ({d}): {r}" for p, d, r in self.failed
@@ -119,6 +94,57 @@ class Registry:
     def fingerprint(self) -> list[tuple[str, str, str, str]]:
         """What a spawned process must also see: (kind, name, distribution, version)."""
         return sorted((e.kind, e.name, e.distribution, e.version) for e in self.entries.values())
+
+
+class _Registrar:
+    """The ``register`` callback one plugin's hook gets: checks and records its names."""
+
+    def __init__(
+        self, reg: Registry, kind: PluginKind, plugin: str, distribution: str, version: str
+    ) -> None:
+        self.reg, self.kind, self.plugin = reg, kind, plugin
+        self.distribution, self.version = distribution, version
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        settings_model: type[BaseModel] | None = None,
+    ) -> None:
+        where = f"plugin {self.plugin!r} from {self.distribution} in {self.kind.hook}"
+        if not isinstance(name, str) or not name:
+            raise PluginLoadError(f"{where}: a name must be a non-empty string, got {name!r}")
+        if not callable(factory):
+            raise PluginLoadError(
+                f"{where}: the factory of {self.kind.word} {name!r} is not callable: {factory!r}"
+            )
+        if settings_model is not None:
+            if not (isinstance(settings_model, type) and issubclass(settings_model, BaseModel)):
+                raise PluginLoadError(
+                    f"{where}: the settings model of {self.kind.word} {name!r} must be a "
+                    f"pydantic BaseModel subclass, got {settings_model!r}"
+                )
+            if not self.kind.takes_settings:
+                raise PluginLoadError(
+                    f"{where}: {self.kind.word} {name!r} registers a settings model, but "
+                    f"{self.kind.word}s are not configured (no config sub-table): drop it"
+                )
+        old = self.reg.entries.get((self.kind.name, name))
+        if old is not None:
+            raise DuplicatePluginError(
+                f"{self.kind.word} {name!r} is registered twice: by plugin {old.plugin!r} from "
+                f"{old.distribution} and by plugin {self.plugin!r} from {self.distribution}; "
+                "uninstall one of them"
+            )
+        self.reg.entries[(self.kind.name, name)] = PluginEntry(
+            self.kind.name,
+            name,
+            factory,
+            settings_model,
+            self.plugin,
+            self.distribution,
+            self.version,
+        )
 
 
 class Plugins:
@@ -195,38 +221,17 @@ class Plugins:
     def _collect(self) -> Registry:
         reg = Registry(failed=list(self._failed))
         trace = bool(os.environ.get("BATON_TRACE_PLUGINS"))
-        for hook_name, kind in KINDS.items():
+        for hook_name, kind in BY_HOOK.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 dist, version = self._dists.get(impl.plugin_name, ("local", "0"))
-
-                def register(
-                    name: str,
-                    factory: Callable[..., Any],
-                    settings_model: type[BaseModel] | None = None,
-                    _plugin: str = impl.plugin_name,
-                    _dist: str = dist,
-                    _version: str = version,
-                    _kind: str = kind,
-                ) -> None:
-                    entry = PluginEntry(
-                        _kind, name, factory, settings_model, _plugin, _dist, _version
-                    )
-                    old = reg.entries.get((_kind, name))
-                    if old is not None:
-                        raise DuplicatePluginError(
-                            f"{_KIND_WORDS.get(_kind, _kind)} {name!r} is registered twice: by plugin "
-                            f"{old.plugin!r} from {old.distribution} and by plugin {_plugin!r} from {_dist}; "
-                            "uninstall one of them"
-                        )
-                    reg.entries[(_kind, name)] = entry
-
+                register = _Registrar(reg, kind, impl.plugin_name, dist, version)
                 if trace:
                     log.warning(
                         "baton hook %s -> plugin %r (%s)", hook_name, impl.plugin_name, dist
                     )
                 try:
                     impl.function(register=register)
-                except DuplicatePluginError:
+                except PluginError:
                     raise
                 except Exception as e:
                     raise PluginLoadError(

@@ -1,4 +1,4 @@
-"""Built-in CLI commands: generate, chat, plugins, bench (a plugin module like any other)."""
+"""Built-in CLI commands: generate, chat, plugins, bench, config (a plugin module like any other)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from baton.cli.config_check import config_command
 from baton.cli.main import add_engine_arguments, engine_overrides
 from baton.hookspecs import hookimpl
 
@@ -38,18 +39,59 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
+def _add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling (what the scheduler policy may read)")
+    g.add_argument("--priority", type=int, default=0, help="lower runs first with 'priority'")
+    g.add_argument(
+        "--deadline", type=float, metavar="SECONDS", help="finish within this long of arrival"
+    )
+    g.add_argument("--tenant", help="who the request is for (the 'fair' policy's key)")
+    g.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a free-form tag for the policy (repeatable)",
+    )
+
+
+def _scheduling(args: argparse.Namespace) -> Any:
+    """The SchedulingInfo of the scheduling flags, checked before any model loads."""
+    from baton.errors import InvalidRequestError
+    from baton.scheduling_info import as_scheduling_info
+    from baton.validation import check_scheduling
+
+    tags: dict[str, str] = {}
+    for item in args.tag:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequestError(
+                f"--tag {item!r}: use KEY=VALUE, e.g. --tag team=search", param="scheduling.tags"
+            )
+        tags[key] = value
+    info = as_scheduling_info(
+        {"priority": args.priority, "deadline": args.deadline, "tenant": args.tenant, "tags": tags}
+    )
+    check_scheduling(info)
+    return info
+
+
 def generate_command(p: argparse.ArgumentParser) -> Handler:
     """Complete prompts with a model and print the text."""
     p.add_argument("prompts", nargs="+", help="prompt texts")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_arguments(p)
     _add_sampling_arguments(p, max_tokens=64)
+    _add_scheduling_arguments(p)
 
     def run(args: argparse.Namespace) -> int:
         from baton import LLM
 
+        scheduling = _scheduling(args)
         with LLM(config=args.config, **engine_overrides(args)) as llm:
-            outs = llm.generate(args.prompts, _sampling_params(args), use_tqdm=False)
+            outs = llm.generate(
+                args.prompts, _sampling_params(args), use_tqdm=False, scheduling=scheduling
+            )
         for o in outs:
             c = o.outputs[0]
             if args.json:
@@ -76,11 +118,13 @@ def chat_command(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--system", help="a system prompt")
     add_engine_arguments(p)
     _add_sampling_arguments(p, max_tokens=256)
+    _add_scheduling_arguments(p)
 
     def run(args: argparse.Namespace) -> int:
         from baton import LLM
 
         params = _sampling_params(args)
+        scheduling = _scheduling(args)
         history: list[dict[str, str]] = (
             [{"role": "system", "content": args.system}] if args.system else []
         )
@@ -96,7 +140,8 @@ def chat_command(p: argparse.ArgumentParser) -> Handler:
                     if not text.strip():
                         continue
                 history.append({"role": "user", "content": text})
-                answer = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text.strip()
+                outs = llm.chat(history, params, use_tqdm=False, scheduling=scheduling)
+                answer = outs[0].outputs[0].text.strip()
                 history.append({"role": "assistant", "content": answer})
                 print(answer if args.message is not None else f"baton> {answer}", flush=True)
                 if args.message is not None:
@@ -172,3 +217,4 @@ def register_commands(register: Any) -> None:
     register("chat", chat_command)
     register("plugins", plugins_command)
     register("bench", bench_command)
+    register("config", config_command)

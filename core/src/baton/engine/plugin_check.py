@@ -1,35 +1,121 @@
-"""Start-up check: every plugin the config names is installed, every sub-table belongs to one."""
+"""The config's plugins, checked before anything loads: what it selects is installed, every
+sub-table belongs to an installed plugin and passes that plugin's settings model.
+
+``check_config_plugins`` is the one check: ``baton config check`` prints its result, ``LLM`` /
+``AsyncLLM`` run it before the tokenizer and the weights load, and ``EngineCore`` runs it
+before the executor starts. What it knows about each kind comes from
+``baton.plugin_kinds.PLUGIN_KINDS``.
+"""
 
 from __future__ import annotations
 
-from baton.config import PLUGIN_SELECTORS, BatonConfig
-from baton.plugins import Registry
+from typing import Any
 
-#: config section -> the plugin kind whose names may appear as its sub-tables
-SECTION_KINDS = {section: kind for kind, (section, _) in PLUGIN_SELECTORS.items()} | {
-    "observability": "stat_logger"
-}
+import msgspec
+
+from baton.config import SECTIONS, BatonConfig
+from baton.errors import BatonError, ConfigError
+from baton.plugin_kinds import BY_SECTION, PLUGIN_KINDS, PluginKind
+from baton.plugins import PluginEntry, Registry
+
+
+class Selected(msgspec.Struct, frozen=True):
+    """One plugin the config selects, and its validated settings (None: it takes none)."""
+
+    kind: str
+    name: str
+    selected_by: str  # the config field, e.g. "scheduler.policy"
+    distribution: str
+    version: str
+    settings: dict[str, Any] | None = None
 
 
 def check_config_plugins(
     config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()
-) -> None:
-    """Raise PluginNotFoundError / ConfigError naming the field when the config asks for a missing plugin.
+) -> list[Selected]:
+    """The plugins ``config`` selects, or one error listing every problem.
 
-    ``skip``: plugin kinds the caller supplies itself (e.g. an executor instance).
+    Checks: each selected name is installed (PluginNotFoundError naming what is installed and
+    what to install); each extra key of a section is the sub-table of an installed plugin of
+    that section's kind; every such sub-table, and the defaults of each selected plugin's
+    settings model, pass validation (unknown keys refused, ConfigError naming the key, the
+    plugin and its settings). ``skip``: kinds the caller supplies itself (an executor instance).
+    The error raised has the type of the first problem found and the text of all of them.
     """
-    for kind, (section, field) in PLUGIN_SELECTORS.items():
-        name = getattr(getattr(config, section), field)
-        if kind in skip:
+    errors: list[BatonError] = []
+    selected: list[Selected] = []
+    done: set[tuple[str, str]] = set()  # (kind, name) whose sub-table was checked
+    for kind in PLUGIN_KINDS.values():
+        if kind.name in skip:
             continue
-        if kind == "structured_output" and name in ("auto", "none"):
-            continue
-        registry.get(kind, name)
-    for name in config.observability.stat_loggers:
-        registry.get("stat_logger", name)
-    config.check_extras(
-        {section: set(registry.names(kind)) for section, kind in SECTION_KINDS.items()}
+        for name in _selected_names(kind, config, registry):
+            done.add((kind.name, name))
+            try:
+                entry = registry.get(kind.name, name)
+                settings = config.plugin_settings(kind.section or "", name, entry.settings_model)
+            except BatonError as e:
+                errors.append(e)
+                continue
+            selected.append(_selection(kind, entry, settings))
+    for section in SECTIONS:
+        errors += _check_sub_tables(config, section, registry, done)
+    if errors:
+        raise _combined(errors)
+    return selected
+
+
+def _selected_names(kind: PluginKind, config: BatonConfig, registry: Registry) -> list[str]:
+    if kind.name == "structured_output":
+        name = resolve_structured_output_backend(config, registry)
+        return [] if name is None else [name]
+    return kind.selected(config)
+
+
+def _selection(kind: PluginKind, entry: PluginEntry, settings: Any) -> Selected:
+    return Selected(
+        kind=kind.name,
+        name=entry.name,
+        selected_by=kind.selector_path(),
+        distribution=entry.distribution,
+        version=entry.version,
+        settings=None if settings is None else settings.model_dump(mode="json"),
     )
+
+
+def _check_sub_tables(
+    config: BatonConfig, section: str, registry: Registry, done: set[tuple[str, str]]
+) -> list[BatonError]:
+    """An extra key of ``section`` must be an installed plugin's valid settings table."""
+    kind = BY_SECTION.get(section)
+    extras = getattr(config, section).model_extra or {}
+    installed = registry.names(kind.name) if kind else []
+    errors: list[BatonError] = []
+    for key in extras:
+        if key not in installed:
+            fields = ", ".join(type(getattr(config, section)).model_fields)
+            plugins = (
+                f"; {kind.word} sub-tables: {', '.join(installed) or 'none installed'}"
+                if kind
+                else ""
+            )
+            errors.append(
+                ConfigError(f"{section}.{key}: unknown setting (fields: {fields}{plugins})")
+            )
+            continue
+        if kind is None or (kind.name, key) in done:
+            continue  # checked as a selected plugin
+        try:
+            config.plugin_settings(section, key, registry.get(kind.name, key).settings_model)
+        except BatonError as e:
+            errors.append(e)
+    return errors
+
+
+def _combined(errors: list[BatonError]) -> BatonError:
+    if len(errors) == 1:
+        return errors[0]
+    lines = "\n".join(f"  - {str(e).replace(chr(10), chr(10) + '    ')}" for e in errors)
+    return type(errors[0])(f"{len(errors)} problems in the configuration:\n{lines}")
 
 
 def resolve_structured_output_backend(config: BatonConfig, registry: Registry) -> str | None:

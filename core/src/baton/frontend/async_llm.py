@@ -12,6 +12,7 @@ from typing import Any
 
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.plugin_check import check_config_plugins
 from baton.errors import (
     EngineDeadError,
     EngineShuttingDownError,
@@ -25,6 +26,7 @@ from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
 from baton.model_info import model_info
 from baton.outputs import RequestOutput
+from baton.plugins import get_registry
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -66,6 +68,8 @@ class AsyncLLM:
             if isinstance(config, BatonConfig)
             else BatonConfig.load(config, model=model, **overrides)
         )
+        # a bad config is refused before the tokenizer and the weights load
+        check_config_plugins(cfg, get_registry())
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:

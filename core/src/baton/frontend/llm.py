@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.plugin_check import check_config_plugins
 from baton.errors import InvalidRequestError
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
@@ -21,6 +22,7 @@ from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
 from baton.model_info import model_info
 from baton.outputs import RequestOutput
+from baton.plugins import get_registry
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -42,6 +44,8 @@ class LLM:
         **overrides: Any,
     ) -> None:
         self.config = BatonConfig.load(config, model=model, **overrides)
+        # a bad config is refused before the tokenizer and the weights load
+        check_config_plugins(self.config, get_registry())
         info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, info)
         self.output_processor = OutputProcessor(self.tokenizer)
