@@ -92,13 +92,13 @@ def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:
 
 
 def check_prompt_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """A non-empty list of ints, each in [0, vocab_size)."""
+    """A list of ints, each in [0, vocab_size) (its length: check_context_length)."""
     if not isinstance(ids, list | tuple):
         raise InvalidRequestError(
             f"prompt token ids must be a list of ints, got {type(ids).__name__}", param="prompt"
         )
     if not ids:
-        raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        return  # check_context_length refuses an empty prompt
     for i, t in enumerate(ids):
         if type(t) is not int:
             raise InvalidRequestError(
@@ -115,9 +115,18 @@ def check_prompt_token_ids(ids: Sequence[int], vocab_size: int) -> None:
         )
 
 
-def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
-    """The one boundary: prompt + max_tokens (at least one token) <= model.max_model_len."""
-    if prompt_len + max(max_tokens or 1, 1) <= max_model_len:
+def check_context_length(
+    prompt_len: int, max_tokens: int | None, max_model_len: int | None
+) -> None:
+    """The one boundary: 1 <= prompt, prompt + max_tokens (at least one token) <= model.max_model_len.
+
+    Every check of a prompt's length runs this (the frontend, the HTTP server, the engine core,
+    the scheduler's admission); ``max_tokens=None`` checks the prompt alone, ``max_model_len=None``
+    only that it is not empty.
+    """
+    if prompt_len < 1:
+        raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+    if max_model_len is None or prompt_len + max(max_tokens or 1, 1) <= max_model_len:
         return
     if prompt_len >= max_model_len:
         raise ContextLengthError(

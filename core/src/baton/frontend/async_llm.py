@@ -138,14 +138,9 @@ class AsyncLLM:
                     user=user,
                     sink=queue.put_nowait,
                 )
+                # validated above, once
                 req = self.input_processor.process(
-                    child_id,
-                    ids,
-                    p,
-                    arrival_time=arrival,
-                    priority=info.priority,
-                    user=user,
-                    scheduling=info,
+                    child_id, ids, p, scheduling=info, arrival_time=arrival, user=user
                 )
                 await self.engine.add_request_async(req)
             while True:

@@ -221,21 +221,14 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
+        scheduling: SchedulingInfo,
         arrival_time: float | None = None,
-        priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
-        scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
     ) -> EngineCoreRequest:
-        """Validate and build the request for the engine core."""
-        info = self.validate(
-            prompt_token_ids,
-            params,
-            priority=priority,
-            user=user,
-            cache_salt=cache_salt,
-            scheduling=scheduling,
-        )
+        """Build the request for the engine core from one ``validate`` accepted (and the
+        SchedulingInfo it returned); it is not checked again here (the engine core checks
+        what it receives: a client may have no frontend)."""
         eos = self.info.eos_token_id
         extra_eos = self.info.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:  # further EOS ids of the model stop like EOS does
@@ -246,11 +239,13 @@ class InputProcessor:
             sampling_params=params,
             eos_token_id=eos,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=info.priority,
+            priority=scheduling.priority,
             user=user,
             cache_salt=cache_salt,
             # only the priority: the field a client that predates scheduling sends
-            scheduling=None if info == SchedulingInfo(priority=info.priority) else info,
+            scheduling=None
+            if scheduling == SchedulingInfo(priority=scheduling.priority)
+            else scheduling,
         )
 
     def validate(

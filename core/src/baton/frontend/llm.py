@@ -175,14 +175,9 @@ class LLM:
             self.output_processor.add_request(
                 rid, prompt, ids, p, arrival, index=index, parent=parent, user=user
             )
+            # validated in _run, once per prompt
             req = self.input_processor.process(
-                rid,
-                ids,
-                p,
-                arrival_time=arrival,
-                priority=scheduling.priority,
-                user=user,
-                scheduling=scheduling,
+                rid, ids, p, scheduling=scheduling, arrival_time=arrival, user=user
             )
             self.engine.add_request(req)
         return [c[0] for c in children]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from baton.errors import InvalidRequestError
+from baton.validation import check_context_length
 
 if TYPE_CHECKING:
     from baton.kv.manager import KVCacheManager
@@ -21,13 +22,9 @@ def check_request(
 ) -> None:
     """Raise InvalidRequestError (naming the limit and the fix) if ``request`` cannot be served."""
     rid, n = request.request_id, request.num_prompt_tokens
-    if n == 0:
-        raise InvalidRequestError(f"request {rid!r}: the prompt is empty; give at least one token")
-    if max_model_len is not None and n > max_model_len:
-        raise InvalidRequestError(
-            f"request {rid!r}: prompt of {n} tokens is longer than max_model_len "
-            f"({max_model_len}); shorten it or raise model.max_model_len"
-        )
+    # the prompt alone (the engine core already checked prompt + max_tokens; a request given to
+    # the scheduler directly stops at max_model_len), with the frontend's boundary and message
+    check_context_length(n, None, max_model_len)
     if not enable_chunked_prefill and n > max_num_batched_tokens:
         raise InvalidRequestError(
             f"request {rid!r}: prompt of {n} tokens exceeds scheduler.max_num_batched_tokens "
