@@ -186,3 +186,16 @@ def test_register_refuses_what_the_kind_cannot_take(hook, args, fragment):
 def test_a_settings_model_is_accepted_where_the_kind_has_a_sub_table():
     p = _register_one("register_scheduler_policies", "x", lambda c, s: None, _Settings)
     assert p.registry.get("scheduler_policy", "x").settings_model is _Settings
+
+
+def test_an_entry_reads_its_settings_from_its_kinds_section():
+    from baton.config import BatonConfig
+
+    p = _register_one("register_scheduler_policies", "x", lambda c, s: None, _Settings)
+    entry = p.registry.get("scheduler_policy", "x")
+    assert entry.settings(BatonConfig.load(**{"scheduler.x.weight": 4})).weight == 4
+    assert (
+        entry.settings(BatonConfig.load(**{"transport.x.weight": 4})).weight == 1
+    )  # not its table
+    command = loaded().registry.get("command", "config")
+    assert command.settings(BatonConfig.load()) is None  # commands have no section

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import importlib_metadata
 import pluggy
@@ -25,6 +25,9 @@ from pydantic import BaseModel
 from baton import hookspecs
 from baton.errors import DuplicatePluginError, PluginError, PluginLoadError, PluginNotFoundError
 from baton.plugin_kinds import BY_HOOK, PLUGIN_KINDS, PluginKind, kind_word
+
+if TYPE_CHECKING:
+    from baton.config import BatonConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,14 @@ class PluginEntry:
             raise
         except Exception as e:
             raise PluginError(f"{self.describe()} failed to start: {type(e).__name__}: {e}") from e
+
+    def settings(self, config: BatonConfig) -> BaseModel | None:
+        """This plugin's validated ``[<section>.<name>]`` table (the section from its kind's
+        record in ``PLUGIN_KINDS``); None for a plugin without a settings model."""
+        section = PLUGIN_KINDS[self.kind].section
+        if section is None:
+            return None
+        return config.plugin_settings(section, self.name, self.settings_model)
 
     def describe(self) -> str:
         return f"{kind_word(self.kind)} {self.name!r} (plugin {self.plugin!r} from {self.distribution} {self.version})"

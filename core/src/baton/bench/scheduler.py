@@ -92,9 +92,7 @@ def run_scheduler_bench(
     """
     reg = get_registry()
     entry = reg.get("scheduler_policy", config.scheduler.policy)
-    policy = entry.create(
-        config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
-    )
+    policy = entry.create(config, entry.settings(config))
     ex = FakeExecutor(
         block_size=config.cache.block_size,
         num_blocks=num_blocks,

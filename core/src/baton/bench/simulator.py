@@ -56,9 +56,7 @@ class SimResult:
 
 def make_policy(config: BatonConfig, name: str) -> Any:
     entry = get_registry().get("scheduler_policy", name)
-    return entry.create(
-        config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
-    )
+    return entry.create(config, entry.settings(config))
 
 
 def simulate(

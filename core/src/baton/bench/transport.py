@@ -40,7 +40,7 @@ _GB = 1e9
 
 def make_transport(config: BatonConfig, name: str) -> Any:
     entry = get_registry().get("transport", name)
-    return entry.create(config, config.plugin_settings("transport", name, entry.settings_model))
+    return entry.create(config, entry.settings(config))
 
 
 class _Link:

@@ -108,9 +108,7 @@ def make_client(
     from baton.plugins import get_registry
 
     entry = get_registry().get("transport", config.transport.name)
-    transport = entry.create(
-        config, config.plugin_settings("transport", entry.name, entry.settings_model)
-    )
+    transport = entry.create(config, entry.settings(config))
     if not transport.multiprocess and not asyncio_mode:
         return InprocClient(config, **core_kwargs)
     from baton.engine import mp_client

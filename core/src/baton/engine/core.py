@@ -64,7 +64,7 @@ class EngineCore:
         )
         if executor is None:
             entry = self.registry.get("executor", config.executor.backend)
-            settings = config.plugin_settings("executor", entry.name, entry.settings_model)
+            settings = entry.settings(config)
             executor = entry.create(config, settings)
         self.executor: Executor = executor
         try:
@@ -77,9 +77,7 @@ class EngineCore:
             self.config = config = self._apply_model_capabilities(config)
             self.num_blocks = self._initialize_kv_cache()
             entry = self.registry.get("scheduler_policy", config.scheduler.policy)
-            policy = entry.create(
-                config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
-            )
+            policy = entry.create(config, entry.settings(config))
             self.batch_queue_size = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (

@@ -337,9 +337,7 @@ def run_engine_core(
         )
     registry = get_registry()  # plugins load in every process the kernel spawns
     entry = registry.get("transport", config.transport.name)
-    transport = entry.create(
-        config, config.plugin_settings("transport", entry.name, entry.settings_model)
-    )
+    transport = entry.create(config, entry.settings(config))
     channel = transport.connect_engine(address, engine_index)
     try:
         if (

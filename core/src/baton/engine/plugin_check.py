@@ -52,7 +52,7 @@ def check_config_plugins(
             done.add((kind.name, name))
             try:
                 entry = registry.get(kind.name, name)
-                settings = config.plugin_settings(kind.section or "", name, entry.settings_model)
+                settings = entry.settings(config)
             except BatonError as e:
                 errors.append(e)
                 continue
@@ -105,7 +105,7 @@ def _check_sub_tables(
         if kind is None or (kind.name, key) in done:
             continue  # checked as a selected plugin
         try:
-            config.plugin_settings(section, key, registry.get(kind.name, key).settings_model)
+            registry.get(kind.name, key).settings(config)
         except BatonError as e:
             errors.append(e)
     return errors

@@ -74,9 +74,7 @@ def pick_transport(config: BatonConfig, name: str) -> Any:
                 "installed: pip install baton-plugin-shm (or baton-plugin-zmq)"
             )
     entry = registry.get("transport", name)
-    transport = entry.create(
-        config, config.plugin_settings("transport", entry.name, entry.settings_model)
-    )
+    transport = entry.create(config, entry.settings(config))
     if not transport.multiprocess:
         raise ExecutorError(
             f"transport {name!r} cannot reach other processes; choose shm or zmq for the workers"

@@ -20,7 +20,7 @@ class StatLoggers:
             reg = get_registry()
             for name in config.observability.stat_loggers:
                 entry = reg.get("stat_logger", name)
-                settings = config.plugin_settings("observability", name, entry.settings_model)
+                settings = entry.settings(config)
                 self.loggers.append(entry.create(config, settings, engine_index))
         self._next_log = time.monotonic() + self.interval
 

@@ -92,9 +92,7 @@ class StructuredOutputManager:
 
         assert self.backend_name is not None
         entry = self.registry.get("structured_output", self.backend_name)
-        settings = self.config.plugin_settings(
-            "structured_output", entry.name, entry.settings_model
-        )
+        settings = entry.settings(self.config)
         tokenizer = load_tokenizer(self.config, self.info)
         log.info("structured output: backend %r, vocabulary %d", entry.name, self.info.vocab_size)
         # the model's vocabulary size (the logits' width), which may exceed the tokenizer's

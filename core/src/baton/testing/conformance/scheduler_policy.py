@@ -97,9 +97,7 @@ class SchedulerPolicyConformance:
         if self.name is None:
             raise NotImplementedError("set `name` or override make_policy(self, config)")
         entry = get_registry().get("scheduler_policy", self.name)
-        return entry.create(
-            config, config.plugin_settings("scheduler", entry.name, entry.settings_model)
-        )
+        return entry.create(config, entry.settings(config))
 
     def harness(self, num_blocks: int = 1024, **config: Any) -> PolicyHarness:
         cfg = self.config(**config)

@@ -99,7 +99,7 @@ class StructuredOutputConformance:
 
         entry = get_registry().get("structured_output", self.name)
         config = BatonConfig.load()
-        settings = config.plugin_settings("structured_output", entry.name, entry.settings_model)
+        settings = entry.settings(config)
         return entry.create(config, settings, tokenizer, vocab_size)
 
     # class-scoped fixtures are classmethods: pytest runs them once per class, on no instance

@@ -135,9 +135,7 @@ class TransportConformance:
 
         entry = get_registry().get("transport", self.name)
         config = BatonConfig.load()
-        made = entry.create(
-            config, config.plugin_settings("transport", self.name, entry.settings_model)
-        )
+        made = entry.create(config, entry.settings(config))
         assert isinstance(made, Transport)
         assert made.multiprocess == transport.multiprocess
 
