@@ -62,20 +62,20 @@ def check_request(
     check_prompt_token_ids(prompt_token_ids, info.vocab_size)
     check_context_length(len(prompt_token_ids), params.max_tokens, info.max_model_len)
     check_params_for_model(params, info)
+    if scheduling is not None:  # first: a bad scheduling.priority is reported as that field
+        check_scheduling(scheduling)
     check_priority(priority)
     for name, value in (("user", user), ("cache_salt", cache_salt)):
         if value is not None and not isinstance(value, str):
             raise InvalidRequestError(
                 f"{name} must be a string or None, got {show_value(value)}", param=name
             )
-    if scheduling is not None:
-        check_scheduling(scheduling)
-        if scheduling.priority != priority:
-            raise InvalidRequestError(
-                f"priority={show_value(priority)} and scheduling.priority="
-                f"{show_value(scheduling.priority)} disagree: give the priority once",
-                param="priority",
-            )
+    if scheduling is not None and scheduling.priority != priority:
+        raise InvalidRequestError(
+            f"priority={show_value(priority)} and scheduling.priority="
+            f"{show_value(scheduling.priority)} disagree: give the priority once",
+            param="priority",
+        )
 
 
 def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:

@@ -146,8 +146,9 @@ async def create_chat_completion(
                 {"prompt_token_ids": ids},
                 built.params,
                 request_id,
-                priority=req.priority,
+                priority=built.scheduling.priority,
                 user=req.user,
+                scheduling=built.scheduling,
             )
         ]
     )

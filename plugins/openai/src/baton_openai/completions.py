@@ -99,8 +99,9 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
                 {"prompt": t, "prompt_token_ids": ids},
                 b.params,
                 f"{request_id}-{i}",
-                priority=req.priority,
+                priority=b.scheduling.priority,
                 user=req.user,
+                scheduling=b.scheduling,
             )
             for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))
         ]

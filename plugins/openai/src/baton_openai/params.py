@@ -1,4 +1,5 @@
-"""From an OpenAI request to baton's SamplingParams: defaults, structured output, the request check.
+"""From an OpenAI request to baton's SamplingParams and SchedulingInfo: defaults, structured
+output, the request check.
 
 Everything here raises OpenAIError naming the request parameter (as the client
 spelled it), so the 400 points at what to fix. The checks themselves are
@@ -8,11 +9,12 @@ baton's (SamplingParams and baton.validation), the same the engine runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.errors import InvalidRequestError, StructuredOutputError
 from baton.protocol import ModelInfo
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
+from baton.scheduling_info import SchedulingInfo, as_scheduling_info
 from baton.validation import check_request
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.protocol import SamplingFields
@@ -27,6 +29,8 @@ class BuiltParams:
     param_names: dict[str, str]
     #: The request field holding the prompt ("messages" or "prompt").
     prompt_param: str = "prompt"
+    #: What the scheduler policy reads: the body's ``scheduling`` with its ``priority`` merged in.
+    scheduling: SchedulingInfo = field(default_factory=SchedulingInfo)
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -121,7 +125,15 @@ def build_params(
             structured_outputs=spec,
             output_kind=RequestOutputKind.DELTA,
         )
-        check_request(prompt_token_ids, params, info, priority=req.priority, user=req.user)
+        scheduling = as_scheduling_info(req.scheduling, req.priority)
+        check_request(
+            prompt_token_ids,
+            params,
+            info,
+            priority=scheduling.priority,
+            user=req.user,
+            scheduling=scheduling,
+        )
     except InvalidRequestError as e:
         raise from_baton_error(e, names) from None
-    return BuiltParams(params, structured_param, names, prompt_param)
+    return BuiltParams(params, structured_param, names, prompt_param, scheduling)

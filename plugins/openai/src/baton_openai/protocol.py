@@ -123,6 +123,9 @@ class SamplingFields(_Model):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    scheduling: Annotated[dict[str, Any], Bounded] | None = None
+    """baton's extra: what the scheduler policy may read (priority, deadline in seconds after
+    arrival, tenant, tags); its fields are checked by baton.validation, naming scheduling.<field>."""
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Bounded] | None = None
