@@ -19,7 +19,8 @@ abort, error), is reported once to the policy's optional ``finished`` (a policy
 without one passes the same checks).
 
 Class attributes tune the suite: ``admission_control`` (the policy's ``peek``
-may return None while requests wait), the starvation workload's length
+may return None while requests wait; the checks then advance time and finish
+the requests admitted so far), the starvation workload's length
 (``starvation_flood_steps``) and the bound (``starvation_max_wait_steps``).
 """
 
@@ -67,7 +68,8 @@ class SchedulerPolicyConformance:
     name: ClassVar[str | None] = None
     #: The policy's ``[scheduler.<name>]`` settings for every test.
     settings: ClassVar[dict[str, Any]] = {}
-    #: True if ``peek`` may return None while requests wait (the drain checks advance time instead).
+    #: True if ``peek`` may return None while requests wait (the drain checks then finish the
+    #: admitted requests and advance time).
     admission_control: ClassVar[bool] = False
     #: Seeds of the randomised workloads.
     seeds: ClassVar[tuple[int, ...]] = (0, 1)
@@ -104,7 +106,10 @@ class SchedulerPolicyConformance:
         return PolicyHarness(self.make_policy(cfg), cfg, num_blocks=num_blocks)
 
     def _drain(self, policy: Any) -> list[str]:
+        """Admit everything: pop what peek gives; when it gives None (admission control), the
+        admitted requests finish (the policy's ``finished``, if it has one) and time advances."""
         out, now = [], 0.0
+        admitted: list[Request] = []
         for _ in range(100_000):
             if not len(policy):
                 return out
@@ -113,9 +118,17 @@ class SchedulerPolicyConformance:
                 assert self.admission_control, (
                     "peek returned None while requests wait (set admission_control)"
                 )
+                finished = getattr(policy, "finished", None)
+                for r in admitted:
+                    r.status = RequestStatus.FINISHED_STOPPED
+                    if finished is not None:
+                        finished(r)
+                admitted.clear()
                 now += 1.0
                 continue
             policy.pop(req)
+            req.status = RequestStatus.RUNNING
+            admitted.append(req)
             out.append(req.request_id)
         raise AssertionError("the policy never admitted its waiting requests")
 
