@@ -108,6 +108,10 @@ def test_mapping_and_priority_merge():
     with pytest.raises(InvalidRequestError, match="no field 'deadline_s'") as e:
         as_scheduling_info({"deadline_s": 1})
     assert e.value.param == "scheduling.deadline_s"
+    for key in (None, 3, "x" * 1000):
+        with pytest.raises(InvalidRequestError, match="scheduling has no field") as e:
+            as_scheduling_info({key: 1})
+        assert e.value.param == "scheduling" and len(str(e.value)) < 200
     with pytest.raises(InvalidRequestError, match="got list") as e:
         as_scheduling_info([1, 2])
     assert e.value.param == "scheduling"

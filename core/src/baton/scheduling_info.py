@@ -71,9 +71,11 @@ def as_scheduling_info(value: Any, priority: int | None = None) -> SchedulingInf
     elif isinstance(value, Mapping):
         unknown = [k for k in value if k not in FIELDS]
         if unknown:
+            key = unknown[0]
+            named = isinstance(key, str) and len(key) <= MAX_TAG_KEY_CHARS
             raise InvalidRequestError(
-                f"scheduling has no field {show_value(unknown[0])}: use {', '.join(FIELDS)}",
-                param=f"scheduling.{unknown[0]}" if isinstance(unknown[0], str) else "scheduling",
+                f"scheduling has no field {show_value(key, 40)}: use {', '.join(FIELDS)}",
+                param=f"scheduling.{key}" if named else "scheduling",
             )
         info = SchedulingInfo(**value)
     else:
