@@ -146,3 +146,101 @@ def test_refused_with_hooks_and_foreign_linears(caplog):
     with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
         assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is None
     assert "layer 0 q_proj is a Wrapped" in caplog.text
+
+
+def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threads):
+    """decode_layers on copies of ``caches`` with ``threads`` threads; (output, caches after)."""
+    k = [c[0].clone() for c in caches]
+    v = [c[1].clone() for c in caches]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.ops.baton.decode_layers(
+            hidden,
+            fast.cos_table.index_select(0, positions),
+            fast.sin_table.index_select(0, positions),
+            fast.norms,
+            fast.weights,
+            fast.biases,
+            fast.qtypes,
+            fast.q8a,
+            k,
+            v,
+            slots,
+            table,
+            lens,
+            fast.num_heads,
+            fast.num_kv_heads,
+            fast.eps,
+            fast.scale,
+            fast.quant_max_rows,
+            fast.float_max_rows,
+            *head,
+        )
+    finally:
+        torch.set_num_threads(before)
+    return out, k, v
+
+
+@pytest.mark.parametrize(
+    ("quantization", "activations", "cache_dtype"),
+    [
+        ("none", "none", torch.float32),
+        ("int4", "none", torch.float32),
+        ("int8", "int8", torch.bfloat16),
+        ("none", "none", torch.float16),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_one_parallel_region_is_split_independent_and_runs_the_head(
+    quantization, activations, cache_dtype, rows
+):
+    """Up to the kernels' row limits decode_layers runs in one parallel region, split over the
+    threads by rows and (request, kv head) pairs: one thread and two give the same bits, the
+    head run inside gives the logits of the head module, and the cache gets the same writes."""
+    path = tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)  # q/k/v biases, GQA
+    runner = make_runner(
+        path,
+        block_size=4,
+        budget=64,
+        max_seqs=16,
+        **{
+            "model.quantization": quantization,
+            "model.activation_quantization": activations,
+            "cache.dtype": str(cache_dtype).removeprefix("torch."),
+        },
+    )
+    fast = runner.fast_decode
+    assert fast is not None and fast.cos_table is not None and fast.head_args is not None
+    g = torch.Generator().manual_seed(rows)
+    hd = fast.norms[0].numel()
+    kv_heads, head_dim = fast.num_kv_heads, runner.kv_caches[0].shape[-1]
+    blocks_per = 5
+    caches = [
+        torch.randn((2, NUM_BLOCKS, kv_heads, 4, head_dim), generator=g).to(cache_dtype)
+        for _ in range(len(fast.norms) // 2)
+    ]
+    caches = [(c[0].view(NUM_BLOCKS, kv_heads, head_dim, 4).clone(), c[1].clone()) for c in caches]
+    # each request its own blocks, as the KV manager gives them (written slots are never shared)
+    table = torch.randperm(NUM_BLOCKS, generator=g)[: rows * blocks_per].view(rows, blocks_per)
+    lens = torch.randint(1, blocks_per * 4 + 1, (rows,), generator=g)
+    positions = lens - 1
+    slots = table.gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
+    hidden = torch.randn((rows, hd), generator=g)
+    head = fast.head_args[:4]
+    with torch.inference_mode():
+        one, k1, v1 = _stack_call(fast, caches, hidden, positions, slots, table, lens, head, 1)
+        two, k2, v2 = _stack_call(fast, caches, hidden, positions, slots, table, lens, head, 2)
+        normed, k3, _ = _stack_call(
+            fast, caches, hidden, positions, slots, table, lens, (None, -1, 0, None), 2
+        )
+        by_module = fast.head(normed)
+    assert one.shape == (rows, by_module.shape[1])
+    assert torch.equal(one, two)
+    assert torch.equal(two, by_module)
+    for a, b, c in zip(k1, k2, k3, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    assert all(torch.equal(a, b) for a, b in zip(v1, v2, strict=True))
+    # the step wrote its keys: the caches changed at the slots and only there
+    changed = (k1[0] != caches[0][0]).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(changed) <= set((slots // 4).tolist()) and changed

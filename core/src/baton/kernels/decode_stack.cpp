@@ -4,10 +4,12 @@
 // rotary, paged K/V write, paged decode attention, o_proj + residual, RMSNorm, gate/up, SiLU * up,
 // down + residual) and the final norm for a decode-only step (one query token per request), in
 // ONE call: a decode step through the model's Python modules costs ~0.4 ms of op dispatch per
-// layer, which at batch 1 is more than the layer's matmuls. The linears and the attention are
-// the other baton ops (linear_small, linear_q, linear_q8a, linear_q_tiles, paged_write,
-// paged_decode), called through the dispatcher on this thread: each parallelises itself.
-// Boxed calls, so that only the ops' schemas (not their C++ signatures) are relied upon.
+// layer, which at batch 1 is more than the layer's matmuls. Up to the kernels' row limits (every
+// decode step of up to 16 requests) the whole stack, and the LM head when given, runs in one
+// OpenMP region on the kernels' row-range code (row_kernels.h; see one_region below). Above them
+// the linears and the attention are the other baton ops (linear_small, linear_q, linear_q8a,
+// linear_q_tiles, paged_write, paged_decode) called through the dispatcher, each parallelising
+// itself; boxed calls, so that only the ops' schemas are relied upon.
 //
 // Elementwise steps are compiled without FMA contraction, so that they round as transformers'
 // separate torch ops do (rotary: q * cos + rotate_half(q) * sin is bit-identical).
@@ -16,11 +18,15 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <omp.h>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
+
+#include "row_kernels.h"
 
 namespace {
 
@@ -55,6 +61,12 @@ const c10::OperatorHandle& q8a_op() {
 __attribute__((optimize("fp-contract=off"))) void add_bias(float* y, const float* b, int64_t M, int64_t N) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
+}
+
+__attribute__((optimize("fp-contract=off"))) void add_bias_cols(float* y, const float* b, int64_t M, int64_t N,
+                                                                  int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * N + n] += b[n];
 }
 
 struct LinearArgs {
@@ -126,12 +138,317 @@ __attribute__((optimize("fp-contract=off"))) void add_into(float* h, const float
   for (int64_t i = 0; i < n; ++i) h[i] = h[i] + y[i];
 }
 
+// ------------------------------------------------------------------ one parallel region
+//
+// Up to a few rows (decode-sized calls of every linear), the whole stack runs in ONE OpenMP region:
+// each thread takes its share of every phase (rows of the fused q/k/v, (request, kv head) pairs of
+// the attention, rows of o, of gate/up with SiLU, of down, of the LM head) and the threads meet at
+// a barrier between phases: five per layer, against ~9 fork/joins and dispatcher calls per layer
+// otherwise, and the attention of one request is spread over its kv heads. Each output element is
+// computed by the same code as in the operators (row_kernels.h), so the result does not depend on
+// the split or the thread count.
+
+using baton_rows::CacheDims;
+using baton_rows::CacheType;
+using baton_rows::QuantX;
+
+struct Lin {
+  const float* wf = nullptr;    // float32 weights [N, K], or
+  const uint8_t* wq = nullptr;  // quantized rows [N, row_bytes]
+  int64_t row_bytes = 0, N = 0, K = 0, qtype = -1;
+  const float* bias = nullptr;
+  bool q8a = false;
+};
+
+Lin make_lin(const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a, int64_t K) {
+  Lin l;
+  l.N = w.size(0);
+  l.K = K;
+  l.qtype = qtype;
+  l.q8a = q8a;
+  if (qtype < 0) {
+    l.wf = w.data_ptr<float>();
+  } else {
+    l.wq = w.data_ptr<uint8_t>();
+    l.row_bytes = w.size(1);
+  }
+  if (b.defined() && b.numel() > 0) l.bias = b.data_ptr<float>();
+  return l;
+}
+
+// Rows [n0, n1) of y = x @ W^T + b, as the operator for this linear computes them.
+void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& prep, float* y, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  if (l.qtype < 0) {
+    baton_rows::float_rows(x, M, l.K, l.wf, y, l.N, n0, n1);
+    if (l.bias) add_bias_cols(y, l.bias, M, l.N, n0, n1);
+  } else {
+    baton_rows::quant_rows(l.qtype, l.q8a, x, M, l.K, gen, prep, l.wq, l.row_bytes, l.bias, y, l.N, n0, n1);
+  }
+}
+
+// Thread tid's share [lo, hi) of n items split over nt threads, boundaries on multiples of `align`.
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t nt, int64_t tid, int64_t align) {
+  const int64_t units = (n + align - 1) / align;
+  const int64_t lo = units * tid / nt * align, hi = units * (tid + 1) / nt * align;
+  return {std::min(lo, n), std::min(hi, n)};
+}
+
+struct Stack {
+  int64_t L, M, Hd, H, KVH, D, I, BS;
+  const float *cos, *sin;
+  float eps, scale;
+  const std::vector<const float*>* norms;
+  const std::vector<Lin>* lins;
+  const std::vector<void*>*k_caches, *v_caches;
+  CacheType cache_type;
+  const int64_t *slots, *block_table, *ctx_lens;
+  int64_t max_blocks;
+  float* h;  // [M, Hd] residual stream
+  // shared outputs of the phases: q [M, H*D], k and v [M, KVH*D], attn [M, H*D], gate and up [M, I],
+  // o / down [M, Hd]
+  float *q, *k, *v, *attn, *gate, *up, *tmp;
+  float* out;  // [M, Hd] final normed hidden (without a head), or nullptr
+  const Lin* head;
+  float* logits;  // [M, V] with a head
+};
+
+void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
+  const int64_t M = s.M, Hd = s.Hd, D = s.D, H = s.H, KVH = s.KVH, G = H / KVH, I = s.I;
+  const int64_t QW = H * D, KW = KVH * D;
+  const CacheDims cd{H, KVH, D, s.BS};
+  std::vector<float> x(M * Hd);  // this thread's normed input (each thread norms for itself)
+  std::vector<float> scores, qbuf;
+  QuantX prep;
+  uint64_t gen = 0;
+  const Lin* lins = s.lins->data();
+  auto barrier = [nt]() {
+    if (nt > 1) {
+#pragma omp barrier
+    }
+  };
+  for (int64_t l = 0; l < s.L; ++l) {
+    const Lin* lw = lins + l * PER_LAYER;
+    // attention block: this thread's rows of q, k and v (one x, so one preparation of it)
+    rms_norm(s.h, (*s.norms)[2 * l], x.data(), M, Hd, s.eps);
+    ++gen;
+    {
+      const int64_t nq = lw[Q].N, nk = lw[K].N;
+      const auto [a, b] = share(nq + nk + lw[V].N, nt, tid, 8);
+      const int64_t off[3] = {0, nq, nq + nk};
+      float* dst[3] = {s.q, s.k, s.v};
+      for (int i = 0; i < 3; ++i) {
+        const Lin& li = lw[Q + i];
+        lin_rows(li, x.data(), M, gen, prep, dst[i], std::max<int64_t>(a - off[i], 0),
+                 std::min<int64_t>(b - off[i], li.N));
+      }
+    }
+    barrier();
+    {  // this thread's (request, kv head) pairs: rotary, cache write, attention of the head group
+      const auto [a, b] = share(M * KVH, nt, tid, 1);
+      for (int64_t u = a; u < b; ++u) {
+        const int64_t m = u / KVH, j = u % KVH;
+        float* q = s.q + m * QW;
+        float* k = s.k + m * KW;
+        rotary(k + j * D, 1, 1, D, KW, s.cos + m * D, s.sin + m * D);
+        rotary(q + j * G * D, 1, G, D, QW, s.cos + m * D, s.sin + m * D);
+        baton_rows::write_kv(s.cache_type, k, s.v + m * KW, (*s.k_caches)[l], (*s.v_caches)[l], s.slots[m], cd, j,
+                             j + 1);
+        baton_rows::decode_heads(s.cache_type, q, D, (*s.k_caches)[l], (*s.v_caches)[l],
+                                 s.block_table + m * s.max_blocks, s.ctx_lens[m], 0, cd, s.scale, s.attn + m * QW, D,
+                                 j, j + 1, scores, qbuf);
+      }
+    }
+    barrier();
+    {
+      const auto [a, b] = share(Hd, nt, tid, 8);
+      lin_rows(lw[O], s.attn, M, ++gen, prep, s.tmp, a, b);
+      for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
+    }
+    barrier();
+    // MLP block: this thread's rows of gate and up, then SiLU(gate) * up on them
+    rms_norm(s.h, (*s.norms)[2 * l + 1], x.data(), M, Hd, s.eps);
+    ++gen;
+    {
+      const auto [a, b] = share(I, nt, tid, 8);
+      lin_rows(lw[GATE], x.data(), M, gen, prep, s.gate, a, b);
+      lin_rows(lw[UP], x.data(), M, gen, prep, s.up, a, b);
+      for (int64_t m = 0; m < M; ++m) silu_mul(s.gate + m * I + a, s.up + m * I + a, b - a);
+    }
+    barrier();
+    {
+      const auto [a, b] = share(Hd, nt, tid, 8);
+      lin_rows(lw[DOWN], s.gate, M, ++gen, prep, s.tmp, a, b);
+      for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
+    }
+    barrier();
+  }
+  rms_norm(s.h, (*s.norms)[2 * s.L], x.data(), M, Hd, s.eps);
+  if (s.out != nullptr && tid == 0) std::memcpy(s.out, x.data(), M * Hd * sizeof(float));
+  if (s.head != nullptr) {
+    const auto [a, b] = share(s.head->N, nt, tid, 8);
+    lin_rows(*s.head, x.data(), M, ++gen, prep, s.logits, a, b);
+  }
+}
+
+// Whether every linear of the stack (and the head) takes its decode-sized kernel at M rows.
+bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, const LinearArgs& la, int64_t head_qtype,
+                     bool has_head) {
+  if (M > la.quant_max_rows || M > la.float_max_rows) return false;
+  for (size_t i = 0; i < qtypes.size(); ++i) {
+    if (!weights[i].is_contiguous()) return false;
+    if (qtypes[i] >= 0 && !baton_rows::quant_supported(qtypes[i])) return false;
+  }
+  return !has_head || head_qtype < 0 || baton_rows::quant_supported(head_qtype);
+}
+
+CacheType cache_type_of(const at::Tensor& c) {
+  switch (c.scalar_type()) {
+    case at::kHalf: return CacheType::F16;
+    case at::kBFloat16: return CacheType::BF16;
+    case at::kFloat: return CacheType::F32;
+    default: TORCH_CHECK(false, "decode_layers: KV cache dtype ", c.scalar_type(), " (float32, float16 or bfloat16)");
+  }
+  return CacheType::F32;
+}
+
+at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp, at::TensorList norms,
+                      at::TensorList weights, at::TensorList biases, at::IntArrayRef qtypes, at::IntArrayRef q8a,
+                      at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                      const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t H, int64_t KVH, float eps,
+                      float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_bias) {
+  const int64_t L = static_cast<int64_t>(k_caches.size()), M = hidden.size(0), Hd = hidden.size(1);
+  const at::Tensor& v0 = v_caches[0];
+  const int64_t D = v0.size(3), BS = v0.size(2), blocks = v0.size(0);
+  TORCH_CHECK(D <= 512, "decode_layers: head_dim ", D, " above 512");
+  const CacheType ct = cache_type_of(v0);
+  std::vector<void*> kc(L), vc(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor &k = k_caches[l], &v = v_caches[l];
+    TORCH_CHECK(k.scalar_type() == v0.scalar_type() && v.scalar_type() == v0.scalar_type() && k.dim() == 4 &&
+                    v.dim() == 4 && k.is_contiguous() && v.is_contiguous() && v.sizes() == v0.sizes() &&
+                    k.size(0) == blocks && k.size(1) == KVH && k.size(2) == D && k.size(3) == BS,
+                "decode_layers: layer ", l, ": caches must be contiguous K [blocks, ", KVH, ", ", D, ", ", BS,
+                "] and V [blocks, ", KVH, ", ", BS, ", ", D, "] of one dtype");
+    kc[l] = k.data_ptr();
+    vc[l] = v.data_ptr();
+  }
+  TORCH_CHECK(v0.size(1) == KVH && H % KVH == 0, "decode_layers: ", H, " query heads over ", v0.size(1),
+              " cached kv heads (", KVH, " expected)");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && block_table.scalar_type() == at::kLong &&
+                  block_table.is_contiguous() && ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous(),
+              "decode_layers: slots, block_table and ctx_lens must be contiguous int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_table.size(1);
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(sl[m] >= 0 && sl[m] < blocks * BS, "decode_layers: slot ", sl[m], " outside the cache's ",
+                blocks * BS);
+    TORCH_CHECK(lens[m] >= 1 && lens[m] <= max_blocks * BS, "decode_layers: context length ", lens[m],
+                " of request ", m, " outside [1, ", max_blocks * BS, "]");
+  }
+  std::vector<const float*> nw(norms.size());
+  for (size_t i = 0; i < norms.size(); ++i) {
+    TORCH_CHECK(norms[i].is_contiguous() && norms[i].numel() == Hd, "decode_layers: norm ", i, " is not [", Hd, "]");
+    nw[i] = norms[i].data_ptr<float>();
+  }
+  const int64_t I = weights[GATE].size(0);
+  std::vector<Lin> lins(weights.size());
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t i = 0; i < PER_LAYER; ++i) {
+      const size_t j = l * PER_LAYER + i;
+      const int64_t inputs = i == O ? H * D : (i == DOWN ? I : Hd);
+      lins[j] = make_lin(weights[j], biases[j], qtypes[j], q8a[j] != 0, inputs);
+    }
+  for (int64_t l = 0; l < L; ++l) {
+    Lin* lw = lins.data() + l * PER_LAYER;
+    TORCH_CHECK(lw[Q].N == H * D && lw[K].N == KVH * D && lw[V].N == KVH * D && lw[O].N == Hd &&
+                    lw[GATE].N == I && lw[UP].N == I && lw[DOWN].N == Hd,
+                "decode_layers: layer ", l, ": linear widths q/k/v/o/gate/up/down ", lw[Q].N, "/", lw[K].N, "/",
+                lw[V].N, "/", lw[O].N, "/", lw[GATE].N, "/", lw[UP].N, "/", lw[DOWN].N, " do not fit ", H,
+                " heads, ", KVH, " kv heads of ", D, ", hidden ", Hd, " and intermediate ", I);
+    for (int64_t i = 0; i < PER_LAYER; ++i) {
+      const Lin& li = lw[i];
+      if (li.qtype < 0)
+        TORCH_CHECK(weights[l * PER_LAYER + i].size(1) == li.K, "decode_layers: layer ", l, " linear ", i,
+                    ": weight has ", weights[l * PER_LAYER + i].size(1), " inputs, expected ", li.K);
+      if (li.bias)
+        TORCH_CHECK(biases[l * PER_LAYER + i].numel() == li.N, "decode_layers: layer ", l, " linear ", i,
+                    ": bias of ", biases[l * PER_LAYER + i].numel(), " for ", li.N, " outputs");
+    }
+  }
+  Lin head_lin;
+  at::Tensor logits;
+  if (head != nullptr) {
+    head_lin = make_lin(*head, head_bias, head_qtype, head_q8a, Hd);
+    logits = at::empty({M, head_lin.N}, hidden.options());
+  }
+  at::Tensor h = hidden.contiguous().clone();
+  const int64_t QW = H * D, KW = KVH * D;
+  at::Tensor work = at::empty({M * (2 * QW + 2 * KW + 2 * I + Hd)}, hidden.options());
+  at::Tensor out = head != nullptr ? at::Tensor() : at::empty_like(h);
+  float* wp = work.data_ptr<float>();
+  float* q = wp;
+  float* k = q + M * QW;
+  float* v = k + M * KW;
+  float* attn = v + M * KW;
+  float* gate = attn + M * QW;
+  float* up = gate + M * I;
+  float* tmp = up + M * I;
+  Stack st{L,
+           M,
+           Hd,
+           H,
+           KVH,
+           D,
+           I,
+           BS,
+           cp,
+           sp,
+           eps,
+           scale,
+           &nw,
+           &lins,
+           &kc,
+           &vc,
+           ct,
+           sl,
+           block_table.data_ptr<int64_t>(),
+           lens,
+           max_blocks,
+           h.data_ptr<float>(),
+           q,
+           k,
+           v,
+           attn,
+           gate,
+           up,
+           tmp,
+           head != nullptr ? nullptr : out.data_ptr<float>(),
+           head != nullptr ? &head_lin : nullptr,
+           head != nullptr ? logits.data_ptr<float>() : nullptr};
+  at::internal::lazy_init_num_threads();
+  const int64_t want = at::get_num_threads();
+  if (want <= 1 || at::in_parallel_region()) {
+    stack_thread(st, 0, 1);
+  } else {
+    // no num_threads clause, as in at::parallel_for (GOMP's thread pool, pytorch#32008)
+#pragma omp parallel
+    {
+      const int64_t nt = omp_get_num_threads();
+      stack_thread(st, omp_get_thread_num(), nt);
+    }
+  }
+  return head != nullptr ? logits : out;
+}
+
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList norms, at::TensorList weights, at::TensorList biases,
                          at::IntArrayRef qtypes, at::IntArrayRef q8a, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& ctx_lens,
                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t quant_max_rows,
-                         int64_t float_max_rows) {
+                         int64_t float_max_rows, const std::optional<at::Tensor>& head, int64_t head_qtype,
+                         int64_t head_q8a, const std::optional<at::Tensor>& head_bias) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
@@ -155,6 +472,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   const float feps = static_cast<float>(eps);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  const bool has_head = head.has_value() && head->defined();
+  const at::Tensor no_bias;
+  const at::Tensor& hb = head_bias.has_value() ? *head_bias : no_bias;
+  if (has_head)
+    TORCH_CHECK(head->dim() == 2 && (head_qtype >= 0 ? head->scalar_type() == at::kByte : head->size(1) == Hd),
+                "decode_layers: head must be [vocab, hidden] float32 or [vocab, row_bytes] uint8 quantized rows");
+  if (one_region_fits(M, weights, qtypes, la, head_qtype, has_head))
+    return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, k_caches, v_caches, slots, block_table,
+                      ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr, head_qtype,
+                      head_q8a != 0, hb);
 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
@@ -200,7 +527,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   }
   at::Tensor out = at::empty_like(h);
   rms_norm(hp, norms[2 * L].data_ptr<float>(), out.data_ptr<float>(), M, Hd, feps);
-  return out;
+  if (!has_head) return out;
+  at::Tensor head_buf;
+  return linear(out, *head, hb, head_qtype, head_q8a != 0, la, head_buf).clone();
 }
 
 }  // namespace
@@ -209,7 +538,8 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def(
       "decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, "
       "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
-      "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows) -> Tensor");
+      "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
+      "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layers", decode_layers); }

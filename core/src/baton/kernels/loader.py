@@ -44,6 +44,8 @@ from baton.errors import BatonError
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+#: Headers the sources include (part of a build's key, not compiled on their own).
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 LIBRARY = "baton_cpu_kernels.so"
 KERNEL_DIR_ENV = "BATON_KERNEL_DIR"
 ISA_ENV = "BATON_KERNEL_ISA"
@@ -154,7 +156,7 @@ def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) ->
     key = hashlib.sha256(
         "\0".join(
             [
-                *(p.read_text() for p in sources),
+                *(p.read_text() for p in (*sources, *HEADERS)),
                 torch.__version__,
                 version,
                 " ".join(cxx_flags()),

@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "row_kernels.h"
+
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define BATON_CVT_AVX2 1
@@ -216,11 +218,12 @@ struct Dims {
   int64_t H, KVH, G, D, BS;
 };
 
-// One request: all its query heads over keys [lo, L) of its blocks `row`.
+// One request: the query heads of kv heads [h0, h1) over keys [lo, L) of its blocks `row`.
 template <Kind K, int64_t DC, int64_t BSC>
 void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const elem_t<K>* v_ptr,
                     const int64_t* row, int64_t L, int64_t lo, const Dims& dm, float scale,
-                    float* o, int64_t os1, std::vector<float>& scores, std::vector<float>& qbuf) {
+                    float* o, int64_t os1, std::vector<float>& scores, std::vector<float>& qbuf,
+                    int64_t h0, int64_t h1) {
   constexpr bool in_place = K == Kind::F32;  // float32 tiles are read where they are
   const int64_t D = DC > 0 ? DC : dm.D, BS = BSC > 0 ? BSC : dm.BS;
   const int64_t H = dm.H, KVH = dm.KVH, G = dm.G;
@@ -233,13 +236,14 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
   float* qs = qbuf.data();
   float* acc = qbuf.data() + H * D;
   float* tile = qbuf.data() + 2 * H * D;  // a converted (block, kv head) tile (low-precision caches)
-  for (int64_t hq = 0; hq < H; ++hq)
+  const int64_t hq0 = h0 * G, hq1 = h1 * G;
+  for (int64_t hq = hq0; hq < hq1; ++hq)
     for (int64_t d = 0; d < D; ++d) qs[hq * D + d] = q[hq * qs1 + d] * scale;
   for (int64_t b = b_lo; b <= b_hi; ++b) {
     const elem_t<K>* kb = k_ptr + row[b] * blk;
     // the next block's keys (or, after the last, this block's values) are fetched while computing
     const elem_t<K>* kn = b < b_hi ? k_ptr + row[b + 1] * blk : v_ptr + row[b_lo] * blk;
-    for (int64_t h = 0; h < KVH; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       const float* kt = tile_f32<K>(kb + h * head, head, tile, kn + h * head);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
@@ -250,7 +254,7 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
       }
     }
   }
-  for (int64_t hq = 0; hq < H; ++hq) {
+  for (int64_t hq = hq0; hq < hq1; ++hq) {
     float* sg = scores.data() + hq * span;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t t = first; t < last; ++t) m = std::max(m, sg[t]);
@@ -265,13 +269,13 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
 #pragma omp simd
     for (int64_t t = first; t < last; ++t) sg[t] *= inv;
   }
-  std::fill(acc, acc + H * D, 0.f);
+  std::fill(acc + hq0 * D, acc + hq1 * D, 0.f);
   for (int64_t b = b_lo; b <= b_hi; ++b) {
     const elem_t<K>* vb = v_ptr + row[b] * blk;
     const elem_t<K>* vn = b < b_hi ? v_ptr + row[b + 1] * blk : nullptr;
     const int64_t t0 = b == b_lo ? first : 0;
     const int64_t t1 = b == b_hi ? last - (b - b_lo) * BS : BS;
-    for (int64_t h = 0; h < KVH; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       const float* vt = tile_f32<K>(vb + h * head, head, tile, vn ? vn + h * head : nullptr);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
@@ -281,7 +285,7 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
       }
     }
   }
-  for (int64_t hq = 0; hq < H; ++hq)
+  for (int64_t hq = hq0; hq < hq1; ++hq)
     std::memcpy(o + hq * os1, acc + hq * D, D * sizeof(float));
 }
 
@@ -323,7 +327,7 @@ void paged_decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const
       const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       const auto args = std::make_tuple(q_ptr + i * qs0, qs1, k_ptr, v_ptr, bt + i * max_blocks, L, lo,
                                         std::cref(dm), fscale, o_ptr + i * os0, os1, std::ref(scores),
-                                        std::ref(qbuf));
+                                        std::ref(qbuf), int64_t{0}, dm.KVH);
       if (dm.BS == 16 && dm.D == 64)
         std::apply(decode_request<K, 64, 16>, args);
       else if (dm.BS == 16 && dm.D == 128)
@@ -359,6 +363,27 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::
   }
 }
 
+// One token's keys and values of kv heads [h0, h1) (rows k + h * ks1, v + h * vs1) into `slot`.
+template <Kind K>
+void write_token(const float* k, int64_t ks1, const float* v, int64_t vs1, elem_t<K>* kc, elem_t<K>* vc,
+                 int64_t slot, int64_t KVH, int64_t BS, int64_t D, int64_t h0, int64_t h1) {
+  const int64_t blk = KVH * BS * D, b = slot / BS, off = slot % BS;
+  elem_t<K> row[K == Kind::F32 ? 1 : 512];  // a key row rounded, before its strided store (D <= 512)
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* kr = k + h * ks1;
+    elem_t<K>* kt = kc + b * blk + h * BS * D + off;  // column `off` of [D, BS]
+    elem_t<K>* vr = vc + b * blk + (h * BS + off) * D;
+    if constexpr (K == Kind::F32) {
+      for (int64_t d = 0; d < D; ++d) kt[d * BS] = kr[d];
+      std::memcpy(vr, v + h * vs1, D * sizeof(float));
+    } else {
+      from_f32<K>(kr, row, D);
+      for (int64_t d = 0; d < D; ++d) kt[d * BS] = row[d];
+      from_f32<K>(v + h * vs1, vr, D);
+    }
+  }
+}
+
 template <Kind K>
 void paged_write_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                       const int64_t* sl) {
@@ -368,25 +393,9 @@ void paged_write_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor
   auto* kc = static_cast<elem_t<K>*>(k_cache.data_ptr());
   auto* vc = static_cast<elem_t<K>*>(v_cache.data_ptr());
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
-  const int64_t blk = KVH * BS * D;
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    std::vector<elem_t<K>> row(K == Kind::F32 ? 0 : D);  // a key row rounded, before its strided store
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = sl[t] / BS, off = sl[t] % BS;
-      for (int64_t h = 0; h < KVH; ++h) {
-        const float* kr = k + t * ks0 + h * ks1;
-        elem_t<K>* kt = kc + b * blk + h * BS * D + off;  // column `off` of [D, BS]
-        elem_t<K>* vr = vc + b * blk + (h * BS + off) * D;
-        if constexpr (K == Kind::F32) {
-          for (int64_t d = 0; d < D; ++d) kt[d * BS] = kr[d];
-          std::memcpy(vr, v + t * vs0 + h * vs1, D * sizeof(float));
-        } else {
-          from_f32<K>(kr, row.data(), D);
-          for (int64_t d = 0; d < D; ++d) kt[d * BS] = row[d];
-          from_f32<K>(v + t * vs0 + h * vs1, vr, D);
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      write_token<K>(k + t * ks0, ks1, v + t * vs0, vs1, kc, vc, sl[t], KVH, BS, D, 0, KVH);
   });
 }
 
@@ -399,6 +408,7 @@ void paged_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_ca
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
               "paged_write: key/value must be float32 (the cache may be float16/bfloat16)");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "paged_write: head_dim must be contiguous");
+  TORCH_CHECK(D <= 512, "paged_write: head_dim ", D, " above 512");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
               "paged_write: slots must be contiguous int64 [tokens]");
   const int64_t* sl = slots.data_ptr<int64_t>();
@@ -415,7 +425,53 @@ void paged_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_ca
   }
 }
 
+template <Kind K>
+void decode_heads_as(const float* q, int64_t qs1, const void* k_cache, const void* v_cache, const int64_t* row,
+                     int64_t L, int64_t lo, const Dims& dm, float scale, float* o, int64_t os1, int64_t h0, int64_t h1,
+                     std::vector<float>& scores, std::vector<float>& qbuf) {
+  const auto* k = static_cast<const elem_t<K>*>(k_cache);
+  const auto* v = static_cast<const elem_t<K>*>(v_cache);
+  if (dm.BS == 16 && dm.D == 64)
+    decode_request<K, 64, 16>(q, qs1, k, v, row, L, lo, dm, scale, o, os1, scores, qbuf, h0, h1);
+  else if (dm.BS == 16 && dm.D == 128)
+    decode_request<K, 128, 16>(q, qs1, k, v, row, L, lo, dm, scale, o, os1, scores, qbuf, h0, h1);
+  else
+    decode_request<K, 0, 0>(q, qs1, k, v, row, L, lo, dm, scale, o, os1, scores, qbuf, h0, h1);
+}
+
 }  // namespace
+
+void baton_rows::write_kv(CacheType t, const float* k, const float* v, void* k_cache, void* v_cache, int64_t slot,
+                          const CacheDims& dm, int64_t h0, int64_t h1) {
+  const int64_t D = dm.D;
+  switch (t) {
+    case CacheType::F16:
+      return write_token<Kind::F16>(k, D, v, D, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache),
+                                    slot, dm.KVH, dm.BS, D, h0, h1);
+    case CacheType::BF16:
+      return write_token<Kind::BF16>(k, D, v, D, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache),
+                                     slot, dm.KVH, dm.BS, D, h0, h1);
+    default:
+      return write_token<Kind::F32>(k, D, v, D, static_cast<float*>(k_cache), static_cast<float*>(v_cache), slot,
+                                    dm.KVH, dm.BS, D, h0, h1);
+  }
+}
+
+void baton_rows::decode_heads(CacheType t, const float* q, int64_t qs1, const void* k_cache, const void* v_cache,
+                              const int64_t* row, int64_t L, int64_t lo, const CacheDims& cd, float scale, float* o,
+                              int64_t os1, int64_t h0, int64_t h1, std::vector<float>& scores,
+                              std::vector<float>& qbuf) {
+  const Dims dm{cd.H, cd.KVH, cd.H / cd.KVH, cd.D, cd.BS};
+  switch (t) {
+    case CacheType::F16:
+      return decode_heads_as<Kind::F16>(q, qs1, k_cache, v_cache, row, L, lo, dm, scale, o, os1, h0, h1, scores, qbuf);
+    case CacheType::BF16:
+      return decode_heads_as<Kind::BF16>(q, qs1, k_cache, v_cache, row, L, lo, dm, scale, o, os1, h0, h1, scores,
+                                         qbuf);
+    default:
+      return decode_heads_as<Kind::F32>(q, qs1, k_cache, v_cache, row, L, lo, dm, scale, o, os1, h0, h1, scores, qbuf);
+  }
+}
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def(

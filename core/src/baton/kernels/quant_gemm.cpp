@@ -34,6 +34,8 @@
 #include <utility>
 #include <vector>
 
+#include "row_kernels.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -571,6 +573,18 @@ void linear_rows_q8(const int8_t* xq, const float* dx, int64_t M, int64_t K, con
   }
 }
 
+// xsum [M, K / G]: the sums of x over each group of G values (the offset term's factor).
+template <class F>
+void group_sums(const float* xp, int64_t M, int64_t K, std::vector<float>& xsum) {
+  const int64_t groups = K / F::G;
+  xsum.resize(M * groups);
+  for (int64_t i = 0; i < M * groups; ++i) {
+    vec s{};
+    for (int v = 0; v < F::G / VW; ++v) s += loadv(xp + i * F::G + v * VW);
+    xsum[i] = hsum(s);
+  }
+}
+
 // Calls fn.template operator()<Format>() for the format with ggml type id qtype.
 template <class Fn>
 void dispatch(int64_t qtype, const char* op, Fn&& fn) {
@@ -617,15 +631,7 @@ at::Tensor linear_q(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
     if (M == 0 || N == 0) return;
     const float* xp = x.data_ptr<float>();
     std::vector<float> xsum;
-    if constexpr (F::MIN) {
-      const int64_t groups = K / F::G;
-      xsum.resize(M * groups);
-      for (int64_t i = 0; i < M * groups; ++i) {
-        vec s{};
-        for (int v = 0; v < F::G / VW; ++v) s += loadv(xp + i * F::G + v * VW);
-        xsum[i] = hsum(s);
-      }
-    }
+    if constexpr (F::MIN) group_sums<F>(xp, M, K, xsum);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = out.data_ptr<float>();
@@ -717,6 +723,38 @@ void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
 }
 
 }  // namespace
+
+bool baton_rows::quant_supported(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0::ID: case Q4_1::ID: case Q8_0::ID: case Q4_K::ID: case Q5_K::ID: case Q6_K::ID: return true;
+    default: return false;
+  }
+}
+
+void baton_rows::quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, int64_t K, uint64_t gen,
+                            QuantX& prep, const uint8_t* w, int64_t row_bytes, const float* bias, float* y, int64_t N,
+                            int64_t n0, int64_t n1) {
+  dispatch(qtype, "quant_rows", [&]<class F>() {
+    // x's preparation depends on the format only through its group size and offsets
+    const int64_t key = (q8a ? 1000 : 0) + (F::MIN ? F::G : 0);
+    if (prep.gen != gen || prep.key != key) {
+      if (q8a) {
+        prep.xq.resize(M * K);
+        prep.dx.resize(M * K / QX);
+        prep.xsum.resize(F::MIN ? M * K / F::G : 0);
+        quantize_x(x, M, K, prep.xq.data(), prep.dx.data(), F::MIN ? prep.xsum.data() : nullptr, F::G);
+      } else if constexpr (F::MIN) {
+        group_sums<F>(x, M, K, prep.xsum);
+      }
+      prep.gen = gen;
+      prep.key = key;
+    }
+    if (q8a)
+      linear_rows_q8<F>(prep.xq.data(), prep.dx.data(), M, K, prep.xsum.data(), w, row_bytes, bias, y, N, n0, n1);
+    else
+      linear_rows<F>(x, M, K, prep.xsum.data(), w, row_bytes, bias, y, N, n0, n1);
+  });
+}
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");

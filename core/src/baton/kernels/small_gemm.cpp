@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "row_kernels.h"
+
 namespace {
 
 // The vector width follows the ISA the library is compiled for (-march=native): 16 floats in one
@@ -73,6 +75,21 @@ void rows(const float* x, int64_t xs, const float* w, int64_t K, float* y, int64
   for (; n < n1; ++n) tile<MR, 1>(x, xs, w + n * K, K, y + n, ys, kv);
 }
 
+// Rows [n0, n1) of y = x @ w^T for M rows of x: groups of 8 rows of x, then the rest.
+void all_rows(const float* xp, int64_t M, int64_t K, const float* wp, float* yp, int64_t N, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) rows<8>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1);
+  switch (M - m) {
+    case 7: rows<7>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    case 6: rows<6>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    case 5: rows<5>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    case 4: rows<4>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    case 3: rows<3>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    case 2: rows<2>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+    case 1: rows<1>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
+  }
+}
+
 void linear_small(const at::Tensor& x, const at::Tensor& w, at::Tensor y) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && y.device().is_cpu(), "linear_small: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
@@ -85,22 +102,15 @@ void linear_small(const at::Tensor& x, const at::Tensor& w, at::Tensor y) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) rows<8>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1);
-    switch (M - m) {
-      case 7: rows<7>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-      case 6: rows<6>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-      case 5: rows<5>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-      case 4: rows<4>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-      case 3: rows<3>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-      case 2: rows<2>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-      case 1: rows<1>(xp + m * K, K, wp, K, yp + m * N, N, n0, n1); break;
-    }
-  });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { all_rows(xp, M, K, wp, yp, N, n0, n1); });
 }
 
 }  // namespace
+
+void baton_rows::float_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                            int64_t n1) {
+  all_rows(x, M, K, w, y, N, n0, n1);
+}
 
 TORCH_LIBRARY_FRAGMENT(baton, m) { m.def("linear_small(Tensor x, Tensor w, Tensor(a!) out) -> ()"); }
 

@@ -5,8 +5,9 @@ layer from Python: ~13 ms per token on a 30-layer model, more than its matmuls.
 For a step whose every token is a decode token (one query per request, no
 prefill chunk) the runner instead embeds the tokens in Python, takes cos/sin from
 the model's own rotary module (so any rope_scaling transformers implements
-applies), runs every layer and the final norm in ``decode_layers``
-(kernels/decode_stack.cpp) and the LM head with the model's module.
+applies), runs every layer, the final norm and (when its module would run one of baton's
+kernels at that row count) the LM head in ``decode_layers`` (kernels/decode_stack.cpp:
+up to the kernels' row limits in one parallel region), else the head with its module.
 
 It applies to models whose layers are exactly the Llama block: LlamaForCausalLM,
 Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM, without sliding windows,
@@ -72,6 +73,9 @@ class FastDecode:
     scale: float
     quant_max_rows: int
     float_max_rows: int
+    #: The LM head as decode_layers takes it (weight, qtype: -1 float32, int8-activation flag,
+    #: bias or None, the most rows its module sends to the kernel), or None: the module runs it.
+    head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None = None
     #: cos/sin [max positions, head_dim] computed once by ``rotary`` when its rope type does not
     #: depend on the sequence length; None: ``rotary`` runs every step.
     cos_table: torch.Tensor | None = None
@@ -109,6 +113,10 @@ class FastDecode:
             sin = self.sin_table.index_select(0, inputs.positions)
         else:
             cos, sin = (t[0].contiguous() for t in self.rotary(h[None], inputs.positions[None]))
+        fused_head = self.head_args is not None and (
+            inputs.logits_indices.numel() == g.n and g.n <= self.head_args[4]
+        )
+        head = self.head_args[:4] if fused_head else (None, -1, 0, None)
         hidden = torch.ops.baton.decode_layers(
             h,
             cos,
@@ -129,8 +137,11 @@ class FastDecode:
             self.scale,
             self.quant_max_rows,
             self.float_max_rows,
+            *head,
         )
         self.steps += 1
+        if fused_head:
+            return hidden  # the logits: decode_layers ran the head too
         if inputs.logits_indices.numel() != g.n:
             hidden = hidden.index_select(0, inputs.logits_indices)
         return self.head(hidden)
@@ -221,6 +232,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
     from baton.worker.cpu_linear import KERNEL_MAX_ROWS
 
     return FastDecode(
+        head_args=_head_args(head),
         embed=embed,
         rotary=inner.rotary_emb,
         head=head,
@@ -236,6 +248,36 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         quant_max_rows=QuantLinear.KERNEL_MAX_ROWS,
         float_max_rows=KERNEL_MAX_ROWS,
     )
+
+
+def _head_args(
+    head: torch.nn.Module,
+) -> tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None:
+    """The LM head for decode_layers when its module would run one of baton's kernels at a few
+    rows (the same kernel, so the same logits), else None."""
+    from baton.quant.linear import QuantLinear
+    from baton.worker.cpu_linear import (
+        HEAD_KERNEL_MAX_ROWS,
+        KERNEL_MAX_ROWS,
+        CpuLMHead,
+        SmallBatchLinear,
+    )
+
+    bias = head.bias.detach() if getattr(head, "bias", None) is not None else None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    if type(head) is QuantLinear and head.kernels:
+        q8a = int(bool(head.int8_activations) and hasattr(torch.ops.baton, "linear_q8a"))
+        return head.raw, int(head.qtype), q8a, bias, QuantLinear.KERNEL_MAX_ROWS
+    if type(head) in (CpuLMHead, SmallBatchLinear):
+        if type(head) is CpuLMHead and not head.kernels:
+            return None
+        w = head.weight.detach()
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            return None
+        rows = HEAD_KERNEL_MAX_ROWS if type(head) is CpuLMHead else KERNEL_MAX_ROWS
+        return w, -1, 0, bias, rows
+    return None
 
 
 def _check_no_hooks(model: torch.nn.Module) -> None:
