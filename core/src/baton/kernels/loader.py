@@ -125,24 +125,59 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
-def _command(cxx: str, sources: tuple[Path, ...], out: Path) -> list[str]:
+def _compile_flags() -> list[str]:
     from torch.utils import cpp_extension
 
-    inc = [f"-I{p}" for p in cpp_extension.include_paths()]
-    lib_dirs = [f"-L{p}" for p in cpp_extension.library_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [*cxx_flags(), abi, *(f"-I{p}" for p in cpp_extension.include_paths())]
+
+
+def _object_command(cxx: str, source: Path, out: Path) -> list[str]:
+    """Compile one source to an object file (the sources compile in parallel, then link)."""
+    return [cxx, *_compile_flags(), "-c", str(source), "-o", str(out)]
+
+
+def _command(cxx: str, inputs: tuple[Path, ...], out: Path) -> list[str]:
+    """Link object files (or compile and link sources) into the shared library ``out``."""
+    from torch.utils import cpp_extension
+
+    lib_dirs = [f"-L{p}" for p in cpp_extension.library_paths()]
     return [
         cxx,
-        *cxx_flags(),
-        abi,
-        *inc,
-        *map(str, sources),
+        *_compile_flags(),
+        *map(str, inputs),
         "-o",
         str(out),
         *lib_dirs,
         "-lc10",
         "-ltorch_cpu",
     ]
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip()[-2000:]
+        raise KernelBuildError(
+            f"compiling {what} failed (exit {proc.returncode}): {tail}\ncommand: {' '.join(cmd)}"
+        )
+
+
+def _compile(cxx: str, sources: tuple[Path, ...], out: Path, scratch: Path) -> None:
+    """Compile ``sources`` to objects in ``scratch``, one compiler per core, and link ``out``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    objects = tuple(scratch / f"{p.stem}.o" for p in sources)
+    jobs = max(1, min(len(sources), os.cpu_count() or 1))
+    with ThreadPoolExecutor(jobs) as pool:
+        # list(): re-raise the first failure
+        list(
+            pool.map(
+                lambda so: _run(_object_command(cxx, so[0], so[1]), so[0].name),
+                zip(sources, objects, strict=True),
+            )
+        )
+    _run(_command(cxx, objects, out), ", ".join(p.name for p in sources))
 
 
 def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) -> Path:
@@ -176,16 +211,14 @@ def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) ->
             return lib
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
         os.close(fd)
-        cmd = _command(cxx, sources, Path(tmp))
         log.info("compiling baton's CPU kernels (once per machine and torch version) ...")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
+        try:
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                _compile(cxx, sources, Path(tmp), Path(scratch))
+        except KernelBuildError:
             Path(tmp).unlink(missing_ok=True)
-            tail = (proc.stderr or proc.stdout).strip()[-2000:]
-            raise KernelBuildError(
-                f"compiling {', '.join(p.name for p in sources)} failed (exit {proc.returncode}): {tail}\ncommand: {' '.join(cmd)}"
-            )
+            raise
         os.replace(tmp, lib)
         log.info("built %s in %.1f s", lib, time.perf_counter() - t0)
     return lib
