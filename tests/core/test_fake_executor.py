@@ -113,7 +113,7 @@ def test_failure_injection_die_calls_back_and_stays_dead():
     assert called.wait(5) and isinstance(seen[0], ExecutorError)
     with pytest.raises(ExecutorError):
         ex.check_health()
-    with pytest.raises(ExecutorError, match="died"):
+    with pytest.raises(ExecutorError, match="failed earlier"):
         ex.execute_model(SchedulerOutput())
     ex.shutdown()
 

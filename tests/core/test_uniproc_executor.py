@@ -15,6 +15,7 @@ from baton.plugins import get_registry
 from baton.protocol import (
     CachedRequestData,
     KVCacheConfig,
+    ModelCapabilities,
     NewRequestData,
     SchedulerOutput,
 )
@@ -56,7 +57,7 @@ def test_lifecycle(executor):
     assert isinstance(executor, Executor)
     assert executor.max_concurrent_batches == 1
     assert executor.model_info.max_model_len == 2048 and executor.model_info.vocab_size == 49152
-    assert executor.model_capabilities == (True, True, "")
+    assert executor.model_capabilities == ModelCapabilities()
     [spec] = executor.get_kv_cache_specs()
     [mem] = executor.determine_available_memory()
     assert mem == 2 * 2**20

@@ -76,28 +76,27 @@ class FaultyUniproc(UniprocExecutor):
 
 
 try:
-    from baton_pipeline.executor import PipelineExecutor
-    from baton_pipeline.runner import PipelineModelRunner
+    from baton_pipeline.executor import create_pipeline_executor
+    from baton_pipeline.runner import PipelineStageHooks
 except ImportError:
-    PipelineExecutor = None
+    create_pipeline_executor = None
 
-if PipelineExecutor is not None:
 
-    class FaultyPipelineRunner(PipelineModelRunner):
-        def load_model(self):
-            super().load_model()
-            inject(self)
-
-    class FaultyPipeline(PipelineExecutor):
-        name = "faulty-pipeline"
-        runner_cls = "baton_test_faulty:FaultyPipelineRunner"
+def faulty_pipeline_runner(config, device):
+    # the pipeline's runner factory, with the faults injected (pickled to the workers)
+    return FaultyRunner(config, device, hooks=PipelineStageHooks())
 
 
 @hookimpl
 def register_executors(register):
     register("faulty", lambda config, settings=None: FaultyUniproc(config, settings))
-    if PipelineExecutor is not None:
-        register("faulty-pipeline", lambda config, settings=None: FaultyPipeline(config, settings))
+    if create_pipeline_executor is not None:
+        register(
+            "faulty-pipeline",
+            lambda config, settings=None: create_pipeline_executor(
+                config, settings, runner=faulty_pipeline_runner
+            ),
+        )
 """
 
 

@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from baton.config import BatonConfig
     from baton.metrics.stats import IterationStats
     from baton.protocol import (
         GrammarOutput,
         KVCacheConfig,
         KVCacheSpec,
+        ModelCapabilities,
+        ModelInfo,
         ModelRunnerOutput,
         SchedulerOutput,
         SchedulerStats,
@@ -123,6 +126,13 @@ class Executor(Protocol):
 
     #: > 1 makes the core use step_with_batch_queue (pipeline parallel).
     max_concurrent_batches: int
+    #: The loaded model's limits (vocabulary, EOS ids, max_model_len, dtype), read once the
+    #: workers loaded it; None for an executor that loads no model (the core then reads the
+    #: model folder).
+    model_info: ModelInfo | None
+    #: What the loaded model allows (chunked prefill, prefix caching); None: no restriction.
+    #: The core turns off a setting the model does not support, logging the reason.
+    model_capabilities: ModelCapabilities | None
 
     def get_kv_cache_specs(self) -> list[KVCacheSpec]:
         """One spec per worker: the KV bytes per block for that worker's layers and heads."""
@@ -166,6 +176,59 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Stop workers and free resources; idempotent."""
+
+
+# --------------------------------------------------------------------------- model runner
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """Runs the model on one device for one worker; an executor's workers call it.
+
+    Life: made by a ``RunnerFactory`` -> ``load_model`` -> ``get_kv_cache_spec`` and
+    ``determine_available_memory`` -> ``initialize_kv_cache`` -> ``execute_model``
+    (+ ``sample_tokens``) each step. The runner keeps each request's state between
+    steps from the SchedulerOutputs alone (new, cached, finished, preempted requests).
+    baton's own is ``baton.runner.StockRunner()``; hooks change it for parallel ranks.
+    """
+
+    #: The loaded model's limits; set by ``load_model``.
+    model_info: ModelInfo
+
+    def load_model(self) -> None:
+        """Load the weights onto the device (the runner's part of them)."""
+
+    def get_model_capabilities(self) -> ModelCapabilities:
+        """What the loaded model allows (chunked prefill, prefix caching)."""
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """The KV bytes per block this runner needs: its own layers and heads."""
+
+    def determine_available_memory(self) -> int:
+        """Bytes this runner can give to the KV cache."""
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        """Allocate ``config.num_blocks`` blocks and warm up."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's changes, run the forward and sample; None when
+        ``structured_output_req_ids`` is set (sampling then waits for ``sample_tokens``).
+        Requests that fail alone are reported in ``ModelRunnerOutput.failed``."""
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample the step whose ``execute_model`` returned None, applying the bitmask."""
+
+
+@runtime_checkable
+class RunnerFactory(Protocol):
+    """Makes a worker's runner, in the worker process: ``factory(config, device)``.
+
+    A ``ModelRunner`` class taking ``(config, device)`` is one; so is
+    ``baton.runner.StockRunner(hooks)``. Executors with worker processes pickle it:
+    define it at module level.
+    """
+
+    def __call__(self, config: BatonConfig, device: torch.device) -> ModelRunner: ...
 
 
 # --------------------------------------------------------------------------- transport

@@ -249,3 +249,16 @@ class EngineReady(msgspec.Struct, **_STRUCT):
 class KVCacheConfig(msgspec.Struct, **_STRUCT):
     num_blocks: int
     block_size: int
+
+
+class ModelCapabilities(msgspec.Struct, **_STRUCT):
+    """What the loaded model allows the scheduler (an executor's ``model_capabilities``).
+
+    A model with a bidirectional layer supports neither: a token's keys then depend on
+    later tokens, so neither an earlier chunk nor a cached prefix can be reused.
+    """
+
+    supports_chunked_prefill: bool = True
+    supports_prefix_caching: bool = True
+    #: Why a capability is off (logged when the core turns the matching setting off); "" if none.
+    reason: str = ""

@@ -6,9 +6,9 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
+from baton.parallel.sharding import check_shardable, tp_plan
 from baton.testing.tiny_model import tiny_model
-from baton_cuda_tp.executor import TensorParallelExecutor
-from baton_cuda_tp.sharding import check_shardable, tp_plan
+from baton_cuda_tp.executor import create_tensor_parallel_executor
 from tests.plugins.parallel_common import _children
 
 
@@ -25,7 +25,7 @@ def test_heads_not_divisible_by_tp(overrides, tp, field):
     with pytest.raises(
         ConfigError, match=f"tensor_parallel_size={tp}: the model's {field} is not divisible"
     ):
-        TensorParallelExecutor(_config(model, tensor_parallel_size=tp))
+        create_tensor_parallel_executor(_config(model, tensor_parallel_size=tp))
     assert not _children(), "no worker may start for a model that cannot be split"
 
 
@@ -42,7 +42,7 @@ def test_smollm2_heads_suggest_the_sizes_that_work(default_model_dir):
 
 def test_pipeline_parallel_size_is_refused_with_a_pointer_to_the_pipeline_executor():
     with pytest.raises(ConfigError, match=r"executor\.backend = 'pipeline'"):
-        TensorParallelExecutor(
+        create_tensor_parallel_executor(
             _config(tiny_model("llama"), tensor_parallel_size=2, pipeline_parallel_size=2)
         )
 

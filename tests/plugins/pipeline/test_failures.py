@@ -7,7 +7,7 @@ import pytest
 from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.testing.tiny_model import tiny_model
-from baton_pipeline.executor import PipelineExecutor
+from baton_pipeline.executor import create_pipeline_executor
 from tests.plugins.parallel_common import (
     _children,
     check_hang_is_detected,
@@ -47,5 +47,5 @@ def test_more_stages_than_layers_is_refused_before_any_worker_starts():
     with pytest.raises(
         ConfigError, match="pipeline_parallel_size=4 but the model has only 3 layers"
     ):
-        PipelineExecutor(cfg)
+        create_pipeline_executor(cfg)
     assert not _children()

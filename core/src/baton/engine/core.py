@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from baton.config import BatonConfig
+from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.plugin_check import check_config_plugins
 from baton.errors import InvalidRequestError
@@ -68,7 +69,7 @@ class EngineCore:
             executor = entry.create(config, settings)
         self.executor: Executor = executor
         try:
-            loaded: ModelInfo | None = getattr(executor, "model_info", None)
+            loaded = executor_model_info(executor)
             self.info: ModelInfo = info or loaded or model_info(config)
             if loaded is not None and loaded.dtype:  # what only the loaded model knows
                 self.info = msgspec.structs.replace(
@@ -78,7 +79,16 @@ class EngineCore:
             self.num_blocks = self._initialize_kv_cache()
             entry = self.registry.get("scheduler_policy", config.scheduler.policy)
             policy = entry.create(config, entry.settings(config))
-            self.batch_queue_size = max(1, int(getattr(executor, "max_concurrent_batches", 1)))
+            self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
+            if self.batch_queue_size > 1 and config.scheduler.target_step_ms is not None:
+                log.warning(
+                    "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
+                    "(pipeline parallel): batches overlap, so no step time is measured",
+                    config.scheduler.target_step_ms,
+                    self.batch_queue_size,
+                )
+                off = config.scheduler.model_copy(update={"target_step_ms": None})
+                self.config = config = config.model_copy(update={"scheduler": off})
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (
                 -(-config.scheduler.max_num_seqs // self.batch_queue_size)
@@ -98,22 +108,23 @@ class EngineCore:
             raise
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
+        #: Seconds, for the step times fed to the scheduler (a test may replace it).
+        self.step_clock = time.perf_counter
         self.aborts_to_report: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ start-up
 
     def _apply_model_capabilities(self, config: BatonConfig) -> BatonConfig:
-        caps = getattr(self.executor, "model_capabilities", None)
+        caps = executor_capabilities(self.executor)
         if caps is None:
             return config
-        chunked, prefix, reason = caps
         changes: dict[str, Any] = {}
-        if not chunked and config.scheduler.enable_chunked_prefill:
+        if not caps.supports_chunked_prefill and config.scheduler.enable_chunked_prefill:
             changes["enable_chunked_prefill"] = False
-        if not prefix and config.cache.enable_prefix_caching:
+        if not caps.supports_prefix_caching and config.cache.enable_prefix_caching:
             changes["enable_prefix_caching"] = False
         if changes:
-            log.warning("disabling %s: %s", ", ".join(changes), reason)
+            log.warning("disabling %s: %s", ", ".join(changes), caps.reason)
             config = config.replace(**changes)
         return config
 
@@ -182,6 +193,7 @@ class EngineCore:
 
     def step(self) -> tuple[EngineCoreOutputs | None, bool]:
         """One step. Returns (outputs or None, whether the model ran)."""
+        start = self.step_clock()
         errors = self._finish_failed_grammars()
         scheduler = self.scheduler
         pending = scheduler.has_unfinished_requests()
@@ -200,7 +212,10 @@ class EngineCore:
         if model_output is None:
             model_output = self.executor.sample_tokens(grammar_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        return self._outputs(errors + outputs), scheduler_output.total_num_scheduled_tokens > 0
+        ran = scheduler_output.total_num_scheduled_tokens > 0
+        if ran:  # the latency-aware budget learns from it (a no-op when target_step_ms is off)
+            scheduler.observe_step_time(scheduler_output.step_id, self.step_clock() - start)
+        return self._outputs(errors + outputs), ran
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         """The pipeline-parallel step: keep up to max_concurrent_batches batches in flight.

@@ -1,8 +1,10 @@
-"""The shared machinery of multiprocess executors (tensor and pipeline parallel plugins).
+"""The multiprocess executor that parallel executor plugins compose (tensor and pipeline parallel).
 
-``MultiprocExecutor`` starts ``tp_size * pp_size`` worker processes (spawn),
-each running ``baton.worker.worker_proc.worker_main`` with the plugin's runner
-class. Executor and workers talk over a transport plugin's channel: the
+A plugin builds ``MultiprocExecutor(config, settings, tp_size, pp_size, name=...,
+runner=StockRunner(MyHooks), max_concurrent_batches=...)`` in its factory; it
+does not subclass it. It starts ``tp_size * pp_size`` worker processes (spawn),
+each building its runner with the ``runner`` factory (``baton.interfaces.RunnerFactory``,
+pickled to the worker). Executor and workers talk over a transport plugin's channel: the
 executor holds the client end (``create_client(num_engines=world_size)``), each
 worker the engine end of its index. A step's SchedulerOutput is encoded once
 and the same frames are sent to every worker (the broadcast); only the driver
@@ -22,11 +24,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import pickle
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,12 +39,16 @@ from typing import Any, ClassVar
 from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
+from baton.executor.heartbeat import Heartbeats
+from baton.executor.latch import FailureLatch
 from baton.executor.wire import Kind
 from baton.executor.workers import MultiprocSettings, pick_device, pick_transport, spawn_workers
+from baton.interfaces import RunnerFactory
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
+    ModelCapabilities,
     ModelInfo,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -67,28 +73,49 @@ class _Call:
 
 
 class MultiprocExecutor:
-    """Implements ``baton.interfaces.Executor`` with worker processes; subclassed by the plugins."""
+    """Implements ``baton.interfaces.Executor`` with worker processes (see the module docstring).
 
-    #: The executor's registered name (messages).
+    ``runner`` makes each worker's runner (default: baton's stock runner);
+    ``name`` is the executor's registered name (threads, messages);
+    ``max_concurrent_batches`` > 1 lets the core keep that many batches in flight
+    (a pipeline). Subclassing with the class attributes ``name`` and ``runner_cls``
+    (a "module:Class" string) still works but is deprecated.
+    """
+
+    #: Deprecated: pass ``name=`` instead.
     name: ClassVar[str] = "multiproc"
-    #: "module:Class" of the ModelRunner subclass the workers build.
-    runner_cls: ClassVar[str] = "baton.worker.model_runner:ModelRunner"
-
-    max_concurrent_batches = 1
+    #: Deprecated: pass ``runner=`` (a RunnerFactory) instead of a "module:Class" string.
+    runner_cls: ClassVar[str | None] = None
 
     def __init__(
-        self, config: BatonConfig, settings: MultiprocSettings | None, tp_size: int, pp_size: int
+        self,
+        config: BatonConfig,
+        settings: MultiprocSettings | None,
+        tp_size: int,
+        pp_size: int,
+        *,
+        name: str | None = None,
+        runner: RunnerFactory | None = None,
+        max_concurrent_batches: int | None = None,
     ) -> None:
         import torch.distributed as dist
 
         self.config = config
         self.settings = s = settings or MultiprocSettings()
+        self.name = name or type(self).name  # type: ignore[misc]
+        self.runner: RunnerFactory = self._runner_factory(runner)
+        self.max_concurrent_batches = (
+            max_concurrent_batches or getattr(self, "max_concurrent_batches", None) or 1
+        )
+        if self.max_concurrent_batches < 1:
+            raise ExecutorError(
+                f"executor {self.name!r}: max_concurrent_batches={max_concurrent_batches}, "
+                "must be at least 1"
+            )
         self.tp_size, self.pp_size = tp_size, pp_size
         self.world_size = tp_size * pp_size
         self.driver = (pp_size - 1) * tp_size
-        self._callbacks: list[Callable[[BaseException], None]] = []
-        self._failure: BaseException | None = None
-        self._closed = False
+        self._latch = FailureLatch(self.name)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
@@ -99,9 +126,8 @@ class MultiprocExecutor:
             queue.SimpleQueue()
         )
         self.procs: list[Any] = []
-        #: time.monotonic() of each worker's last heartbeat (0.0: not started yet), in shared
-        #: memory without a lock: each slot has one writer, its worker.
-        self.heartbeats: Any = multiprocessing.get_context("spawn").RawArray("d", self.world_size)
+        #: Each worker's last heartbeat (baton.executor.heartbeat), watched by the reader thread.
+        self.heartbeats = Heartbeats(self.world_size)
         self.channel: Any = None
         self._store: Any = None
         #: Seconds each step's broadcast took here: encode the SchedulerOutput, send it to every worker.
@@ -137,8 +163,8 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.model_info: ModelInfo = infos[self.driver].model_info
-        self.model_capabilities: tuple[bool, bool, str] = infos[self.driver].capabilities
+        self.model_info: ModelInfo | None = infos[self.driver].model_info
+        self.model_capabilities: ModelCapabilities | None = infos[self.driver].capabilities
         log.info(
             "%s: %d workers ready (pids %s, %s, channel %s)",
             self.name,
@@ -148,13 +174,37 @@ class MultiprocExecutor:
             transport,
         )
 
+    def _runner_factory(self, runner: RunnerFactory | None) -> RunnerFactory:
+        legacy = type(self).runner_cls
+        if runner is not None:
+            if not callable(runner):
+                raise ExecutorError(
+                    f"executor {self.name!r}: runner={runner!r} is not a runner factory "
+                    "(a callable taking (config, device), e.g. baton.runner.StockRunner())"
+                )
+            return runner
+        if legacy is None:
+            from baton.runner import StockRunner
+
+            return StockRunner()
+        warnings.warn(
+            f"{type(self).__qualname__}.runner_cls = {legacy!r} is deprecated: pass "
+            "MultiprocExecutor(..., runner=<a RunnerFactory, e.g. baton.runner.StockRunner(hooks)>)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        import importlib
+
+        module, _, attr = legacy.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
     # ------------------------------------------------------------------ calls
 
     def _new_call(
         self, kind: Kind, expect: set[int], timeout: float | None, call_id: int | None = None
     ) -> _Call:
         with self._lock:
-            self._check_usable()
+            self._latch.check()
             call = _Call(
                 next(self._ids) if call_id is None else call_id,
                 kind,
@@ -163,14 +213,6 @@ class MultiprocExecutor:
             )
             self._calls[call.id] = call
         return call
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise ExecutorError(f"the {self.name} executor is shut down")
-        if self._failure is not None:
-            raise ExecutorError(
-                f"the {self.name} executor failed earlier: {self._failure}"
-            ) from self._failure
 
     def _send(self, kind: Kind, call: _Call, payload: list[Any], ranks: range | list[int]) -> None:
         with self._send_lock:
@@ -204,11 +246,11 @@ class MultiprocExecutor:
     def _read_loop(self) -> None:
         decode = {Kind.READY: pickle.loads, Kind.RPC: pickle.loads}
         next_check = 0.0
-        while not self._closed:
+        while not self._latch.closed:
             try:
                 frames = self.channel.recv(timeout=0.05)
             except BatonError as e:
-                if not self._closed:
+                if not self._latch.closed:
                     self._fail(
                         ExecutorError(
                             f"the worker channel failed: {e}; {self._dead_workers() or ''}"
@@ -275,20 +317,20 @@ class MultiprocExecutor:
         return "; ".join(dead) or None
 
     def _watch(self, now: float) -> None:
-        if self._closed or self._failure is not None:
+        if self._latch.closed or self._latch.failure is not None:
             return
         dead = self._dead_workers()
         if dead:
             self._fail(ExecutorError(dead))
             return
         limit = self.settings.heartbeat_timeout
-        silent = [(r, t) for r, t in enumerate(self.heartbeats[:]) if t and now - t > limit]
+        silent = self.heartbeats.silent(now, limit)
         if silent:
-            rank, last = silent[0]
+            rank, quiet = silent[0]
             self._fail(
                 ExecutorError(
                     f"worker {rank} (pid {self.procs[rank].pid}) sent no heartbeat for "
-                    f"{now - last:.1f} s: it is stopped or frozen (executor heartbeat_timeout={limit})"
+                    f"{quiet:.1f} s: it is stopped or frozen (executor heartbeat_timeout={limit})"
                 )
             )
             return
@@ -303,20 +345,14 @@ class MultiprocExecutor:
             )
 
     def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._failure is not None or self._closed:
+        with self._lock:  # latched with the pending calls taken: no call slips in between
+            callbacks = self._latch.trip(error)
+            if callbacks is None:
                 return
-            self._failure = error
             calls, self._calls = list(self._calls.values()), {}
-            callbacks = list(self._callbacks)
-        log.error("%s executor failed: %s", self.name, error)
         for c in calls:
             self._settle(c, None, ExecutorError(f"the {self.name} executor failed: {error}"))
-        for cb in callbacks:
-            try:
-                cb(error)
-            except Exception:
-                log.exception("executor failure callback %r raised", cb)
+        self._latch.notify(error, callbacks)
 
     # ------------------------------------------------------------------ Executor
 
@@ -370,17 +406,11 @@ class MultiprocExecutor:
         return call.future if non_block else call.future.result()
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
-        with self._lock:
-            failed = self._failure
-            if failed is None:
-                self._callbacks.append(callback)
-        if failed is not None:  # registered after the failure: it still learns of it
-            callback(failed)
+        self._latch.register(callback)
 
     def check_health(self) -> None:
-        if self._failure is None and not self._closed:
-            self._watch(time.monotonic())
-        self._check_usable()
+        self._watch(time.monotonic())
+        self._latch.check()
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -394,10 +424,9 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._latch.close():
                 return
-            healthy = self._failure is None
-            self._closed = True
+            healthy = self._latch.failure is None
             calls, self._calls = list(self._calls.values()), {}
         for c in calls:
             self._settle(c, None, ExecutorError(f"the {self.name} executor is shut down"))

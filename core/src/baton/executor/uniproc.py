@@ -3,13 +3,13 @@
 Steps run on one dedicated thread, so ``execute_model(non_block=True)`` returns
 a Future at once and the engine core computes grammar bitmasks while the
 forward runs. The first failure marks the executor dead, runs the failure
-callbacks once and makes every later call raise ExecutorError.
+callbacks once and makes every later call raise ExecutorError (its
+``FailureLatch``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -17,11 +17,13 @@ from typing import Any
 
 from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
+from baton.executor.latch import FailureLatch
 from baton.hookspecs import hookimpl
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
+    ModelCapabilities,
     ModelInfo,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -44,10 +46,7 @@ class UniprocExecutor:
                 "(use executor.backend = 'cuda-tp' or 'pipeline')"
             )
         self.config = config
-        self._callbacks: list[Callable[[BaseException], None]] = []
-        self._failure: BaseException | None = None
-        self._closed = False
-        self._lock = threading.Lock()
+        self._latch = FailureLatch("uniproc")
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-uniproc")
         self.worker = Worker(config)
         try:
@@ -57,7 +56,7 @@ class UniprocExecutor:
             self.shutdown()
             raise
         self.model_info: ModelInfo = self.worker.get_model_info()
-        self.model_capabilities: tuple[bool, bool, str] = self.worker.get_model_capabilities()
+        self.model_capabilities: ModelCapabilities | None = self.worker.get_model_capabilities()
 
     def _init_worker(self) -> None:
         self.worker.init_device()
@@ -66,35 +65,17 @@ class UniprocExecutor:
     # ------------------------------------------------------------------ plumbing
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future[Any]:
-        if self._closed:
-            raise ExecutorError("the uniproc executor is shut down")
-        if self._failure is not None:
-            raise ExecutorError(
-                f"the uniproc executor failed earlier: {self._failure!r}"
-            ) from self._failure
+        self._latch.check()
         return self._thread.submit(self._guarded, fn, *args, **kwargs)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except BaseException as e:
-            self._fail(e)
+            self._latch.fail(e)
             if isinstance(e, BatonError):
                 raise
             raise ExecutorError(f"model execution failed: {type(e).__name__}: {e}") from e
-
-    def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._failure is not None:
-                return
-            self._failure = error
-            callbacks = list(self._callbacks)
-        log.error("uniproc executor failed: %r", error)
-        for cb in callbacks:
-            try:
-                cb(error)
-            except Exception:
-                log.exception("executor failure callback %r raised", cb)
 
     def _call(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
@@ -149,23 +130,14 @@ class UniprocExecutor:
         return [self._call(fn, *args, timeout=timeout, **(kwargs or {}))]
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
-        with self._lock:
-            failed = self._failure
-            if failed is None:
-                self._callbacks.append(callback)
-        if failed is not None:  # registered after the failure: it still learns of it
-            callback(failed)
+        self._latch.register(callback)
 
     def check_health(self) -> None:
-        if self._failure is not None:
-            raise ExecutorError(f"the uniproc executor failed: {self._failure!r}")
-        if self._closed:
-            raise ExecutorError("the uniproc executor is shut down")
+        self._latch.check()
 
     def shutdown(self) -> None:
-        if self._closed:
+        if not self._latch.close():
             return
-        self._closed = True
         self._thread.shutdown(wait=True, cancel_futures=True)
         self.worker.shutdown()
 

@@ -35,7 +35,7 @@ class WorkerReady:
     rank: int
     pid: int
     model_info: Any  # baton.protocol.ModelInfo
-    capabilities: tuple[bool, bool, str]
+    capabilities: Any  # baton.protocol.ModelCapabilities
 
 
 def request(kind: Kind, call_id: int, sent_at: float) -> bytes:

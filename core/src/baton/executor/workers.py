@@ -2,7 +2,7 @@
 
 Workers are started with the "spawn" method (a fresh interpreter: no CUDA or
 thread state inherited) as daemonic processes, so they also end with their
-parent; each also watches ``os.getppid()`` itself (baton.worker.worker_proc).
+parent; each also watches ``os.getppid()`` itself (``Heartbeats.start_beating``).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def spawn_workers(
             store_port=store_port,
             transport=transport,
             address=ex.channel.address,
-            runner_cls=ex.runner_cls,
+            runner=ex.runner,
             parent_fingerprint=fingerprint,
             parent_pid=os.getpid(),
             dist_timeout_s=ex.settings.dist_timeout,

@@ -28,11 +28,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from baton.errors import ExecutorError
+from baton.executor.latch import FailureLatch
 from baton.hookspecs import hookimpl
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
+    ModelCapabilities,
+    ModelInfo,
     ModelRunnerOutput,
     SchedulerOutput,
 )
@@ -82,6 +85,10 @@ class _ReqState:
 class FakeExecutor:
     """Implements ``baton.interfaces.Executor`` without a model. See the module docstring."""
 
+    #: No model is loaded: the core reads the model folder and restricts nothing.
+    model_info: ModelInfo | None = None
+    model_capabilities: ModelCapabilities | None = None
+
     def __init__(
         self,
         settings: FakeExecutorSettings | None = None,
@@ -97,8 +104,7 @@ class FakeExecutor:
         self._next_token = next_token
         self.simulated_time = 0.0
         self.num_steps = 0
-        self._callbacks: list[Callable[[BaseException], None]] = []
-        self._dead: BaseException | None = None
+        self._latch = FailureLatch("fake")
         self._worker: ThreadPoolExecutor | None = None
         self._pending: tuple[SchedulerOutput, list[str]] | None = None
         self.reqs: dict[str, _ReqState] = {}
@@ -156,8 +162,7 @@ class FakeExecutor:
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         step = self.num_steps
         self.num_steps += 1
-        if self._dead is not None:
-            raise ExecutorError(f"the fake executor died earlier: {self._dead}")
+        self._latch.check()
         if self.settings.fail_at_step == step:
             self._fail(step)
         if self._pending is not None:
@@ -180,10 +185,13 @@ class FakeExecutor:
     def _fail(self, step: int) -> None:
         err = ExecutorError(f"injected failure at fake executor step {step}")
         if self.settings.fail_mode == "die":
-            self._dead = err
-            for cb in list(self._callbacks):
+            callbacks = self._latch.trip(err)  # latched now: every later call fails
+            if callbacks is not None:  # told off the step thread, as an executor's watcher does
                 threading.Thread(
-                    target=cb, args=(err,), name="baton-fake-failure", daemon=True
+                    target=self._latch.notify,
+                    args=(err, callbacks),
+                    name="baton-fake-failure",
+                    daemon=True,
                 ).start()
         raise err
 
@@ -350,11 +358,10 @@ class FakeExecutor:
         return [fn(*args, **(kwargs or {}))]
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
-        self._callbacks.append(callback)
+        self._latch.register(callback)
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise ExecutorError(f"the fake executor is dead: {self._dead}")
+        self._latch.check()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -2,9 +2,10 @@
 
 One step: apply the SchedulerOutput to the persistent batch -> build the
 flattened inputs -> forward (logits only where a request samples) -> sample.
-Each is its own method so that tensor- and pipeline-parallel workers can reuse
-them (``prepare_inputs``, ``forward``, ``sample``). Everything runs under
-``torch.inference_mode``.
+Tensor- and pipeline-parallel workers run this same runner with hooks
+(``baton.runner.ModelRunnerHooks``: change the model before it moves to the
+device, the KV shape it holds, wrap the forward, sample or not). Everything
+runs under ``torch.inference_mode``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
+    ModelCapabilities,
     ModelRunnerOutput,
     SchedulerOutput,
     TokenLogprobs,
 )
+from baton.runner import KVShape, LoadedModel, ModelRunnerHooks
 from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.cpu_features import native_compute
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
@@ -100,11 +103,18 @@ def head_vocab_size(head: torch.nn.Module) -> int:
 
 
 class ModelRunner:
-    """Runs one model on one device for the engine core (through a Worker)."""
+    """Runs one model on one device for the engine core (through a Worker).
 
-    def __init__(self, cfg: BatonConfig, device: torch.device) -> None:
+    Implements ``baton.interfaces.ModelRunner``; ``hooks`` change what a parallel
+    rank holds and does (``baton.runner``).
+    """
+
+    def __init__(
+        self, cfg: BatonConfig, device: torch.device, hooks: ModelRunnerHooks | None = None
+    ) -> None:
         self.cfg = cfg
         self.device = device
+        self.hooks = hooks if hooks is not None else ModelRunnerHooks()
         self.block_size = cfg.cache.block_size
         self.max_num_reqs = cfg.scheduler.max_num_seqs
         self.max_num_tokens = cfg.scheduler.max_num_batched_tokens
@@ -130,6 +140,7 @@ class ModelRunner:
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.dtype = activation_dtype(self.model)
+        self._apply_kv_shape()
         self.model_info = msgspec.structs.replace(
             self.model_info,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -154,6 +165,37 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, self.cfg.model.seed)
 
+    def _apply_kv_shape(self) -> None:
+        """The layers and heads this runner holds: the model's, or what its hooks say."""
+        own = KVShape(
+            num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads
+        )
+        shape = self.hooks.loaded(
+            LoadedModel(
+                model=self.model,
+                device=self.device,
+                dtype=self.dtype,
+                max_num_tokens=self.max_num_tokens,
+                shape=own,
+            )
+        )
+        if not isinstance(shape, KVShape):
+            raise ExecutorError(
+                f"{type(self.hooks).__name__}.loaded returned {type(shape).__name__}, "
+                "not a baton.runner.KVShape"
+            )
+        self.num_layers, self.num_heads = shape.num_layers, shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+
+    def get_model_capabilities(self) -> ModelCapabilities:
+        """What the loaded model allows: chunked prefill and prefix caching need causal layers."""
+        from baton.worker.attention import model_capabilities
+
+        chunked, prefix, reason = model_capabilities(self.hf_config)
+        return ModelCapabilities(
+            supports_chunked_prefill=chunked, supports_prefix_caching=prefix, reason=reason
+        )
+
     def _use_kernels(self) -> bool:
         """Whether decode attention and linears run through baton's C++ kernels: float32 on CPU, when they build."""
         if not self.cfg.executor.cpu_kernels:
@@ -167,7 +209,8 @@ class ModelRunner:
     def _fast_decode(self) -> FastDecode | None:
         """The native layer stack for decode-only steps, when executor.fast_decode is on and it applies.
 
-        Only this class's own forward: a parallel runner (a subclass) holds a cut or sharded model.
+        Only this class's own forward without hooks: a parallel runner (hooks or a subclass)
+        holds a cut or sharded model.
         """
         if not self.cfg.executor.fast_decode:
             return None
@@ -175,16 +218,18 @@ class ModelRunner:
         if (cls.forward, cls.prepare_model) != (ModelRunner.forward, ModelRunner.prepare_model):
             log.debug("fast decode off: %s runs a cut or sharded model", cls.__name__)
             return None
+        if type(self.hooks) is not ModelRunnerHooks:
+            log.debug("fast decode off: hooks %s change the model", type(self.hooks).__name__)
+            return None
         fast = build_fast_decode(self.model, self.device, self.kernels, self.max_model_len)
         if fast is not None:
             log.info("decode-only steps run the layer stack in one native call (fast_decode)")
         return fast
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Hook: change the loaded model (still on CPU) before it moves to the device.
-
-        Parallel runners shard or prune it here; the default leaves it as loaded.
-        """
+        """Change the loaded model (still on CPU) before it moves to the device: the hooks'
+        ``prepare_model`` (parallel runners shard or cut it there)."""
+        self.hooks.prepare_model(model)
 
     def _cpu_linears(self) -> None:
         """Decode-shaped linears on CPU: the LM head by row count; with the kernels, every layer's too.
@@ -442,7 +487,11 @@ class ModelRunner:
         return self.inputs.build(so, skip)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num sampling requests, vocab] for the positions that sample."""
+        """Logits [num sampling requests, vocab] for the positions that sample (through the
+        hooks' ``forward``)."""
+        return self.hooks.forward(lambda: self._forward(inputs), int(inputs.input_ids.shape[0]))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.fast_decode is not None and self.fast_decode.applies(inputs):
             return self.fast_decode.logits(inputs)
         out = self.model(
@@ -458,7 +507,10 @@ class ModelRunner:
         self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput | None
     ) -> ModelRunnerOutput:
         """One token per sampling request. When the batch fails to sample, each request is
-        sampled alone, and only those that fail alone are reported failed."""
+        sampled alone, and only those that fail alone are reported failed. A runner whose
+        hooks do not sample (a rank with partial or no logits) returns an empty output."""
+        if not self.hooks.samples():
+            return ModelRunnerOutput()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] | None = None
         failed: dict[str, str] = {}

@@ -1,8 +1,14 @@
-"""The Worker: one device, one ModelRunner. Executors call its methods (maybe in a child process)."""
+"""The Worker: one device, one model runner. Executors call its methods (maybe in a child process).
+
+The runner comes from a runner factory (``baton.interfaces.RunnerFactory``):
+baton's stock runner by default, ``baton.runner.StockRunner(hooks)`` for a
+parallel rank, or any class implementing ``baton.interfaces.ModelRunner``.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,11 +18,15 @@ from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
+    ModelCapabilities,
     ModelInfo,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from baton.worker.model_runner import ModelRunner
+from baton.worker.model_runner import ModelRunner as StockModelRunner
+
+if TYPE_CHECKING:
+    from baton.interfaces import ModelRunner, RunnerFactory
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +72,14 @@ def tune_malloc() -> bool:
 
 
 class Worker:
-    """Owns the device choice and a ModelRunner; every public method is an RPC target."""
+    """Owns the device choice and a model runner; every public method is an RPC target.
 
-    #: The runner class init_device builds; tensor- and pipeline-parallel workers use a subclass.
-    runner_cls: type[ModelRunner] = ModelRunner
+    ``model_runner`` is the runner (``baton.interfaces.ModelRunner``): what a
+    ``collective_rpc`` callable, called as ``method(worker, ...)``, reaches.
+    """
+
+    #: The runner factory init_device calls as ``runner_cls(config, device)`` (a class is one).
+    runner_cls: RunnerFactory = StockModelRunner
 
     def __init__(self, cfg: BatonConfig, rank: int = 0) -> None:
         self.cfg = cfg
@@ -115,11 +129,9 @@ class Worker:
         """The loaded model's limits (effective max_model_len, vocab, EOS ids)."""
         return self._runner().model_info
 
-    def get_model_capabilities(self) -> tuple[bool, bool, str]:
-        """(supports_chunked_prefill, supports_prefix_caching, reason) of the loaded model."""
-        from baton.worker.attention import model_capabilities
-
-        return model_capabilities(self._runner().hf_config)
+    def get_model_capabilities(self) -> ModelCapabilities:
+        """What the loaded model allows (chunked prefill, prefix caching)."""
+        return self._runner().get_model_capabilities()
 
     def check_health(self) -> None:
         """Nothing to probe in-process; a dead device raises on the next step."""

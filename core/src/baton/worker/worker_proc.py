@@ -3,7 +3,7 @@
 Start-up: connect the engine end of the executor's channel -> check the plugin
 set against the parent's -> join the torch.distributed group (gloo on CPU, NCCL
 on CUDA; rendezvous at the executor's TCPStore on 127.0.0.1) -> build the
-Worker with the executor's runner class and load this rank's shard -> READY.
+Worker with the executor's runner factory and load this rank's shard -> READY.
 Then serve messages in order (``baton.executor.wire``) until SHUTDOWN.
 
 Every rank runs every step; only the driver (tp rank 0 of the last stage)
@@ -14,17 +14,16 @@ later step's update would move the batch rows the pending sample reads.
 The worker exits when the executor closes the channel, when its parent
 process is gone (a watchdog thread checks ``os.getppid()``, also while the main
 thread is stuck in a collective), and on SHUTDOWN. The same thread writes the
-rank's heartbeat, which the executor watches for a stopped or frozen process.
+rank's heartbeat (``baton.executor.heartbeat``), which the executor watches for
+a stopped or frozen process.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import pickle
 import sys
-import threading
 import time
 import traceback
 from collections import deque
@@ -56,11 +55,11 @@ class WorkerBootstrap:
     store_port: int
     transport: Any
     address: Any
-    runner_cls: str  # "module:Class", a ModelRunner subclass
+    runner: Any  # a baton.interfaces.RunnerFactory (pickled by reference)
     parent_fingerprint: list[tuple[str, str, str, str]]
     parent_pid: int
     dist_timeout_s: float
-    heartbeats: Any  # shared array of doubles: this rank writes time.monotonic() to its slot
+    heartbeats: Any  # baton.executor.heartbeat.Heartbeats: this rank beats in its slot
 
 
 class StepStats:
@@ -97,7 +96,7 @@ _stats = StepStats()
 def parallel_stats(worker: Any, timeline: bool = False) -> dict[str, Any]:
     """collective_rpc target: this rank's per-step timings (broadcast delivery, collectives, step);
     with ``timeline``, also (step_id, start, end) of each step."""
-    from baton.worker.parallel import get_parallel_context
+    from baton.parallel.context import get_parallel_context
 
     ctx = get_parallel_context()
     runner = worker.model_runner
@@ -106,8 +105,8 @@ def parallel_stats(worker: Any, timeline: bool = False) -> dict[str, Any]:
         "tp_rank": ctx.tp_rank,
         "pp_rank": ctx.pp_rank,
         "pid": os.getpid(),
-        "kv_cache_bytes": sum(
-            c.numel() * c.element_size() for c in runner.kv_caches if c is not None
+        "kv_cache_bytes": sum(  # the stock runner's; 0 for a runner that keeps none there
+            c.numel() * c.element_size() for c in getattr(runner, "kv_caches", ()) if c is not None
         ),
         **_stats.summary(),
         **({"timeline": list(_stats.timeline)} if timeline else {}),
@@ -118,27 +117,6 @@ def reset_parallel_stats(worker: Any) -> None:
     """collective_rpc target: forget the timings recorded so far."""
     _stats.steps.clear()
     _stats.timeline.clear()
-
-
-def _import(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _start_watchdog(parent_pid: int, heartbeats: Any, rank: int) -> None:
-    """A thread that beats (the executor's hang check) and exits when the engine process is gone.
-
-    It runs while the main thread is inside a step or a collective (torch releases the GIL), so
-    only a stopped or frozen process misses its beats."""
-
-    def watch() -> None:
-        while True:
-            heartbeats[rank] = time.monotonic()
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:  # re-parented: the engine process is gone
-                os._exit(3)
-
-    threading.Thread(target=watch, name="baton-worker-parent-watch", daemon=True).start()
 
 
 class WorkerProc:
@@ -163,7 +141,7 @@ class WorkerProc:
         from baton.worker.worker import Worker
 
         self.worker = Worker(boot.config, rank=self.rank)
-        self.worker.runner_cls = _import(boot.runner_cls)
+        self.worker.runner_cls = boot.runner
         self.worker.init_device()
         self.worker.load_model()
         self._encoder = self._decoders = None
@@ -173,7 +151,7 @@ class WorkerProc:
     def _init_distributed(self) -> Any:
         import torch.distributed as dist
 
-        from baton.worker.parallel import ParallelContext, set_parallel_context
+        from baton.parallel.context import ParallelContext, set_parallel_context
         from baton.worker.worker import select_device
 
         b = self.boot
@@ -272,7 +250,8 @@ class WorkerProc:
         if so.total_num_scheduled_tokens:
             _stats.record(so.step_id, start, end, row)
         if not self.ctx.is_driver:
-            self.worker.model_runner._pending = None  # only the driver samples
+            if out is None:  # only the driver samples: drop this rank's pending step
+                self.worker.sample_tokens(None)
             return
         if out is None:
             self._awaiting_sample = True
@@ -300,7 +279,7 @@ def worker_main(boot: WorkerBootstrap) -> None:
         level=cfg.observability.log_level,
         format=f"%(asctime)s %(levelname)s worker{boot.rank} %(name)s: %(message)s",
     )
-    _start_watchdog(boot.parent_pid, boot.heartbeats, boot.rank)
+    boot.heartbeats.start_beating(boot.rank, boot.parent_pid)
     channel = boot.transport.connect_engine(boot.address, boot.rank)
     try:
         proc = WorkerProc(boot, channel)

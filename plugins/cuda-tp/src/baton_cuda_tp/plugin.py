@@ -20,9 +20,9 @@ class CudaTPSettings(MultiprocSettings):
 
 def create_executor(config: Any, settings: CudaTPSettings | None = None) -> Any:
     """The registered factory: ``factory(config, settings)``."""
-    from baton_cuda_tp.executor import TensorParallelExecutor
+    from baton_cuda_tp.executor import create_tensor_parallel_executor
 
-    return TensorParallelExecutor(config, settings)
+    return create_tensor_parallel_executor(config, settings)
 
 
 @hookimpl

@@ -10,25 +10,35 @@ from __future__ import annotations
 from baton.config import BatonConfig
 from baton.executor.multiproc import MultiprocExecutor
 from baton.executor.workers import MultiprocSettings
-from baton.worker.model_loader import load_hf_config
-from baton_pipeline.runner import tp_sharding
+from baton.interfaces import RunnerFactory
+from baton.parallel.sharding import check_shardable
+from baton.runner import StockRunner, model_config
+from baton_pipeline.runner import PipelineStageHooks
 from baton_pipeline.stages import layer_ranges
 
 
-class PipelineExecutor(MultiprocExecutor):
-    """Contiguous layer ranges per stage, hidden states passed stage to stage, a batch queue."""
+def create_pipeline_executor(
+    config: BatonConfig,
+    settings: MultiprocSettings | None = None,
+    runner: RunnerFactory | None = None,
+) -> MultiprocExecutor:
+    """Contiguous layer ranges per stage, hidden states passed stage to stage, a batch queue.
+    ``runner`` replaces the ranks' runner factory (default: the stock runner, cut per stage)."""
+    ex = config.executor
+    hf_config = model_config(config)
+    # clear errors before any process starts
+    layer_ranges(hf_config.get_text_config().num_hidden_layers, ex.pipeline_parallel_size)
+    check_shardable(hf_config, ex.tensor_parallel_size)
+    return MultiprocExecutor(
+        config,
+        settings,
+        ex.tensor_parallel_size,
+        ex.pipeline_parallel_size,
+        name="pipeline",
+        runner=runner or StockRunner(PipelineStageHooks),
+        max_concurrent_batches=ex.pipeline_parallel_size,
+    )
 
-    name = "pipeline"
-    runner_cls = "baton_pipeline.runner:PipelineModelRunner"
 
-    def __init__(self, config: BatonConfig, settings: MultiprocSettings | None = None) -> None:
-        ex = config.executor
-        _, hf_config = load_hf_config(config)
-        text = hf_config.get_text_config()
-        layer_ranges(
-            text.num_hidden_layers, ex.pipeline_parallel_size
-        )  # clear errors before any process starts
-        if ex.tensor_parallel_size > 1:
-            tp_sharding().check_shardable(hf_config, ex.tensor_parallel_size)
-        self.max_concurrent_batches = ex.pipeline_parallel_size
-        super().__init__(config, settings, ex.tensor_parallel_size, ex.pipeline_parallel_size)
+#: The name this factory had when the executor was a MultiprocExecutor subclass.
+PipelineExecutor = create_pipeline_executor

@@ -20,9 +20,9 @@ class PipelineSettings(MultiprocSettings):
 
 def create_executor(config: Any, settings: PipelineSettings | None = None) -> Any:
     """The registered factory: ``factory(config, settings)``."""
-    from baton_pipeline.executor import PipelineExecutor
+    from baton_pipeline.executor import create_pipeline_executor
 
-    return PipelineExecutor(config, settings)
+    return create_pipeline_executor(config, settings)
 
 
 @hookimpl

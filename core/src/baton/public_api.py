@@ -1,0 +1,183 @@
+"""The names a plugin may import from baton: one list, which docs/stability.md prints.
+
+``PUBLIC_NAMES`` maps a module to its public names; ``ALL`` means every name of
+the module that does not start with an underscore. Whatever is not listed is
+internal and may change in any release. ``tests/core/test_public_api.py`` fails
+when docs/stability.md's copy differs (``python -m baton.public_api`` prints it),
+when a listed name does not exist, and when a plugin under plugins/ or contrib/
+imports an unlisted name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Final
+
+#: Every name of the module not starting with an underscore.
+ALL: Final = "*"
+
+_SUITES = (
+    "SchedulerPolicyConformance",
+    "ExecutorConformance",
+    "TransportConformance",
+    "StructuredOutputConformance",
+)
+
+PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
+    # the offline API and plugin basics
+    "baton": (
+        "LLM",
+        "AsyncLLM",
+        "BatonConfig",
+        "CompletionOutput",
+        "Logprob",
+        "PLUGIN_API_VERSION",
+        "RequestOutput",
+        "RequestOutputKind",
+        "SamplingParams",
+        "SchedulingInfo",
+        "StructuredOutputSpec",
+        "__version__",
+        "hookimpl",
+    ),
+    "baton.hookspecs": (
+        "PLUGIN_API_VERSION",
+        "hookimpl",
+        "register_scheduler_policies",
+        "register_executors",
+        "register_transports",
+        "register_structured_output_backends",
+        "register_stat_loggers",
+        "register_commands",
+    ),
+    "baton.plugin_kinds": (
+        "PLUGIN_KINDS",
+        "PluginKind",
+        "Register",
+        "SchedulerPolicyFactory",
+        "ExecutorFactory",
+        "TransportFactory",
+        "StructuredOutputFactory",
+        "StatLoggerFactory",
+        "CommandFactory",
+    ),
+    "baton.interfaces": (
+        "SchedulerPolicy",
+        "FinishAwarePolicy",
+        "Executor",
+        "ModelRunner",
+        "RunnerFactory",
+        "Transport",
+        "ClientChannel",
+        "EngineChannel",
+        "Frame",
+        "StructuredOutputBackend",
+        "GrammarMatcher",
+        "StatLogger",
+    ),
+    "baton.protocol": ALL,
+    "baton.errors": ALL,
+    "baton.config": (
+        "BatonConfig",
+        "ModelSection",
+        "CacheSection",
+        "SchedulerSection",
+        "ExecutorSection",
+        "TransportSection",
+        "StructuredOutputSection",
+        "ServerSection",
+        "ObservabilitySection",
+    ),
+    "baton.sampling_params": (
+        "SamplingParams",
+        "StructuredOutputSpec",
+        "RequestOutputKind",
+        "MAX_INT32",
+        "MAX_LOGPROBS",
+        "MAX_N",
+        "MAX_SEED",
+        "show_value",
+    ),
+    "baton.scheduling_info": (
+        "SchedulingInfo",
+        "as_scheduling_info",
+        "MAX_TAGS",
+        "MAX_TAG_KEY_CHARS",
+        "MAX_TAG_VALUE_CHARS",
+        "MAX_TENANT_CHARS",
+        "MAX_DEADLINE_S",
+    ),
+    "baton.request": ("Request", "RequestStatus"),
+    "baton.outputs": ("RequestOutput", "CompletionOutput", "Logprob", "SampleLogprobs"),
+    "baton.validation": ("check_request", "PRIORITY_MIN", "PRIORITY_MAX"),
+    "baton.metrics.stats": ("IterationStats",),
+    # for server and command plugins
+    "baton.frontend.input_processor": ("InputProcessor",),
+    "baton.cli.main": ("add_engine_arguments", "engine_overrides"),
+    # the transport plugins' toolkit
+    "baton.transport.peer": ("PeerWatch", "POLL_SLICE"),
+    "baton.transport.sweep": ("sweep_stale",),
+    "baton.transport.closing": ("release_when_idle",),
+    # the executor plugins' toolkit
+    "baton.runner": (
+        "StockRunner",
+        "ModelRunnerHooks",
+        "LoadedModel",
+        "KVShape",
+        "model_config",
+    ),
+    "baton.executor.multiproc": ("MultiprocExecutor",),
+    "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
+    "baton.executor.latch": ("FailureLatch",),
+    "baton.executor.heartbeat": ("Heartbeats",),
+    "baton.parallel": ("ParallelContext", "CommTimers", "get_parallel_context"),
+    "baton.parallel.sharding": ALL,
+    # the testing kit
+    "baton.testing": ("FakeExecutor", "FakeExecutorSettings", "register_fake_executor"),
+    "baton.testing.tiny_model": ("tiny_model", "make_tiny_model"),
+    "baton.testing.sched_harness": ALL,
+    "baton.testing.conformance": _SUITES,
+    "baton.testing.conformance.scheduler_policy": ("SchedulerPolicyConformance",),
+    "baton.testing.conformance.executor": ("ExecutorConformance",),
+    "baton.testing.conformance.transport": ("TransportConformance",),
+    "baton.testing.conformance.structured_output": ("StructuredOutputConformance",),
+}
+
+
+def is_public(module: str, name: str | None = None) -> bool:
+    """Whether ``from module import name`` (``import module`` when ``name`` is None) is public."""
+    names = PUBLIC_NAMES.get(module)
+    if names is None:
+        return False
+    if name is None:
+        return names == ALL  # importing a whole module reaches all of its names
+    if names == ALL:
+        return not name.startswith("_")
+    return name in names
+
+
+def missing_names() -> list[str]:
+    """``module.name`` of every listed name that does not exist (the list went stale)."""
+    missing = []
+    for module, names in PUBLIC_NAMES.items():
+        mod = importlib.import_module(module)
+        if names != ALL:
+            missing += [f"{module}.{n}" for n in names if not hasattr(mod, n)]
+    return missing
+
+
+def markdown() -> str:
+    """The list as docs/stability.md shows it."""
+    rows = ["| module | public names |", "|---|---|"]
+    for module, names in PUBLIC_NAMES.items():
+        shown = (
+            "every name without a leading underscore"
+            if names == ALL
+            else ", ".join(f"`{n}`" for n in names)
+        )
+        rows.append(f"| `{module}` | {shown} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,120 @@
+"""The public seam for running the model: baton's stock model runner, changed by hooks.
+
+An executor hands its workers a *runner factory* (``baton.interfaces.RunnerFactory``:
+``factory(config, device) -> ModelRunner``). Most executors want baton's own
+runner (persistent batch, paged KV cache, sampler, structured output, per-request
+fault containment) on a changed model: a shard of every layer, a stage of the
+layer stack. They pass ``StockRunner(MyHooks)``; ``MyHooks`` subclasses
+``ModelRunnerHooks`` and overrides only what it changes:
+
+- ``prepare_model(model)``: change the loaded model while it is still on the CPU
+  (shard it, cut it), before quantization and the move to the device;
+- ``loaded(model)``: once loaded, the layers and heads this runner's KV cache holds;
+- ``forward(run, num_tokens)``: wrap each step's forward (receive hidden states
+  before it, send them after it);
+- ``samples()``: whether this runner samples (one rank of a parallel group does).
+
+A runner that is not baton's implements ``baton.interfaces.ModelRunner`` and is
+passed as its own factory (a class taking ``(config, device)`` is one).
+Factories and hooks travel to spawned worker processes by pickle: define them at
+module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from baton.errors import PluginError
+
+if TYPE_CHECKING:
+    import torch
+
+    from baton.config import BatonConfig
+    from baton.interfaces import ModelRunner
+
+
+class KVShape(msgspec.Struct, frozen=True, kw_only=True):
+    """The layers and heads one runner holds; its KV cache is sized from them."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+
+
+class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``ModelRunnerHooks.loaded`` learns about the model once it is on its device."""
+
+    model: Any  # torch.nn.Module, after prepare_model, quantization and the move to the device
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype of the activations
+    #: Most tokens one step feeds the forward (scheduler.max_num_batched_tokens).
+    max_num_tokens: int
+    #: The model's own layers and heads (before any hook changed them).
+    shape: KVShape
+
+
+class ModelRunnerHooks:
+    """What a runner variant changes in the stock runner. Every default changes nothing.
+
+    One instance per runner, made in the worker process (where
+    ``baton.parallel.get_parallel_context()`` is set).
+    """
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Change the loaded model in place, on the CPU, before it moves to the device."""
+
+    def loaded(self, model: LoadedModel) -> KVShape:
+        """The layers and heads this runner's KV cache holds (default: the model's own)."""
+        return model.shape
+
+    def forward(self, run: Callable[[], torch.Tensor], num_tokens: int) -> torch.Tensor:
+        """Run one step's forward (``run()``: logits for the positions that sample) over
+        ``num_tokens`` flattened tokens; wrap it to do work before or after."""
+        return run()
+
+    def samples(self) -> bool:
+        """Whether this runner samples: False for ranks whose logits are partial or absent."""
+        return True
+
+
+HooksFactory = Callable[[], ModelRunnerHooks]
+
+
+class StockRunner:
+    """A runner factory: baton's stock runner, with ``hooks()`` (made in the worker) if given.
+
+    Picklable when ``hooks`` is a module-level class or function.
+    """
+
+    def __init__(self, hooks: HooksFactory | None = None) -> None:
+        if hooks is not None and not callable(hooks):
+            raise PluginError(
+                f"StockRunner(hooks=...) takes a ModelRunnerHooks class or a function that "
+                f"returns one, got {hooks!r}"
+            )
+        self.hooks = hooks
+
+    def __call__(self, config: BatonConfig, device: torch.device) -> ModelRunner:
+        from baton.worker.model_runner import ModelRunner as Stock
+
+        hooks = self.hooks() if self.hooks is not None else None
+        if hooks is not None and not isinstance(hooks, ModelRunnerHooks):
+            raise PluginError(
+                f"StockRunner: hooks factory {self.hooks!r} returned {type(hooks).__name__}, "
+                "not a baton.runner.ModelRunnerHooks"
+            )
+        return Stock(config, device, hooks=hooks)
+
+    def __repr__(self) -> str:
+        return f"StockRunner({getattr(self.hooks, '__qualname__', self.hooks)!r})"
+
+
+def model_config(config: BatonConfig) -> Any:
+    """The transformers config of ``config.model.name`` (read from its folder, no weights):
+    an executor's checks before any worker starts (head counts, layers)."""
+    from baton.worker.model_loader import load_hf_config
+
+    return load_hf_config(config)[1]

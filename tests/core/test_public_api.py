@@ -1,0 +1,117 @@
+"""The public names are one list (baton.public_api.PUBLIC_NAMES): docs/stability.md prints it,
+every listed name exists, and no plugin under plugins/ or contrib/ imports anything else from
+baton, nor another plugin's package (parsed with ast, not imported)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from baton.public_api import PUBLIC_NAMES, is_public, markdown, missing_names
+
+ROOT = Path(__file__).resolve().parents[2]
+STABILITY = ROOT / "docs" / "stability.md"
+BLOCK = re.compile(
+    r"<!-- public-names: python -m baton.public_api -->\n(.*?)\n<!-- /public-names -->", re.S
+)
+
+
+def distributions() -> dict[Path, set[str]]:
+    """Each plugin distribution's folder -> its own top-level packages (under src/)."""
+    out = {}
+    for pyproject in sorted(
+        [*ROOT.glob("plugins/*/pyproject.toml"), *ROOT.glob("contrib/*/pyproject.toml")]
+    ):
+        src = pyproject.parent / "src"
+        out[pyproject.parent] = {
+            p.name for p in src.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+        } | {p.stem for p in src.glob("*.py")}
+    return out
+
+
+def violations(path: Path, own: set[str], first_party: set[str]) -> list[str]:
+    """``file:line: what`` for each import of a non-public baton name or another plugin's package."""
+    bad = []
+    where = path.relative_to(ROOT)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            pairs = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            pairs = [(node.module, alias.name) for alias in node.names]
+        else:
+            continue  # relative imports stay in the plugin's own package
+        for module, name in pairs:
+            top = module.partition(".")[0]
+            if top == "baton":
+                if module == "baton" and name is None:
+                    continue  # `import baton`: attribute use is not checked here
+                if is_public(module, name) or f"{module}.{name}" in PUBLIC_NAMES:
+                    continue
+                shown = f"{module}.{name}" if name else module
+                bad.append(f"{where}:{node.lineno}: {shown} is not public (docs/stability.md)")
+            elif top in first_party and top not in own:
+                bad.append(f"{where}:{node.lineno}: imports another plugin's package {module!r}")
+    return bad
+
+
+def test_plugins_import_only_public_names():
+    dists = distributions()
+    assert len(dists) >= 8, dists  # zmq, shm, cuda-tp, pipeline, xgrammar, openai, sjf, fair
+    first_party = set().union(*dists.values())
+    bad = []
+    for folder, own in dists.items():
+        for path in sorted(folder.rglob("*.py")):
+            if "egg-info" not in str(path):
+                bad += violations(path, own, first_party)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_catches_internal_and_cross_plugin_imports(tmp_path):
+    code = (
+        "from baton.worker.model_runner import ModelRunner\n"
+        "import baton.executor.uniproc\n"
+        "from baton.runner import StockRunner\n"
+        "from baton.protocol import SchedulerOutput\n"
+        "from baton_cuda_tp.runner import TensorParallelHooks\n"
+        "from baton_pipeline.stages import cut_stage\n"
+        "from . import sibling\n"
+    )
+    path = ROOT / "plugins" / "pipeline" / "src" / "_probe_public_api.py"
+    path.write_text(code)
+    try:
+        bad = violations(path, {"baton_pipeline"}, {"baton_pipeline", "baton_cuda_tp"})
+    finally:
+        path.unlink()
+    assert [b.split(": ", 1)[1] for b in bad] == [
+        "baton.worker.model_runner.ModelRunner is not public (docs/stability.md)",
+        "baton.executor.uniproc is not public (docs/stability.md)",
+        "imports another plugin's package 'baton_cuda_tp.runner'",
+    ]
+
+
+def test_every_listed_name_exists():
+    assert missing_names() == []
+
+
+def test_stability_md_prints_the_list():
+    found = BLOCK.search(STABILITY.read_text())
+    assert found, "docs/stability.md lost its <!-- public-names --> block"
+    assert found.group(1) == markdown(), "regenerate it: python -m baton.public_api"
+
+
+@pytest.mark.parametrize(
+    "module,name,public",
+    [
+        ("baton.protocol", "ModelCapabilities", True),
+        ("baton.protocol", "_STRUCT", False),
+        ("baton.interfaces", "ModelRunner", True),
+        ("baton.worker.worker", "Worker", False),
+        ("baton.executor.multiproc", None, False),
+        ("baton.errors", None, True),
+    ],
+)
+def test_is_public(module, name, public):
+    assert is_public(module, name) is public
