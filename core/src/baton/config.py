@@ -134,6 +134,14 @@ class SchedulerSection(_Section):
     waiting request whose prompt does not end in its first step is admitted only below this
     cap (admission stops there, keeping the policy's order); None: no cap. Needs
     enable_chunked_prefill (ignored without it)."""
+    target_step_ms: float | None = Field(None, gt=0, le=3_600_000, allow_inf_nan=False)
+    """Latency-aware token budget: a step's prompt chunks (all requests together) shrink so that
+    the step takes about this long with the decodes it carries, by a step-time model learned
+    from the measured time of each step (a prior from the built-in cost model until steps are
+    measured). Every running decode still gets its token each step; prompt chunks never go below
+    one KV block (cache.block_size tokens) a step. None: off (prompt chunks fill
+    max_num_batched_tokens). Needs enable_chunked_prefill (ignored without it), and is ignored
+    with a pipeline batch queue (a warning says so)."""
 
 
 class ExecutorSection(_Section):

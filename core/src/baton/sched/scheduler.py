@@ -10,7 +10,11 @@ advances when it is scheduled; until its output is applied by
 preempted (so several SchedulerOutputs can be in flight: the pipeline-parallel
 batch queue). Optional caps bound a prompt's chunk per step
 (``long_prefill_token_threshold``) and the prompts in progress at once
-(``max_num_partial_prefills``).
+(``max_num_partial_prefills``). With ``target_step_ms`` the prompt chunks of a
+step, all together, are sized by ``PrefillBudget`` (``sched/step_budget.py``)
+so that the step takes about that long: the running decodes are counted first
+and always scheduled, and the engine feeds each step's measured time back
+through ``observe_step_time``.
 
 Admission takes the blocks of a request's whole sequence at once
 (``reserve_full_prompt``, the default), so its later prompt chunks need none.
@@ -53,6 +57,7 @@ from baton.protocol import (
 )
 from baton.request import Request, RequestStatus
 from baton.sched.admission import check_request
+from baton.sched.step_budget import PrefillBudget, StepShape
 from baton.sched.stop import append_and_check_stop
 
 if TYPE_CHECKING:
@@ -71,11 +76,14 @@ _ERROR = RequestStatus.FINISHED_ERROR
 class _StepPlan:
     """One step's decisions while ``schedule()`` makes them."""
 
-    __slots__ = ("budget", "cached", "new_reqs", "num_scheduled", "preempted", "so_ids")
+    __slots__ = ("budget", "cached", "new_reqs", "num_scheduled", "preempted", "prefill", "so_ids")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, prefill: int | None = None) -> None:
         #: Tokens the step can still take.
         self.budget = budget
+        #: Prompt tokens (chunks of requests with more than one token to compute) the step can
+        #: still take; without a latency target it starts at ``budget`` and never binds.
+        self.prefill = budget if prefill is None else prefill
         self.num_scheduled: dict[str, int] = {}
         #: Running requests scheduled: req id -> (new token ids, new block ids, computed before).
         self.cached: dict[str, tuple[list[int], list[int], int]] = {}
@@ -85,10 +93,13 @@ class _StepPlan:
         #: Requests preempted this step that the runner holds.
         self.preempted: list[str] = []
 
-    def take_back(self, req_id: str) -> None:
+    def take_back(self, req: Request) -> None:
         """Unschedule a running request scheduled earlier in this step (it was preempted)."""
-        self.budget += self.num_scheduled.pop(req_id)
-        del self.cached[req_id]
+        req_id = req.request_id
+        n = self.num_scheduled.pop(req_id)
+        self.budget += n
+        if req.num_tokens - self.cached.pop(req_id)[2] > 1:  # it was a prompt chunk
+            self.prefill += n
         if req_id in self.so_ids:
             self.so_ids.remove(req_id)
 
@@ -127,6 +138,17 @@ class Scheduler:
             config.scheduler.max_num_partial_prefills if chunked else None
         )
         self.block_size = config.cache.block_size
+        target_ms = config.scheduler.target_step_ms if chunked else None
+        #: The latency-aware prompt-token budget (``scheduler.target_step_ms``); None: off.
+        self.prefill_budget = (
+            PrefillBudget(
+                target_ms / 1000.0,
+                min_tokens=self.block_size,
+                max_tokens=self.max_num_batched_tokens,
+            )
+            if target_ms is not None
+            else None
+        )
         self.enable_caching = config.cache.enable_prefix_caching
         self.max_model_len = (
             max_model_len if max_model_len is not None else config.model.max_model_len
@@ -289,14 +311,43 @@ class Scheduler:
         if self._waiting_for_fsm:
             self._release_ready_grammars()
         self._step += 1
-        plan = _StepPlan(self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        plan = _StepPlan(budget, self._prefill_cap() if self.prefill_budget is not None else None)
+        prefill_cap = plan.prefill
         self._schedule_running(plan, now)
         if self._running_dirty:
             self.running = [r for r in self.running if r.status == _RUNNING]
             self._running_dirty = False
         if not plan.preempted:  # blocks ran short: admitting more would only preempt again
             self._admit(plan, now)
+        if self.prefill_budget is not None:
+            prefill = prefill_cap - plan.prefill
+            decode = budget - plan.budget - prefill
+            self.prefill_budget.scheduled(self._step, StepShape(prefill, decode))
         return self._make_output(plan)
+
+    def _prefill_cap(self) -> int:
+        """Prompt tokens this step may take under ``target_step_ms``: what the step-time model
+        leaves beside the running decodes, whose tokens are set aside first."""
+        assert self.prefill_budget is not None
+        in_flight = self._in_flight
+        decodes = 0
+        for req in self.running:
+            if (
+                req.status == _RUNNING
+                and req.num_tokens - req.num_computed_tokens == 1
+                and req.request_id not in in_flight
+            ):
+                decodes += 1
+        decodes = min(decodes, self.max_num_seqs_per_batch)
+        room = self.max_num_batched_tokens - decodes
+        return max(0, min(self.prefill_budget.prefill_tokens(decodes), room))
+
+    def observe_step_time(self, step_id: int, seconds: float) -> None:
+        """The measured wall time of step ``step_id`` (schedule to update), for the latency-aware
+        budget; ignored when ``target_step_ms`` is off or the step scheduled nothing."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.observe(step_id, seconds)
 
     def _schedule_running(self, plan: _StepPlan, now: float) -> None:
         """Schedule running requests in admission order: decodes and next prompt chunks."""
@@ -320,6 +371,9 @@ class Scheduler:
                 n = long_prefill
             if n > budget:
                 n = budget
+            chunk = ntok - computed > 1  # a prompt chunk, not a decode
+            if chunk and n > plan.prefill:  # binds only under target_step_ms
+                n = plan.prefill
             if n <= 0:
                 continue
             new_ids = self._allocate_or_preempt(req, n, plan, now)
@@ -327,6 +381,8 @@ class Scheduler:
                 break  # the request preempted itself: nothing more fits
             num_scheduled[rid] = n
             plan.budget -= n
+            if chunk:
+                plan.prefill -= n
             plan.cached[rid] = (tokens[num_sent[rid] : ntok], new_ids, computed)
             num_sent[rid] = ntok
             computed += n
@@ -348,7 +404,7 @@ class Scheduler:
             if victim is req:
                 return None
             if victim.request_id in plan.num_scheduled:  # scheduled earlier this step
-                plan.take_back(victim.request_id)
+                plan.take_back(victim)
             new_ids = allocate(req, n)
         return new_ids
 
@@ -400,6 +456,7 @@ class Scheduler:
         running = self.running
         num_scheduled = plan.num_scheduled
         budget = plan.budget
+        prefill = plan.prefill  # >= budget without target_step_ms
         per_batch = self.max_num_seqs_per_batch
         long_prefill = self.long_prefill_token_threshold
         max_partial = self.max_num_partial_prefills
@@ -409,7 +466,12 @@ class Scheduler:
             if max_partial is not None
             else 0
         )
-        while budget > 0 and len(running) < self.max_num_seqs and len(num_scheduled) < per_batch:
+        while (
+            budget > 0
+            and prefill > 0
+            and len(running) < self.max_num_seqs
+            and len(num_scheduled) < per_batch
+        ):
             req = policy.peek(now)
             if req is None:
                 break
@@ -426,6 +488,8 @@ class Scheduler:
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break
                 n = budget
+            if n > prefill:  # binds only under target_step_ms (chunked prefill)
+                n = prefill
             if max_partial is not None and num_hit + n < ntok:
                 if num_partial >= max_partial:
                     break  # it would be one partial prefill too many: it waits its turn
@@ -454,10 +518,12 @@ class Scheduler:
             self._num_sent[rid] = ntok
             num_scheduled[rid] = n
             budget -= n
+            prefill -= n
             req.num_computed_tokens = num_hit + n
             if req.grammar is not None and num_hit + n == ntok:
                 plan.so_ids.append(rid)
         plan.budget = budget
+        plan.prefill = prefill
 
     def _preempt_for(self, req: Request, now: float, preempted: list[str]) -> Request:
         """Preempt the policy's victim among running requests not in flight (``req`` included)."""

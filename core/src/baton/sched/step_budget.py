@@ -1,0 +1,204 @@
+"""The latency-aware prefill budget: how many prompt tokens a step may compute.
+
+With ``scheduler.target_step_ms`` set, the scheduler asks ``PrefillBudget``
+before each step how many prompt tokens (chunks of running prompts and the
+first chunks of admitted requests, all together) fit so that the step takes
+about that long with the decodes it carries. Decodes are never cut: only the
+prompt chunks shrink, and never below ``min_tokens`` (one KV block), so
+prompts still progress when decodes alone fill the target.
+
+The step time comes from ``StepTimeModel``: a linear model
+
+    seconds = overhead + per_prefill_token * prefill tokens + per_decode_row * decode rows
+
+fitted online by exponentially weighted least squares on the wall time of each
+executed step (``EngineCore`` measures it and the scheduler passes it on). It
+starts from the scheduler simulator's cost model
+(``baton.bench.cost_model.DEFAULT``) as a few pseudo-steps, which decide alone
+until steps are measured and then fade like any old step; a much weaker copy
+that never fades keeps the fit defined when all recent steps have one shape
+(e.g. decodes only: the cost of a prompt token is then what the latest steps
+with prompt chunks said).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import msgspec
+
+from baton.bench.cost_model import DEFAULT as DEFAULT_COST_MODEL
+from baton.bench.cost_model import CostModel
+from baton.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Weight of each step's sample after the next step (memory of ~10 steps): a change of
+#: machine speed (a neighbour starts, the first steps' page faults end) is followed quickly.
+FORGET = 0.9
+#: Weight of the cost model's prior, in steps at full size (a whole budget of prompt tokens, the
+#: most decode rows): small, so that one or two measured steps overrule it.
+PRIOR_WEIGHT = 0.05
+#: The share of the prior that never fades (keeps the normal equations solvable).
+PRIOR_FLOOR = 1e-6
+
+
+class StepShape(msgspec.Struct, frozen=True):
+    """What a scheduled step computes: prompt tokens and decode rows."""
+
+    prefill_tokens: int
+    decode_rows: int
+
+
+class StepTimeModel:
+    """Seconds per step, linear in (1, prefill tokens, decode rows), fitted online."""
+
+    def __init__(
+        self,
+        prior: CostModel = DEFAULT_COST_MODEL,
+        *,
+        prefill_scale: int = 2048,
+        decode_scale: int = 64,
+        forget: float = FORGET,
+        prior_weight: float = PRIOR_WEIGHT,
+    ) -> None:
+        """``prefill_scale`` / ``decode_scale``: typical feature sizes (the step's token budget,
+        its most requests), at which the prior counts as ``prior_weight`` observed steps."""
+        if not 0.0 < forget <= 1.0:
+            raise ConfigError(f"StepTimeModel: forget must be in (0, 1], got {forget!r}")
+        self.forget = forget
+        self._prior = (
+            prior.step_overhead_s,
+            prior.prefill_s_per_token,
+            prior.decode_s_per_token,
+        )
+        scales = (1.0, float(max(1, prefill_scale)), float(max(1, decode_scale)))
+        ridge = [prior_weight * s * s for s in scales]
+        # exponentially weighted sums of x x^T and x t: the prior's pseudo-steps, then measured ones
+        self._xx = [[ridge[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self._xt = [r * p for r, p in zip(ridge, self._prior, strict=True)]
+        self._floor = [PRIOR_FLOOR * r for r in ridge]
+        self.num_observed = 0
+        self.coefficients: tuple[float, float, float] = self._prior
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Add one measured step; refits the coefficients."""
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(
+                f"a step time must be a finite number of seconds >= 0, got {seconds!r}"
+            )
+        x = (1.0, float(shape.prefill_tokens), float(shape.decode_rows))
+        lam = self.forget
+        xx, xt = self._xx, self._xt
+        for i in range(3):
+            xt[i] = lam * xt[i] + x[i] * seconds
+            row = xx[i]
+            for j in range(3):
+                row[j] = lam * row[j] + x[i] * x[j]
+        self.num_observed += 1
+        self.coefficients = self._fit()
+
+    def predict(self, prefill_tokens: int, decode_rows: int) -> float:
+        a, b, c = self.coefficients
+        return a + b * prefill_tokens + c * decode_rows
+
+    def _fit(self) -> tuple[float, float, float]:
+        """Least squares (with the faded prior); a negative coefficient is held at 0 and the
+        others refitted (a step cannot get faster with more work)."""
+        free = [True, True, True]
+        while True:
+            coef = self._solve(free)
+            negative = [i for i in range(3) if free[i] and coef[i] < 0.0]
+            if not negative:
+                return coef[0], coef[1], coef[2]
+            for i in negative:
+                free[i] = False
+
+    def _solve(self, free: list[bool]) -> list[float]:
+        idx = [i for i in range(3) if free[i]]
+        coef = [0.0, 0.0, 0.0]
+        if not idx:
+            return coef
+        ridge, prior = self._floor, self._prior
+        a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in idx] for i in idx]
+        rhs = [self._xt[i] + ridge[i] * prior[i] for i in idx]
+        for k, v in zip(idx, _solve_spd(a, rhs), strict=True):
+            coef[k] = v
+        return coef
+
+
+def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a small symmetric positive definite system by Gaussian elimination."""
+    n = len(b)
+    a = [row[:] for row in a]
+    b = b[:]
+    for k in range(n):
+        pivot = a[k][k]
+        for i in range(k + 1, n):
+            f = a[i][k] / pivot
+            for j in range(k, n):
+                a[i][j] -= f * a[k][j]
+            b[i] -= f * b[k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
+
+
+class PrefillBudget:
+    """Prompt tokens per step so that a step takes about ``target_s`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        target_s: float,
+        *,
+        min_tokens: int,
+        max_tokens: int,
+        model: StepTimeModel | None = None,
+    ) -> None:
+        if not (math.isfinite(target_s) and target_s > 0):
+            raise ConfigError(
+                f"scheduler.target_step_ms: must be a positive number of milliseconds, "
+                f"got {target_s * 1000!r}"
+            )
+        self.target_s = target_s
+        self.min_tokens = max(1, min_tokens)
+        self.max_tokens = max(self.min_tokens, max_tokens)
+        self.model = model or StepTimeModel(prefill_scale=max_tokens)
+        #: step id -> its shape, until its time is observed (a few at most; old ones dropped).
+        self._pending: dict[int, StepShape] = {}
+
+    def prefill_tokens(self, decode_rows: int) -> int:
+        """Most prompt tokens a step with ``decode_rows`` decodes should compute."""
+        overhead, per_token, per_row = self.model.coefficients
+        left = self.target_s - overhead - per_row * decode_rows
+        if per_token <= 0.0:
+            return self.max_tokens
+        n = int(left / per_token) if left > 0 else 0
+        return min(self.max_tokens, max(self.min_tokens, n))
+
+    def scheduled(self, step_id: int, shape: StepShape) -> None:
+        """Remember what step ``step_id`` computes, for ``observe``."""
+        pending = self._pending
+        pending[step_id] = shape
+        if len(pending) > 16:  # steps never observed (e.g. an output that ran nothing)
+            del pending[min(pending)]
+
+    def observe(self, step_id: int, seconds: float) -> bool:
+        """Feed the measured wall time of step ``step_id``; whether it was used (a step it never
+        scheduled, or a time that is not a finite number >= 0, is left out; the latter with a
+        warning)."""
+        shape = self._pending.pop(step_id, None)
+        if shape is None:
+            return False
+        if not math.isfinite(seconds) or seconds < 0:
+            log.warning(
+                "step %d: measured step time %r s is not a finite number >= 0; the "
+                "target_step_ms budget leaves it out",
+                step_id,
+                seconds,
+            )
+            return False
+        self.model.observe(shape, seconds)
+        return True

@@ -1,0 +1,296 @@
+"""scheduler.target_step_ms: the latency-aware prefill budget, on fake step times (no wall clock)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Callable
+
+import pytest
+
+from baton.bench.cost_model import DEFAULT
+from baton.config import BatonConfig
+from baton.engine.core import EngineCore
+from baton.errors import ConfigError
+from baton.protocol import EngineCoreRequest, ModelInfo, SchedulerOutput
+from baton.sampling_params import SamplingParams
+from baton.sched.step_budget import PrefillBudget, StepShape, StepTimeModel
+from baton.testing import FakeExecutor
+
+from .sched_helpers import Driver, make_request, make_scheduler
+
+StepTime = Callable[[int, int], float]
+
+
+def shape_of(so: SchedulerOutput, decoding: set[str]) -> tuple[int, int]:
+    """(prompt tokens, decode rows) of a step, told apart by the test's own books."""
+    prefill = decode = 0
+    for rid, n in so.num_scheduled_tokens.items():
+        if rid in decoding:
+            decode += n
+        else:
+            prefill += n
+    return prefill, decode
+
+
+class TimedDriver(Driver):
+    """Driver that feeds the scheduler a fake time for every step, from ``step_time(P, D)``."""
+
+    def __init__(self, scheduler, step_time: StepTime) -> None:
+        super().__init__(scheduler)
+        self.step_time = step_time
+        self.shapes: list[tuple[int, int]] = []
+        #: Requests with their whole prompt computed (their next steps are decodes).
+        self.decoding: set[str] = set()
+        #: Per step: the decodes that were due (running, prompt done, unfinished) and scheduled.
+        self.due: list[tuple[set[str], set[str]]] = []
+
+    def step(self):
+        due = {
+            r.request_id
+            for r in self.s.running
+            if r.request_id in self.decoding and r.request_id in self.s.requests
+        }
+        outs = super().step()
+        so = self.scheduler_outputs[-1]
+        self.due.append((due, set(so.num_scheduled_tokens)))
+        p, d = shape_of(so, self.decoding)
+        self.shapes.append((p, d))
+        for rid in so.num_scheduled_tokens:
+            req = self.s.requests.get(rid)
+            if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
+                self.decoding.add(rid)
+        if so.total_num_scheduled_tokens:
+            self.s.observe_step_time(so.step_id, self.step_time(p, d))
+        return outs
+
+
+def linear(overhead: float, per_token: float, per_row: float) -> StepTime:
+    return lambda p, d: overhead + per_token * p + per_row * d
+
+
+def long_prompts(n: int, length: int, max_tokens: int = 200, prefix: str = "p"):
+    return [make_request(f"{prefix}{i}", length, max_tokens=max_tokens, eos=None) for i in range(n)]
+
+
+# ------------------------------------------------------------------ the setting
+
+
+@pytest.mark.parametrize("bad", [0, -5, "fast", float("nan"), float("inf"), 10**9])
+def test_a_bad_target_step_ms_is_refused_naming_it(bad):
+    with pytest.raises(ConfigError, match=r"scheduler\.target_step_ms"):
+        BatonConfig.load(**{"scheduler.target_step_ms": bad})
+
+
+def test_target_step_ms_is_off_by_default_and_without_chunked_prefill():
+    assert BatonConfig.load().scheduler.target_step_ms is None
+    assert make_scheduler().prefill_budget is None
+    s = make_scheduler(target_step_ms=100, enable_chunked_prefill=False)
+    assert s.prefill_budget is None
+    on = make_scheduler(target_step_ms=250)
+    assert on.prefill_budget is not None and on.prefill_budget.target_s == 0.25
+
+
+# ------------------------------------------------------------------ off = today
+
+
+def _trace_digest(**overrides) -> str:
+    s = make_scheduler(
+        num_blocks=overrides.pop("num_blocks", 96),
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        **overrides,
+    )
+    d = Driver(s)
+    rng = random.Random(7)
+    reqs = [
+        make_request(f"r{i}", rng.randint(5, 300), max_tokens=rng.randint(1, 40), eos=None)
+        for i in range(24)
+    ]
+    h = hashlib.sha256()
+    for step in range(10_000):
+        if reqs and step % 3 == 0:
+            d.add(reqs.pop(0))
+        if not reqs and not s.has_unfinished_requests():
+            break
+        d.step()
+        so = d.scheduler_outputs[-1]
+        h.update(repr(sorted(so.num_scheduled_tokens.items())).encode())
+        h.update(repr(so.preempted_req_ids).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "digest"),
+    [
+        ({}, "ad9f40ea33436b4b"),
+        ({"num_blocks": 40}, "c889c5c4db05cea2"),  # preemptions
+        (
+            {"long_prefill_token_threshold": 48, "max_num_partial_prefills": 2},
+            "4f413f52051ef153",
+        ),
+    ],
+)
+def test_off_schedules_exactly_as_before_the_budget_existed(overrides, digest):
+    # the digests were taken with the scheduler of commit c4fdd19, before target_step_ms
+    assert _trace_digest(**overrides) == digest
+
+
+# ------------------------------------------------------------------ the model
+
+
+def test_step_time_model_starts_from_the_cost_model_and_learns_a_linear_machine():
+    m = StepTimeModel(prefill_scale=512, decode_scale=16)
+    assert m.coefficients == (
+        DEFAULT.step_overhead_s,
+        DEFAULT.prefill_s_per_token,
+        DEFAULT.decode_s_per_token,
+    )
+    truth = linear(0.02, 0.0005, 0.004)
+    rng = random.Random(1)
+    for _ in range(60):
+        p, d = rng.randint(0, 512), rng.randint(0, 16)
+        m.observe(StepShape(p, d), truth(p, d))
+    a, b, c = m.coefficients
+    assert a == pytest.approx(0.02, rel=0.05)
+    assert b == pytest.approx(0.0005, rel=0.05)
+    assert c == pytest.approx(0.004, rel=0.05)
+    assert m.num_observed == 60
+
+
+def test_step_time_model_keeps_coefficients_non_negative_and_refuses_bad_times():
+    m = StepTimeModel()
+    for _ in range(30):  # more prompt tokens, shorter steps: the fit would go negative
+        m.observe(StepShape(100, 4), 0.5)
+        m.observe(StepShape(1000, 4), 0.1)
+    assert min(m.coefficients) >= 0.0
+    with pytest.raises(ValueError, match="nan"):
+        m.observe(StepShape(10, 1), float("nan"))
+
+
+def test_prefill_budget_uses_the_prior_until_steps_are_measured():
+    budget = PrefillBudget(0.5, min_tokens=16, max_tokens=2048)
+    a, b, c = (DEFAULT.step_overhead_s, DEFAULT.prefill_s_per_token, DEFAULT.decode_s_per_token)
+    assert budget.prefill_tokens(10) == int((0.5 - a - 10 * c) / b)
+    assert budget.prefill_tokens(10_000) == 16  # decodes alone overrun: one block still
+    assert PrefillBudget(100.0, min_tokens=16, max_tokens=2048).prefill_tokens(0) == 2048
+    assert not budget.observe(7, 0.1)  # a step it never scheduled is ignored
+
+
+def test_prefill_budget_leaves_out_a_bad_step_time_with_a_warning(caplog):
+    budget = PrefillBudget(0.5, min_tokens=16, max_tokens=2048)
+    budget.scheduled(3, StepShape(100, 2))
+    with caplog.at_level(logging.WARNING, logger="baton.sched.step_budget"):
+        assert not budget.observe(3, -1.0)
+    assert "-1.0" in caplog.text and budget.model.num_observed == 0
+    budget.scheduled(4, StepShape(100, 2))
+    assert budget.observe(4, 0.2) and budget.model.num_observed == 1
+
+
+# ------------------------------------------------------------------ scheduling
+
+
+def test_prompt_chunks_shrink_when_steps_run_long_and_grow_back_when_short():
+    times = {"now": linear(0.01, 0.001, 0.002)}  # slow: 1 ms per prompt token
+    s = make_scheduler(
+        num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=1024, target_step_ms=100
+    )
+    d = TimedDriver(s, lambda p, dd: times["now"](p, dd))
+    d.add(*long_prompts(48, 400))
+    for _ in range(30):
+        d.step()
+    slow = d.shapes[-10:]
+    for p, dd in slow:
+        assert 16 <= p <= 110, slow  # ~ (0.1 - 0.01 - 0.002 * decodes) / 0.001
+        assert times["now"](p, dd) <= 0.1 * 1.15, slow
+    times["now"] = linear(0.01, 0.0001, 0.002)  # the machine got 10x faster at prompts
+    for _ in range(12):
+        d.step()
+    fast = d.shapes[-4:]
+    assert all(p >= 500 for p, _ in fast), fast  # grown back (target: ~ 800 tokens)
+    assert all(times["now"](p, dd) <= 0.1 * 1.15 for p, dd in fast), fast
+
+
+def test_decodes_are_never_starved_and_prompts_keep_at_least_a_block():
+    # decodes alone take longer than the target: prompt chunks shrink to one block, no less
+    s = make_scheduler(
+        num_blocks=2048, max_num_seqs=32, max_num_batched_tokens=512, target_step_ms=50
+    )
+    d = TimedDriver(s, linear(0.01, 0.001, 0.01))
+    d.add(*long_prompts(4, 40, max_tokens=60, prefix="early"))
+    d.step()  # the early ones' prompts in one step
+    d.add(*long_prompts(20, 300, max_tokens=4))
+    for _ in range(40):
+        d.step()
+    for due, scheduled in d.due:
+        assert due <= scheduled, due - scheduled  # every decode due got its token
+    prompt_steps = [p for p, _ in d.shapes[3:40]]
+    assert all(p >= 16 for p in prompt_steps), prompt_steps
+    assert min(prompt_steps) == 16  # at the floor, not below
+    d.run()
+    assert set(d.finished) == {f"early{i}" for i in range(4)} | {f"p{i}" for i in range(20)}
+
+
+@pytest.mark.parametrize("target", [None, 10_000])
+def test_a_running_prompt_chunk_does_not_take_the_tokens_of_later_decodes(target):
+    # a long prompt admitted first, whose chunks nearly fill the step, then short requests that
+    # decode: without a target the chunk comes first and some decodes wait; with one they don't
+    s = make_scheduler(
+        num_blocks=2048,
+        max_num_seqs=32,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=32,
+        target_step_ms=target,
+    )
+    d = TimedDriver(s, linear(0.0, 0.0, 0.0))
+    d.add(make_request("long", 4000, max_tokens=2, eos=None))
+    d.add(*long_prompts(8, 4, max_tokens=50, prefix="short"))
+    d.step()  # long's first 32 tokens and the 8 short prompts
+    s.long_prefill_token_threshold = 60  # from now on long's chunks leave 4 tokens
+    for _ in range(10):
+        d.step()
+    assert max(len(due) for due, _ in d.due) == 8
+    starved = [due - scheduled for due, scheduled in d.due if not due <= scheduled]
+    assert bool(starved) == (target is None), starved
+
+
+# ------------------------------------------------------------------ the engine
+
+
+INFO = ModelInfo(
+    path="fake", architecture="Fake", vocab_size=32000, max_model_len=512, eos_token_ids=[0]
+)
+
+
+def _req(rid: str, n_prompt: int = 200, max_tokens: int = 8) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=[(7 * i + len(rid)) % 30000 + 1 for i in range(n_prompt)],
+        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        eos_token_id=0,
+    )
+
+
+def test_engine_core_feeds_each_step_time_to_the_budget():
+    config = BatonConfig.load(max_model_len=512, **{"scheduler.target_step_ms": 200})
+    core = EngineCore(config, executor=FakeExecutor(block_size=16, latency_s=0.0), info=INFO)
+    ticks = iter(range(10_000))
+    core.step_clock = lambda: next(ticks) * 0.05  # each reading 50 ms after the previous
+    for i in range(4):
+        core.add_request(_req(f"r{i}"))
+    ran = 0
+    while core.has_work():
+        ran += core.step()[1]
+    budget = core.scheduler.prefill_budget
+    assert budget is not None and budget.model.num_observed == ran > 0
+
+
+def test_engine_core_ignores_the_target_with_a_batch_queue(caplog):
+    config = BatonConfig.load(max_model_len=512, **{"scheduler.target_step_ms": 200})
+    fake = FakeExecutor(block_size=16, max_concurrent_batches=2, latency_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="baton.engine.core"):
+        core = EngineCore(config, executor=fake, info=INFO)
+    assert core.scheduler.prefill_budget is None
+    assert core.config.scheduler.target_step_ms is None
+    assert "target_step_ms=200.0 is ignored" in caplog.text
