@@ -1,0 +1,107 @@
+"""docs/writing-a-plugin.md's worked executor ("timed", section 9): the page's module, installed
+as a plugin (its worker process loads it too), passes the executor conformance suite, gives the
+uniproc executor's greedy tokens, and its runner hooks timed every forward pass on the worker."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.config import BatonConfig
+from baton.interfaces import Executor
+from baton.plugins import get_registry, reset_plugins
+from baton.testing.conformance import ExecutorConformance
+from baton.testing.tiny_model import tiny_model
+from tests.core.plugin_fixtures import make_dist
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
+BLOCK = re.compile(r"^```python example=timed\n(.*?)^```[ \t]*$", re.S | re.M)
+MODULE = "baton_docs_timed"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timed_plugin(tmp_path_factory: pytest.TempPathFactory):
+    """The page's module as an installed distribution, here and in spawned worker processes."""
+    [code] = BLOCK.findall(PAGE.read_text())
+    site = make_dist(tmp_path_factory.mktemp("site"), "baton-docs-timed", MODULE, code, "timed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        mp.syspath_prepend(str(site))
+        reset_plugins()
+        yield sys.modules.get(MODULE) or __import__(MODULE)
+        reset_plugins()
+    sys.modules.pop(MODULE, None)
+
+
+def make_executor(config: BatonConfig) -> Any:
+    """The executor as the engine builds it: the registry entry the page's hook registers."""
+    entry = get_registry().get("executor", "timed")
+    return entry.create(config, entry.settings(config))
+
+
+class TestTimedConformance(ExecutorConformance):
+    rpc_method = "check_health"
+
+    def engine_config(self) -> BatonConfig:
+        return (
+            super()
+            .engine_config()
+            .replace(
+                model=str(tiny_model("llama")),
+                kv_cache_memory="64MiB",
+                num_threads=1,
+                executor="timed",
+            )
+        )
+
+    @pytest.fixture
+    def executor(self, config: BatonConfig):
+        ex = make_executor(config)
+        yield ex
+        ex.shutdown()
+        assert all(not p.is_alive() for p in ex.procs), "the worker outlived shutdown"
+
+    def inject_failure(self, executor: Any) -> bool:
+        import signal
+
+        os.kill(executor.worker_pids()[0], signal.SIGKILL)  # a real death
+        return True
+
+    def test_the_worker_timed_every_forward(self, executor: Any, config: BatonConfig) -> None:
+        assert isinstance(executor, Executor) and executor.model_info is not None
+        sched = self.scheduler(executor, config)
+        reqs = self.requests("t", [(20, 5), (70, 3)])
+        self.run(executor, sched, reqs)
+        [times] = executor.collective_rpc(sys.modules[MODULE].forward_times)
+        # every scheduled token went through a timed forward: 20 + 5 - 1 and 70 + 3 - 1 tokens
+        assert sum(tokens for tokens, _ in times) == 24 + 72
+        assert all(seconds > 0 for _, seconds in times)
+
+
+def test_greedy_tokens_equal_uniproc():
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": [3 + (7 * i + 5 * j) % 200 for j in range(9 + 13 * i)]}
+        for i in range(3)
+    ]
+    out = {}
+    for backend in ("uniproc", "timed"):
+        with LLM(
+            model=str(tiny_model("llama")),
+            executor=backend,
+            device="cpu",
+            num_threads=1,
+            kv_cache_memory="16MiB",
+            max_model_len=256,
+        ) as llm:
+            out[backend] = [
+                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+    assert out["timed"] == out["uniproc"]
+    assert all(len(t) == 12 for t in out["timed"])
