@@ -174,7 +174,8 @@ def test_prefill_budget_uses_the_prior_until_steps_are_measured():
     a, b, c = (DEFAULT.step_overhead_s, DEFAULT.prefill_s_per_token, DEFAULT.decode_s_per_token)
     assert budget.prefill_tokens(10) == int((0.5 - a - 10 * c) / b)
     assert budget.prefill_tokens(10_000) == 16  # decodes alone overrun: one block still
-    assert PrefillBudget(100.0, min_tokens=16, max_tokens=2048).prefill_tokens(0) == 2048
+    assert PrefillBudget(100.0, min_tokens=16, max_tokens=2048).prefill_tokens(1) == 2048
+    assert budget.prefill_tokens(0) == 2048  # no decode waits: the whole budget
     assert not budget.observe(7, 0.1)  # a step it never scheduled is ignored
 
 
@@ -194,10 +195,10 @@ def test_prefill_budget_leaves_out_a_bad_step_time_with_a_warning(caplog):
 def test_prompt_chunks_shrink_when_steps_run_long_and_grow_back_when_short():
     times = {"now": linear(0.01, 0.001, 0.002)}  # slow: 1 ms per prompt token
     s = make_scheduler(
-        num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=1024, target_step_ms=100
+        num_blocks=8192, max_num_seqs=64, max_num_batched_tokens=1024, target_step_ms=100
     )
     d = TimedDriver(s, lambda p, dd: times["now"](p, dd))
-    d.add(*long_prompts(48, 400))
+    d.add(*long_prompts(48, 1000))
     for _ in range(30):
         d.step()
     slow = d.shapes[-10:]

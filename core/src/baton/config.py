@@ -139,9 +139,9 @@ class SchedulerSection(_Section):
     the step takes about this long with the decodes it carries, by a step-time model learned
     from the measured time of each step (a prior from the built-in cost model until steps are
     measured). Every running decode still gets its token each step; prompt chunks never go below
-    one KV block (cache.block_size tokens) a step. None: off (prompt chunks fill
-    max_num_batched_tokens). Needs enable_chunked_prefill (ignored without it), and is ignored
-    with a pipeline batch queue (a warning says so)."""
+    one KV block (cache.block_size tokens) a step, and a step with no decode is not held to it.
+    None: off (prompt chunks fill max_num_batched_tokens). Needs enable_chunked_prefill (ignored
+    without it), and is ignored with a pipeline batch queue (a warning says so)."""
 
 
 class ExecutorSection(_Section):

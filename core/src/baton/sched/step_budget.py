@@ -5,7 +5,9 @@ before each step how many prompt tokens (chunks of running prompts and the
 first chunks of admitted requests, all together) fit so that the step takes
 about that long with the decodes it carries. Decodes are never cut: only the
 prompt chunks shrink, and never below ``min_tokens`` (one KV block), so
-prompts still progress when decodes alone fill the target.
+prompts still progress when decodes alone fill the target. A step with no
+decode is not held to the target: nobody waits there for a next token, and
+large chunks compute prompts fastest.
 
 The step time comes from ``StepTimeModel``: a linear model
 
@@ -42,6 +44,8 @@ FORGET = 0.9
 PRIOR_WEIGHT = 0.05
 #: The share of the prior that never fades (keeps the normal equations solvable).
 PRIOR_FLOOR = 1e-6
+#: Shortest step time used to weigh a sample (relative error; guards a zero time).
+MIN_STEP_S = 1e-3
 
 
 class StepShape(msgspec.Struct, frozen=True):
@@ -74,6 +78,8 @@ class StepTimeModel:
             prior.decode_s_per_token,
         )
         scales = (1.0, float(max(1, prefill_scale)), float(max(1, decode_scale)))
+        # the prior's pseudo-steps weigh as steps of the prior's full-size step time would
+        self._scale2 = prior.step_cost(int(scales[1]), int(scales[2]), 0) ** 2
         ridge = [prior_weight * s * s for s in scales]
         # exponentially weighted sums of x x^T and x t: the prior's pseudo-steps, then measured ones
         self._xx = [[ridge[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
@@ -89,13 +95,16 @@ class StepTimeModel:
                 f"a step time must be a finite number of seconds >= 0, got {seconds!r}"
             )
         x = (1.0, float(shape.prefill_tokens), float(shape.decode_rows))
+        # relative error: a long step (large prompt chunks, a busy neighbour) does not outweigh
+        # the shorter ones near the target, and the prior's scale stays that of a step
+        w = self._scale2 / max(seconds, MIN_STEP_S) ** 2
         lam = self.forget
         xx, xt = self._xx, self._xt
         for i in range(3):
-            xt[i] = lam * xt[i] + x[i] * seconds
+            xt[i] = lam * xt[i] + w * x[i] * seconds
             row = xx[i]
             for j in range(3):
-                row[j] = lam * row[j] + x[i] * x[j]
+                row[j] = lam * row[j] + w * x[i] * x[j]
         self.num_observed += 1
         self.coefficients = self._fit()
 
@@ -170,7 +179,10 @@ class PrefillBudget:
         self._pending: dict[int, StepShape] = {}
 
     def prefill_tokens(self, decode_rows: int) -> int:
-        """Most prompt tokens a step with ``decode_rows`` decodes should compute."""
+        """Most prompt tokens a step with ``decode_rows`` decodes should compute; a step with
+        no decode is not held to the target (no request waits there for its next token)."""
+        if decode_rows <= 0:
+            return self.max_tokens
         overhead, per_token, per_row = self.model.coefficients
         left = self.target_s - overhead - per_row * decode_rows
         if per_token <= 0.0:
