@@ -1,0 +1,133 @@
+"""The executor toolkit's small parts: the failure latch, heartbeats, runner factories, and what the
+core reads from an executor (model_info, model_capabilities) when an older one lacks them."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+
+from baton.engine.executor_facts import executor_capabilities, executor_model_info
+from baton.errors import ExecutorError, PluginError
+from baton.executor.heartbeat import Heartbeats
+from baton.executor.latch import FailureLatch
+from baton.interfaces import RunnerFactory
+from baton.protocol import ModelCapabilities
+from baton.runner import KVShape, ModelRunnerHooks, StockRunner
+from baton.testing import FakeExecutor
+
+
+def test_latch_tells_each_callback_once_and_refuses_later_calls():
+    latch = FailureLatch("demo")
+    seen: list[tuple[str, BaseException]] = []
+    latch.register(lambda e: seen.append(("early", e)))
+    latch.check()
+    first, second = ExecutorError("worker 1 died"), ExecutorError("a consequence")
+    assert latch.fail(first) is True
+    assert latch.fail(second) is False  # later failures are consequences: not told
+    latch.register(lambda e: seen.append(("late", e)))  # registered after: told at once
+    assert seen == [("early", first), ("late", first)]
+    with pytest.raises(ExecutorError, match="demo executor failed earlier: worker 1 died") as info:
+        latch.check()
+    assert info.value.__cause__ is first
+
+
+def test_a_raising_callback_does_not_keep_the_others_from_the_news(caplog):
+    latch = FailureLatch("demo")
+    told = []
+
+    def broken(error: BaseException) -> None:
+        raise RuntimeError("callback bug")
+
+    latch.register(broken)
+    latch.register(told.append)
+    latch.fail(ExecutorError("x"))
+    assert len(told) == 1
+    assert "callback" in caplog.text and "callback bug" in caplog.text
+
+
+def test_closed_latch_refuses_calls_and_ignores_failures():
+    latch = FailureLatch("demo")
+    told = []
+    latch.register(told.append)
+    assert latch.close() is True and latch.close() is False
+    assert latch.fail(ExecutorError("after shutdown")) is False and not told
+    with pytest.raises(ExecutorError, match="shut down"):
+        latch.check()
+
+
+def test_trip_latches_at_once_and_notify_tells_later():
+    latch = FailureLatch("demo")
+    told = threading.Event()
+    latch.register(lambda e: told.set())
+    callbacks = latch.trip(ExecutorError("x"))
+    assert callbacks is not None and not told.is_set()
+    with pytest.raises(ExecutorError):
+        latch.check()  # refused before anyone was told
+    latch.notify(ExecutorError("x"), callbacks)
+    assert told.is_set()
+
+
+def test_heartbeats_find_silent_workers():
+    beats = Heartbeats(3)
+    beats.beat(0)
+    beats.beat(2)
+    now = time.monotonic()
+    assert beats.silent(now, 10.0) == []
+    silent = beats.silent(now + 5.0, 4.0)  # worker 1 never started: not silent
+    assert [r for r, _ in silent] == [0, 2] and all(s > 4.0 for _, s in silent)
+
+
+class HalfHeads(ModelRunnerHooks):
+    def loaded(self, model):
+        return KVShape(num_layers=1, num_heads=1, num_kv_heads=1)
+
+
+def test_stock_runner_factory_pickles_by_reference():
+    factory = StockRunner(HalfHeads)
+    assert isinstance(factory, RunnerFactory)
+    again = pickle.loads(pickle.dumps(factory))
+    assert again.hooks is HalfHeads
+
+
+def test_stock_runner_refuses_what_is_not_hooks():
+    with pytest.raises(PluginError, match="not-callable"):
+        StockRunner("not-callable")  # type: ignore[arg-type]
+    with pytest.raises(PluginError, match=r"not a baton\.runner\.ModelRunnerHooks"):
+        StockRunner(dict)(None, None)  # type: ignore[arg-type]
+
+
+class OldExecutor:
+    """An executor written before model_info / model_capabilities were protocol members."""
+
+    max_concurrent_batches = 1
+
+
+def test_an_executor_without_the_members_still_runs_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="model_info"):
+        assert executor_model_info(OldExecutor()) is None
+    with pytest.warns(DeprecationWarning, match="model_capabilities"):
+        assert executor_capabilities(OldExecutor()) is None
+
+
+def test_tuple_capabilities_are_converted_with_a_warning_and_bad_types_refused():
+    ex = OldExecutor()
+    ex.model_capabilities = (False, True, "bidirectional")  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="ModelCapabilities"):
+        caps = executor_capabilities(ex)
+    assert caps == ModelCapabilities(
+        supports_chunked_prefill=False, supports_prefix_caching=True, reason="bidirectional"
+    )
+    ex.model_capabilities = "all"  # type: ignore[attr-defined]
+    with pytest.raises(ExecutorError, match=r"not a baton\.protocol\.ModelCapabilities"):
+        executor_capabilities(ex)
+    ex.model_info = {"vocab_size": 3}  # type: ignore[attr-defined]
+    with pytest.raises(ExecutorError, match=r"not a baton\.protocol\.ModelInfo"):
+        executor_model_info(ex)
+
+
+def test_the_fake_executor_has_the_members():
+    ex = FakeExecutor()
+    assert ex.model_info is None and ex.model_capabilities is None
