@@ -175,8 +175,20 @@ def test_prefill_budget_uses_the_prior_until_steps_are_measured():
     assert budget.prefill_tokens(10) == int((0.5 - a - 10 * c) / b)
     assert budget.prefill_tokens(10_000) == 16  # decodes alone overrun: one block still
     assert PrefillBudget(100.0, min_tokens=16, max_tokens=2048).prefill_tokens(1) == 2048
+    budget = PrefillBudget(0.5, min_tokens=16, max_tokens=2048)
     assert budget.prefill_tokens(0) == 2048  # no decode waits: the whole budget
     assert not budget.observe(7, 0.1)  # a step it never scheduled is ignored
+
+
+def test_prefill_budget_at_most_doubles_from_one_step_to_the_next():
+    model = StepTimeModel()
+    budget = PrefillBudget(0.5, min_tokens=16, max_tokens=2048, model=model)
+    model.coefficients = (0.0, 0.01, 0.0)  # slow: 50 tokens
+    assert budget.prefill_tokens(4) == 50
+    model.coefficients = (0.5, 0.0, 0.0)  # a fit that cannot tell a prompt token's cost
+    assert [budget.prefill_tokens(4) for _ in range(3)] == [100, 200, 400]
+    assert budget.prefill_tokens(0) == 2048  # no decode: not held, and no step up counted
+    assert budget.prefill_tokens(4) == 800
 
 
 def test_prefill_budget_leaves_out_a_bad_step_time_with_a_warning(caplog):

@@ -7,7 +7,11 @@ about that long with the decodes it carries. Decodes are never cut: only the
 prompt chunks shrink, and never below ``min_tokens`` (one KV block), so
 prompts still progress when decodes alone fill the target. A step with no
 decode is not held to the target: nobody waits there for a next token, and
-large chunks compute prompts fastest.
+large chunks compute prompts fastest. From one step with decodes to the next
+the budget at most doubles (``MAX_GROWTH``): while every step carries chunks
+of one size the fit cannot tell the cost of a prompt token from the fixed cost
+of a step, and a per-token cost fitted near zero must not let one huge chunk
+stall the decodes (the next measured step corrects it).
 
 The step time comes from ``StepTimeModel``: a linear model
 
@@ -46,6 +50,8 @@ PRIOR_WEIGHT = 0.05
 PRIOR_FLOOR = 1e-6
 #: Shortest step time used to weigh a sample (relative error; guards a zero time).
 MIN_STEP_S = 1e-3
+#: Most the prompt budget grows from one step with decodes to the next.
+MAX_GROWTH = 2
 
 
 class StepShape(msgspec.Struct, frozen=True):
@@ -175,6 +181,8 @@ class PrefillBudget:
         self.min_tokens = max(1, min_tokens)
         self.max_tokens = max(self.min_tokens, max_tokens)
         self.model = model or StepTimeModel(prefill_scale=max_tokens)
+        #: The budget given to the latest step with decodes (None before the first).
+        self._last: int | None = None
         #: step id -> its shape, until its time is observed (a few at most; old ones dropped).
         self._pending: dict[int, StepShape] = {}
 
@@ -186,9 +194,14 @@ class PrefillBudget:
         overhead, per_token, per_row = self.model.coefficients
         left = self.target_s - overhead - per_row * decode_rows
         if per_token <= 0.0:
-            return self.max_tokens
-        n = int(left / per_token) if left > 0 else 0
-        return min(self.max_tokens, max(self.min_tokens, n))
+            n = self.max_tokens
+        else:
+            n = int(left / per_token) if left > 0 else 0
+        if self._last is not None:
+            n = min(n, MAX_GROWTH * self._last)
+        n = min(self.max_tokens, max(self.min_tokens, n))
+        self._last = n
+        return n
 
     def scheduled(self, step_id: int, shape: StepShape) -> None:
         """Remember what step ``step_id`` computes, for ``observe``."""
