@@ -1,0 +1,53 @@
+// Row-range entry points of baton's kernels, shared between the sources of the one library that
+// baton.kernels.loader builds: decode_stack.cpp runs a whole decode step in one parallel region
+// and calls these on each thread's share of the work, with no dispatcher, allocation or fork/join
+// per linear. Each computes exactly what the matching operator computes for the same rows (the
+// same code and summation order), whatever the split.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace baton_rows {
+
+// Rows [n0, n1) of y = x @ w^T: x [M, K], w [N, K], y [M, N], float32 (linear_small's code).
+void float_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int64_t n0, int64_t n1);
+
+// A thread's preparation of x for the quantized rows (group sums, or x quantized to int8 blocks),
+// kept while the caller's generation number says x has not changed.
+struct QuantX {
+  uint64_t gen = ~uint64_t{0};
+  int64_t key = -1;
+  std::vector<float> xsum, dx;
+  std::vector<int8_t> xq;
+};
+
+// Whether qtype (a ggml type id) is one of the quantized formats the kernels read.
+bool quant_supported(int64_t qtype);
+
+// Rows [n0, n1) of y = x @ dequantize(w)^T (+ bias): linear_q's code, or linear_q8a's when q8a.
+// w [N, row_bytes] uint8 in format qtype; `gen` names x's contents for `prep` (a new number
+// whenever x changes).
+void quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
+                const uint8_t* w, int64_t row_bytes, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
+
+// Element type of a paged KV cache.
+enum class CacheType { F32, F16, BF16 };
+
+// Geometry of one layer's paged cache and its query heads.
+struct CacheDims {
+  int64_t H, KVH, D, BS;
+};
+
+// Writes one token's keys and values of kv heads [h0, h1) into `slot` (paged_write's code).
+// k, v: [KVH, D] rows of the token; k_cache [blocks, KVH, D, BS], v_cache [blocks, KVH, BS, D].
+void write_kv(CacheType t, const float* k, const float* v, void* k_cache, void* v_cache, int64_t slot,
+              const CacheDims& dm, int64_t h0, int64_t h1);
+
+// Decode attention of one request's query heads of kv heads [h0, h1) over keys [lo, L) of its
+// blocks `row` (paged_decode's code): q [H, D] rows at stride qs1, o likewise at os1.
+void decode_heads(CacheType t, const float* q, int64_t qs1, const void* k_cache, const void* v_cache,
+                  const int64_t* row, int64_t L, int64_t lo, const CacheDims& dm, float scale, float* o, int64_t os1,
+                  int64_t h0, int64_t h1, std::vector<float>& scores, std::vector<float>& qbuf);
+
+}  // namespace baton_rows
