@@ -333,7 +333,11 @@ def test_isa_switch_flags(monkeypatch):
         loader.isa_flags()
     if loader.platform.machine() in ("x86_64", "AMD64"):
         monkeypatch.setenv(loader.ISA_ENV, "AVX2")
+        monkeypatch.setattr(loader, "_cpu_features", lambda: "flags : fpu avx2 avx512f")
         assert loader.isa_flags() == ("-march=native", "-mno-avx512f")
+        # without AVX-512 the native build is the AVX2 build: identical flags share its cache
+        monkeypatch.setattr(loader, "_cpu_features", lambda: "flags : fpu avx2 fma")
+        assert loader.isa_flags() == ("-march=native",)
         monkeypatch.setenv(loader.ISA_ENV, "generic")
         assert loader.isa_flags() == ("-march=x86-64-v2",)
 

@@ -106,6 +106,9 @@ def isa_flags() -> tuple[str, ...]:
             )
         if isa == "generic":
             return ()
+    if isa == "avx2" and " avx512f" not in _cpu_features():
+        # without AVX-512 the native build is the AVX2 one: the same flags, so the same cached build
+        return ISA_FLAGS["native"]
     return ISA_FLAGS[isa]
 
 
