@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from baton.request import Request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -24,3 +28,20 @@ def tokenizer(default_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture
+def policy_sees(monkeypatch: pytest.MonkeyPatch) -> list[Request]:
+    """Requests as an engine in this process (LLM, or a server's engine thread) gives them to
+    the fcfs policy, in order."""
+    from baton.sched.policies import FCFSPolicy
+
+    seen: list[Request] = []
+    add = FCFSPolicy.add
+
+    def spy(self, request):
+        seen.append(request)
+        add(self, request)
+
+    monkeypatch.setattr(FCFSPolicy, "add", spy)
+    return seen

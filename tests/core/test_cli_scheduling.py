@@ -5,25 +5,8 @@ from __future__ import annotations
 import pytest
 
 from baton.cli.main import main
-from baton.request import Request
-from baton.sched.policies import FCFSPolicy
 from baton.scheduling_info import SchedulingInfo
 from baton.testing.tiny_model import tiny_model
-
-
-@pytest.fixture
-def policy_sees(monkeypatch) -> list[Request]:
-    """Requests as the (in-process) engine's fcfs policy receives them."""
-    seen: list[Request] = []
-    add = FCFSPolicy.add
-
-    def spy(self, request):
-        seen.append(request)
-        add(self, request)
-
-    monkeypatch.setattr(FCFSPolicy, "add", spy)
-    return seen
-
 
 FLAGS = ["--priority", "3", "--deadline", "5", "--tenant", "acme"]
 FLAGS += ["--tag", "team=search", "--tag", "flag="]

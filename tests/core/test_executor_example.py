@@ -8,17 +8,17 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from baton import LLM, SamplingParams
 from baton.config import BatonConfig
 from baton.interfaces import Executor
-from baton.plugins import get_registry, reset_plugins
-from baton.testing.conformance import ExecutorConformance
+from baton.plugins import reset_plugins
 from baton.testing.tiny_model import tiny_model
 from tests.core.plugin_fixtures import make_dist
+from tests.plugins.parallel_common import ParallelConformance
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
 BLOCK = re.compile(r"^```python example=timed\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -39,39 +39,10 @@ def timed_plugin(tmp_path_factory: pytest.TempPathFactory):
     sys.modules.pop(MODULE, None)
 
 
-def make_executor(config: BatonConfig) -> Any:
-    """The executor as the engine builds it: the registry entry the page's hook registers."""
-    entry = get_registry().get("executor", "timed")
-    return entry.create(config, entry.settings(config))
+class TestTimedConformance(ParallelConformance):
+    """The multiprocess executors' suite (tests/plugins/parallel_common.py) on the page's executor."""
 
-
-class TestTimedConformance(ExecutorConformance):
-    rpc_method = "check_health"
-
-    def engine_config(self) -> BatonConfig:
-        return (
-            super()
-            .engine_config()
-            .replace(
-                model=str(tiny_model("llama")),
-                kv_cache_memory="64MiB",
-                num_threads=1,
-                executor="timed",
-            )
-        )
-
-    @pytest.fixture
-    def executor(self, config: BatonConfig):
-        ex = make_executor(config)
-        yield ex
-        ex.shutdown()
-        assert all(not p.is_alive() for p in ex.procs), "the worker outlived shutdown"
-
-    def inject_failure(self, executor: Any) -> bool:
-        import signal
-
-        os.kill(executor.worker_pids()[0], signal.SIGKILL)  # a real death
-        return True
+    overrides: ClassVar[dict[str, Any]] = {"executor": "timed"}
 
     def test_the_worker_timed_every_forward(self, executor: Any, config: BatonConfig) -> None:
         assert isinstance(executor, Executor) and executor.model_info is not None

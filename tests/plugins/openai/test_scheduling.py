@@ -5,25 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from baton.request import Request
-from baton.sched.policies import FCFSPolicy
 from baton.scheduling_info import MAX_TAGS, SchedulingInfo
 from tests.plugins.openai.test_validation import assert_400, assert_still_serving, chat, completion
-
-
-@pytest.fixture
-def policy_sees(monkeypatch) -> list[Request]:
-    """Requests as the server's engine (on a thread of this process) gives them to fcfs."""
-    seen: list[Request] = []
-    add = FCFSPolicy.add
-
-    def spy(self, request):
-        seen.append(request)
-        add(self, request)
-
-    monkeypatch.setattr(FCFSPolicy, "add", spy)
-    return seen
-
 
 SCHEDULING = {"deadline": 2.5, "tenant": "acme", "tags": {"team": "search"}}
 
