@@ -58,11 +58,7 @@ const c10::OperatorHandle& q8a_op() {
   return *o.linear_q8a;
 }
 
-__attribute__((optimize("fp-contract=off"))) void add_bias(float* y, const float* b, int64_t M, int64_t N) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
-}
-
+// y[:, n0:n1] += b[n0:n1] for y [M, N].
 __attribute__((optimize("fp-contract=off"))) void add_bias_cols(float* y, const float* b, int64_t M, int64_t N,
                                                                   int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < M; ++m)
@@ -86,7 +82,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     at::Tensor& y = buf;
     std::vector<c10::IValue> stack{x, w, y};
     ops().linear_small.callBoxed(&stack);
-    if (has_bias) add_bias(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0));
+    if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
   }
   const c10::OperatorHandle& op =
@@ -528,8 +524,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   at::Tensor out = at::empty_like(h);
   rms_norm(hp, norms[2 * L].data_ptr<float>(), out.data_ptr<float>(), M, Hd, feps);
   if (!has_head) return out;
-  at::Tensor head_buf;
-  return linear(out, *head, hb, head_qtype, head_q8a != 0, la, head_buf).clone();
+  at::Tensor head_buf;  // the float path's output buffer: returned as is (nothing else holds it)
+  return linear(out, *head, hb, head_qtype, head_q8a != 0, la, head_buf);
 }
 
 }  // namespace
