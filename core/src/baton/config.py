@@ -216,6 +216,22 @@ class ServerSection(_Section):
     """Accept a request's own Jinja chat template (`chat_template`, also inside
     `chat_template_kwargs`), rendered in a sandboxed process killed after preprocess_timeout;
     refused with a 400 when off."""
+    tool_call_parser: str = "hermes"
+    """How `baton serve` reads tool calls out of a chat answer (requests with `tools` and
+    tool_choice "auto"): hermes (`<tool_call>{json}</tool_call>`), json (the whole answer is
+    one `{"name", "arguments"}` object or a list of them), or a parser another distribution
+    registers (baton-plugin-openai's `register_tool_parsers` hook)."""
+    reasoning_parser: str | None = None
+    """Split each chat answer's reasoning into `reasoning_content`: think (`<think>...</think>`)
+    or a registered parser (`register_reasoning_parsers`); None: answers are left whole."""
+    max_queued_requests: int | None = Field(None, gt=0)
+    """Most generation requests `baton serve` holds before their first token (waiting to be
+    scheduled or computing their prompt); one more gets a 429 with `Retry-After`. None: no bound."""
+    cors_origins: list[str] = Field(default_factory=list)
+    """Origins browsers may call `baton serve` from (CORS: preflight answered, headers added),
+    e.g. ["https://app.example.com"], or ["*"] for any; empty: no CORS headers."""
+    log_format: Literal["text", "json"] = "text"
+    """`baton serve`'s log lines: text, or json (one JSON object a line, with the request id)."""
 
     @pydantic.field_validator("api_key")
     @classmethod
