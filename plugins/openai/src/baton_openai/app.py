@@ -1,8 +1,10 @@
 """The FastAPI app: /v1 routes (behind the optional API key), /health, /metrics, /version.
 
-Around the routes, outermost first: UnhandledErrors (an unexpected exception is
-one 500 and the connection stays usable), RequestLimits (body size and
-deadline); the chat template and tokenization run on the Preprocessor's threads.
+Around the routes, outermost first: CORS (when server.cors_origins is set),
+RequestIdMiddleware (X-Request-Id in and out), UnhandledErrors (an unexpected
+exception is one 500 and the connection stays usable), RequestLimits (body size
+and deadline); the chat template and tokenization run on the Preprocessor's
+threads.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ from fastapi.responses import PlainTextResponse
 from baton import AsyncLLM, __version__
 from baton.config import BatonConfig
 from baton_openai import __version__ as plugin_version
+from baton_openai.admission import QueueGate
 from baton_openai.chat import router as chat_router
 from baton_openai.completions import router as completions_router
 from baton_openai.context import ServerContext, check_api_key
+from baton_openai.cors import install_cors
 from baton_openai.errors import install_error_handlers
 from baton_openai.health import EngineHealth
 from baton_openai.limits import RequestLimits
 from baton_openai.openapi import error_responses, install_openapi
+from baton_openai.parsers import ParserRegistry
 from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import ModelCard, ModelList
+from baton_openai.request_id import RequestIdMiddleware
 from baton_openai.unhandled import UnhandledErrors
 
 #: /health reports a wedged engine (503) once a health check has gone unanswered this long.
@@ -73,18 +79,29 @@ def find_prometheus_logger(engine: AsyncLLM) -> object | None:
     )
 
 
-def build_app(engine: AsyncLLM, config: BatonConfig | None = None) -> FastAPI:
-    """The app around a running AsyncLLM (``config`` defaults to the engine's)."""
+def build_app(
+    engine: AsyncLLM, config: BatonConfig | None = None, parsers: ParserRegistry | None = None
+) -> FastAPI:
+    """The app around a running AsyncLLM (``config`` defaults to the engine's; ``parsers``:
+    the tool-call and reasoning parsers to choose from, by default the installed ones)."""
     cfg = config or engine.config
     srv = cfg.server
+    parsers = parsers or ParserRegistry.load()
     app = FastAPI(title="baton", version=__version__, docs_url=None, redoc_url=None)
+    metrics = find_prometheus_logger(engine)
     app.state.baton = ServerContext(
         engine=engine,
         model_name=srv.served_model_name or cfg.model.name,
         max_model_len=engine.info.max_model_len,
         preprocess=Preprocessor(engine, srv),
         api_key=srv.api_key,
-        metrics=find_prometheus_logger(engine),
+        metrics=metrics,
+        tool_parser=parsers.tool_parser(srv.tool_call_parser, engine.tokenizer),
+        reasoning_parser=parsers.reasoning_parser(srv.reasoning_parser, engine.tokenizer),
+        queue=QueueGate(
+            srv.max_queued_requests,
+            on_reject=(lambda: metrics.count_rejected("queue_full")) if metrics else None,
+        ),
     )
     app.state.health = EngineHealth(engine, HEALTH_TIMEOUT_S)
     install_error_handlers(app)
@@ -94,6 +111,8 @@ def build_app(engine: AsyncLLM, config: BatonConfig | None = None) -> FastAPI:
         RequestLimits, max_bytes=int(srv.max_request_bytes), body_timeout=srv.body_timeout
     )
     app.add_middleware(UnhandledErrors)
+    app.add_middleware(RequestIdMiddleware)
+    install_cors(app, srv.cors_origins)
     auth = [Depends(check_api_key)]
     for router in (models_router, chat_router, completions_router):
         app.include_router(router, dependencies=auth)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
+from baton_openai.admission import Ticket
+from baton_openai.answer import AnswerReader, AnswerStream, tool_call_items
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -28,7 +29,9 @@ from baton_openai.protocol import (
     ChatResponseMessage,
     DeltaMessage,
 )
+from baton_openai.request_id import engine_request_id
 from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
+from baton_openai.tools import plan_tools, template_renders_tools, with_tool_instructions
 
 #: Bodies decoded in pieces: a large one does not stop the event loop while it is parsed.
 router = APIRouter(route_class=PiecewiseJSONRoute)
@@ -97,19 +100,45 @@ async def create_chat_completion(
     ctx = ServerContext.of(raw)
     client_template, template_kwargs = client_chat_template(req)
     ctx.check_request(req)
-    if req.tools and req.tool_choice != "none":
-        raise OpenAIError(
-            "tool calling is not supported by baton", param="tools", code="unsupported_parameter"
-        )
+    plan = plan_tools(req)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError(
             "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
         )
+    reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
+    build_messages = lambda: template_messages(req.messages)  # noqa: E731
+    if plan is not None:
+        template = client_template or getattr(ctx.engine.tokenizer, "chat_template", None)
+        if template_renders_tools(template):
+            template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
+        else:  # the template would drop them: the parser's instructions in the system message
+            build_messages = lambda: with_tool_instructions(  # noqa: E731
+                template_messages(req.messages), plan, ctx.tool_parser
+            )
+    ticket = ctx.queue.admit()  # a 429 when server.max_queued_requests are waiting
+    try:
+        return await _generate(
+            req, raw, ctx, ticket, reader, build_messages, template_kwargs, client_template
+        )
+    finally:
+        ticket.close()  # the first output is in (or the request failed): no longer queued
+
+
+async def _generate(
+    req: ChatCompletionRequest,
+    raw: Request,
+    ctx: ServerContext,
+    ticket: Ticket,
+    reader: AnswerReader,
+    build_messages: Any,
+    template_kwargs: dict[str, Any],
+    client_template: str | None,
+) -> Response | ChatCompletionResponse:
     pre = ctx.preprocess
     deadline = pre.deadline()  # templating, tokenization and the checks: off the event loop
     try:
         ids = await pre.chat_ids(
-            lambda: template_messages(req.messages),
+            build_messages,
             req.add_generation_prompt,
             template_kwargs,
             client_template,
@@ -124,6 +153,7 @@ async def create_chat_completion(
     else:
         max_tokens, max_param = req.max_tokens, "max_tokens"
     top = (req.top_logprobs or 0) if req.logprobs else None
+    tool_spec = reader.plan.spec() if reader.plan is not None else None
     built = await pre.run(
         lambda: build_params(
             req,
@@ -134,21 +164,24 @@ async def create_chat_completion(
             prompt_param="messages",
             logprobs=top,
             logprobs_param="top_logprobs",
+            tool_spec=tool_spec,
         ),
         deadline=deadline,
         what="checking the request",
         param="messages",
     )
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = engine_request_id(raw, "chatcmpl")
     stream = merge(
         [
-            ctx.engine.generate(
-                {"prompt_token_ids": ids},
-                built.params,
-                request_id,
-                priority=built.scheduling.priority,
-                user=req.user,
-                scheduling=built.scheduling,
+            ticket.track(
+                ctx.engine.generate(
+                    {"prompt_token_ids": ids},
+                    built.params,
+                    request_id,
+                    priority=built.scheduling.priority,
+                    user=req.user,
+                    scheduling=built.scheduling,
+                )
             )
         ]
     )
@@ -157,26 +190,44 @@ async def create_chat_completion(
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
         if done is DISCONNECTED:
             return Response(status_code=499)
-        return _response(request_id, ctx.model_name, acc, top)
+        return _response(request_id, ctx.model_name, acc, top, reader)
     first = await cancel_on_disconnect(raw, first_output(stream, built))
     if first is DISCONNECTED:
         return Response(status_code=499)
-    return SSEResponse(_chunks(request_id, ctx.model_name, req, stream, first, acc, built, top))
+    return SSEResponse(
+        _chunks(request_id, ctx.model_name, req, stream, first, acc, built, top, reader)
+    )
+
+
+def _finish_reason(reason: str | None, calls: int) -> str | None:
+    """``tool_calls`` when the model stopped after calling tools (OpenAI's reason)."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _response(
-    request_id: str, model: str, acc: Accumulator, top: int | None
+    request_id: str, model: str, acc: Accumulator, top: int | None, reader: AnswerReader
 ) -> ChatCompletionResponse:
     choices = []
     for index in sorted(acc.choices):
         c = acc.choices[index]
         logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
+        text = "".join(c.text)
+        message = ChatResponseMessage(content=text)
+        finish = c.finish_reason
+        if reader.active:
+            parsed = reader.parse(text)
+            message = ChatResponseMessage(
+                content=parsed.content,
+                reasoning_content=parsed.reasoning,
+                tool_calls=tool_call_items(parsed.calls) if parsed.calls else None,
+            )
+            finish = _finish_reason(finish, len(parsed.calls))
         choices.append(
             ChatChoice(
                 index=index,
-                message=ChatResponseMessage(content="".join(c.text)),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
         )
@@ -192,11 +243,13 @@ async def _chunks(
     acc: Accumulator,
     built: BuiltParams,
     top: int | None,
+    reader: AnswerReader,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
+    answers: dict[int, AnswerStream] = {}
 
     def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> bytes:
         c = ChatCompletionChunk(
@@ -215,10 +268,19 @@ async def _chunks(
         while item is not None:
             p, out = item
             acc.add(p, out, keep=False)
-            choices = [_delta(acc.index(p, c), c, top) for c in out.outputs]
-            choices = [c for c in choices if c is not None]
-            if choices:
-                yield chunk(choices, acc.usage() if continuous else None)
+            groups: list[list[ChatChunkChoice]] = []
+            for c in out.outputs:
+                index = acc.index(p, c)
+                if reader.active:
+                    answer = answers.setdefault(index, reader.stream())
+                    groups.append(_parsed_deltas(index, c, top, answer))
+                else:
+                    delta = _delta(index, c, top)
+                    groups.append([delta] if delta is not None else [])
+            # one chunk per step with each choice's first delta; tool-call deltas after it
+            for k in range(max((len(g) for g in groups), default=0)):
+                choices = [g[k] for g in groups if len(g) > k]
+                yield chunk(choices, acc.usage() if continuous and k == 0 else None)
             item = await anext(stream, None)
         if include_usage:
             yield chunk([], acc.usage())
@@ -242,3 +304,30 @@ def _delta(index: int, c: Any, top: int | None) -> ChatChunkChoice | None:
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
     )
+
+
+def _parsed_deltas(
+    index: int, c: Any, top: int | None, answer: AnswerStream
+) -> list[ChatChunkChoice]:
+    """One output of a choice read by its AnswerStream: a delta with its text, reasoning and
+    logprobs, then one delta per tool-call piece; the finish reason on the last."""
+    d = answer.feed(c.text)
+    if c.finish_reason is not None:
+        end = answer.end()
+        d.content += end.content
+        d.reasoning += end.reasoning
+        d.tool_calls += end.tool_calls
+    logprobs = (
+        chat_logprobs(c.token_ids, c.logprobs, top) if top is not None and c.logprobs else None
+    )
+    out = []
+    if d.content or d.reasoning or logprobs is not None:
+        delta = DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None)
+        out.append(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs))
+    out += [ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=[t])) for t in d.tool_calls]
+    if c.finish_reason is not None:
+        if not out:
+            out.append(ChatChunkChoice(index=index, delta=DeltaMessage()))
+        out[-1].finish_reason = _finish_reason(c.finish_reason, answer.calls)
+        out[-1].stop_reason = c.stop_reason
+    return out

@@ -69,6 +69,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = BatonConfig.load(args.config, **serve_overrides(args))
     _show_server_logs()
+    if config.server.log_format == "json":
+        from baton_openai.json_logs import use_json_logs
+
+        use_json_logs()
     if args.access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = OpenAIServer(config, access_log=args.access_log)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
+from baton_openai.admission import Ticket
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -19,6 +19,7 @@ from baton_openai.logprobs import completion_logprobs
 from baton_openai.openapi import GENERATION_ERRORS, error_responses, streaming_ok
 from baton_openai.params import BuiltParams, build_params
 from baton_openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from baton_openai.request_id import engine_request_id
 from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
 
 #: Bodies decoded in pieces: a large one does not stop the event loop while it is parsed.
@@ -88,20 +89,38 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
             ids_list.append(ids)
         return texts, ids_list, built_list
 
+    ticket = ctx.queue.admit(len(prompts))  # a 429 when server.max_queued_requests are waiting
+    try:
+        return await _generate(req, raw, ctx, prompts, prepare, ticket)
+    finally:
+        ticket.close()  # the first outputs are in (or the request failed): no longer queued
+
+
+async def _generate(
+    req: CompletionRequest,
+    raw: Request,
+    ctx: ServerContext,
+    prompts: list[Any],
+    prepare: Any,
+    ticket: Ticket,
+) -> Response | CompletionResponse:
+    engine = ctx.engine
     pre = ctx.preprocess
     texts, ids_list, built_list = await pre.run(
         prepare, deadline=pre.deadline(), what="tokenizing the prompt", param="prompt"
     )
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = engine_request_id(raw, "cmpl")
     stream = merge(
         [
-            engine.generate(
-                {"prompt": t, "prompt_token_ids": ids},
-                b.params,
-                f"{request_id}-{i}",
-                priority=b.scheduling.priority,
-                user=req.user,
-                scheduling=b.scheduling,
+            ticket.track(
+                engine.generate(
+                    {"prompt": t, "prompt_token_ids": ids},
+                    b.params,
+                    f"{request_id}-{i}",
+                    priority=b.scheduling.priority,
+                    user=req.user,
+                    scheduling=b.scheduling,
+                )
             )
             for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))
         ]

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from baton import AsyncLLM
+from baton_openai.admission import QueueGate
 from baton_openai.errors import OpenAIError
+from baton_openai.parser_types import ReasoningParser, ToolParser
 from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import SamplingFields
+from baton_openai.tool_parsers import HermesToolParser
 
 log = logging.getLogger("baton_openai")
 
@@ -27,6 +30,12 @@ class ServerContext:
     api_key: str | None = None
     #: The prometheus stat logger the engine feeds (None when stats are off).
     metrics: Any = None
+    #: Requests waiting for their first token (server.max_queued_requests).
+    queue: QueueGate = field(default_factory=lambda: QueueGate(None))
+    #: Reads tool calls out of answers (server.tool_call_parser).
+    tool_parser: ToolParser = field(default_factory=HermesToolParser)
+    #: Splits reasoning out of answers (server.reasoning_parser); None: answers left whole.
+    reasoning_parser: ReasoningParser | None = None
 
     @classmethod
     def of(cls, request: Request) -> ServerContext:

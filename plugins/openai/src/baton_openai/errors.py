@@ -41,13 +41,20 @@ class OpenAIError(Exception):
     """An error response; raise it anywhere in a handler."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        #: Extra response headers (Retry-After on a 429).
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, self.param, self.code)
@@ -117,7 +124,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -4,6 +4,12 @@ Each logger owns its own CollectorRegistry (never the process-global one), so
 several servers in one process do not collide; the server serves
 ``generate_latest(logger.registry)`` at /metrics. Names follow Prometheus
 conventions (``baton_`` prefix, base units, counters end in ``_total``).
+
+``[observability.prometheus] metric_names`` chooses the names: ``baton``
+(default), ``vllm`` (vLLM's: ``vllm:`` prefix, the same histograms and buckets,
+plus ``vllm:time_per_output_token_seconds``, so dashboards made for vLLM work)
+or ``both``. ``baton_requests_rejected_total`` (the server's 429s) has no vLLM
+counterpart and is there whatever the choice.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from baton.config import BatonConfig
 from baton.metrics.stats import IterationStats
 from baton.protocol import SchedulerStats
+from baton_openai.metrics_settings import PrometheusSettings
 
 TTFT_BUCKETS = (
     0.001,
@@ -86,6 +93,96 @@ REQUEST_LATENCY_BUCKETS = (
     7680.0,
 )
 FINISH_REASONS = ("stop", "length", "abort", "error")
+#: The metric-name prefix of each naming scheme.
+PREFIXES = {"baton": "baton_", "vllm": "vllm:"}
+
+
+class _Families:
+    """The metric families of one naming scheme (``prefix``: ``baton_`` or ``vllm:``)."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, labels: list[str]) -> None:
+        self.running = Gauge(
+            f"{prefix}num_requests_running", "Requests in the running batch.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            f"{prefix}num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            labels,
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            f"{prefix}kv_cache_usage_perc",
+            "Fraction of KV-cache blocks held by requests (0..1).",
+            labels,
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            f"{prefix}prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            f"{prefix}prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            labels,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            f"{prefix}num_preemptions", "Requests preempted (recomputed).", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            f"{prefix}prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{prefix}generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        self.success = Counter(
+            f"{prefix}request_success",
+            "Finished requests by finish reason (abort: cancelled or disconnected).",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{prefix}time_to_first_token_seconds",
+            "Time to first token (arrival to first token).",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = [
+            Histogram(
+                f"{prefix}inter_token_latency_seconds",
+                "Time between two outputs of one request.",
+                labels,
+                buckets=ITL_BUCKETS,
+                registry=r,
+            )
+        ]
+        if prefix == PREFIXES["vllm"]:  # vLLM's older name for the same figure
+            self.itl.append(
+                Histogram(
+                    f"{prefix}time_per_output_token_seconds",
+                    "Time between two outputs of one request (vLLM's older name).",
+                    labels,
+                    buckets=ITL_BUCKETS,
+                    registry=r,
+                )
+            )
+        self.e2e = Histogram(
+            f"{prefix}e2e_request_latency_seconds",
+            "Arrival to finish, per finished request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            f"{prefix}request_queue_time_seconds",
+            "Time waiting before first scheduled, per finished request.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
 
 
 class PrometheusStatLogger:
@@ -96,82 +193,29 @@ class PrometheusStatLogger:
         prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry()
         self.model_name = config.server.served_model_name or config.model.name
+        names = settings.metric_names if isinstance(settings, PrometheusSettings) else "baton"
+        schemes = ["baton", "vllm"] if names == "both" else [names]
         labels = ["model_name", "engine"]
-        r = self.registry
-        self._running = Gauge(
-            "baton_num_requests_running", "Requests in the running batch.", labels, registry=r
+        self._families = [_Families(self.registry, PREFIXES[s], labels) for s in schemes]
+        self._rejected = Counter(
+            "baton_requests_rejected",
+            "Requests the server refused before running them (queue_full: a 429).",
+            ["model_name", "reason"],
+            registry=self.registry,
         )
-        self._waiting = Gauge(
-            "baton_num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r
-        )
-        self._kv_usage = Gauge(
-            "baton_kv_cache_usage_perc",
-            "Fraction of KV-cache blocks held by requests (0..1).",
-            labels,
-            registry=r,
-        )
-        self._prefix_queries = Counter(
-            "baton_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self._prefix_hits = Counter(
-            "baton_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self._preemptions = Counter(
-            "baton_num_preemptions", "Requests preempted (recomputed).", labels, registry=r
-        )
-        self._prompt_tokens = Counter(
-            "baton_prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r
-        )
-        self._generation_tokens = Counter(
-            "baton_generation_tokens", "Generated tokens.", labels, registry=r
-        )
-        self._success = Counter(
-            "baton_request_success",
-            "Finished requests by finish reason (abort: cancelled or disconnected).",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
-        self._ttft = Histogram(
-            "baton_time_to_first_token_seconds",
-            "Time to first token (arrival to first token).",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self._itl = Histogram(
-            "baton_inter_token_latency_seconds",
-            "Time between two outputs of one request.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self._e2e = Histogram(
-            "baton_e2e_request_latency_seconds",
-            "Arrival to finish, per finished request.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._queue = Histogram(
-            "baton_request_queue_time_seconds",
-            "Time waiting before first scheduled, per finished request.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._per_engine: dict[int, _EngineMetrics] = {}
+        self._rejected.labels(self.model_name, "queue_full")
+        self._per_engine: dict[int, list[_EngineMetrics]] = {}
         self._engine(engine_index)  # expose zeros before the first request
 
-    def _engine(self, index: int) -> _EngineMetrics:
+    def count_rejected(self, reason: str) -> None:
+        """One request refused by the server (``reason``: queue_full)."""
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def _engine(self, index: int) -> list[_EngineMetrics]:
         m = self._per_engine.get(index)
         if m is None:
-            m = self._per_engine[index] = _EngineMetrics(self, (self.model_name, str(index)))
+            labels = (self.model_name, str(index))
+            m = self._per_engine[index] = [_EngineMetrics(f, labels) for f in self._families]
         return m
 
     def record(
@@ -180,56 +224,62 @@ class PrometheusStatLogger:
         iteration_stats: IterationStats | None,
         engine_index: int = 0,
     ) -> None:
-        m = self._engine(engine_index)
-        if scheduler_stats is not None:
-            s = scheduler_stats
-            m.running.set(s.num_running_reqs)
-            m.waiting.set(s.num_waiting_reqs)
-            m.kv_usage.set(s.kv_cache_usage)
-            if s.prefix_cache_queries:
-                m.prefix_queries.inc(s.prefix_cache_queries)
-            if s.prefix_cache_hits:
-                m.prefix_hits.inc(s.prefix_cache_hits)
-            if s.num_preemptions:
-                m.preemptions.inc(s.num_preemptions)
-        if iteration_stats is not None:
-            it = iteration_stats
-            if it.num_prompt_tokens:
-                m.prompt_tokens.inc(it.num_prompt_tokens)
-            if it.num_generation_tokens:
-                m.generation_tokens.inc(it.num_generation_tokens)
-            for v in it.time_to_first_tokens:
-                m.ttft.observe(v)
-            for v in it.inter_token_latencies:
-                m.itl.observe(v)
-            for f in it.finished_requests:
-                m.success[f.finish_reason].inc()
-                m.e2e.observe(f.e2e_latency)
-                m.queue.observe(f.queue_time)
+        for m in self._engine(engine_index):
+            m.record(scheduler_stats, iteration_stats)
 
     def log(self) -> None:
         """Nothing to do: Prometheus scrapes /metrics."""
 
 
 class _EngineMetrics:
-    """The labelled children of one engine (looked up once, not per step)."""
+    """The labelled children of one engine in one naming scheme (looked up once, not per step)."""
 
-    def __init__(self, p: PrometheusStatLogger, labels: tuple[str, str]) -> None:
-        self.running = p._running.labels(*labels)
-        self.waiting = p._waiting.labels(*labels)
-        self.kv_usage = p._kv_usage.labels(*labels)
-        self.prefix_queries = p._prefix_queries.labels(*labels)
-        self.prefix_hits = p._prefix_hits.labels(*labels)
-        self.preemptions = p._preemptions.labels(*labels)
-        self.prompt_tokens = p._prompt_tokens.labels(*labels)
-        self.generation_tokens = p._generation_tokens.labels(*labels)
-        self.ttft = p._ttft.labels(*labels)
-        self.itl = p._itl.labels(*labels)
-        self.e2e = p._e2e.labels(*labels)
-        self.queue = p._queue.labels(*labels)
-        self.success = _LazyLabels(p._success, labels)
+    def __init__(self, f: _Families, labels: tuple[str, str]) -> None:
+        self.running = f.running.labels(*labels)
+        self.waiting = f.waiting.labels(*labels)
+        self.kv_usage = f.kv_usage.labels(*labels)
+        self.prefix_queries = f.prefix_queries.labels(*labels)
+        self.prefix_hits = f.prefix_hits.labels(*labels)
+        self.preemptions = f.preemptions.labels(*labels)
+        self.prompt_tokens = f.prompt_tokens.labels(*labels)
+        self.generation_tokens = f.generation_tokens.labels(*labels)
+        self.ttft = f.ttft.labels(*labels)
+        self.itl = [h.labels(*labels) for h in f.itl]
+        self.e2e = f.e2e.labels(*labels)
+        self.queue = f.queue.labels(*labels)
+        self.success = _LazyLabels(f.success, labels)
         for reason in FINISH_REASONS:
             self.success[reason]
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        if scheduler_stats is not None:
+            s = scheduler_stats
+            self.running.set(s.num_running_reqs)
+            self.waiting.set(s.num_waiting_reqs)
+            self.kv_usage.set(s.kv_cache_usage)
+            if s.prefix_cache_queries:
+                self.prefix_queries.inc(s.prefix_cache_queries)
+            if s.prefix_cache_hits:
+                self.prefix_hits.inc(s.prefix_cache_hits)
+            if s.num_preemptions:
+                self.preemptions.inc(s.num_preemptions)
+        if iteration_stats is not None:
+            it = iteration_stats
+            if it.num_prompt_tokens:
+                self.prompt_tokens.inc(it.num_prompt_tokens)
+            if it.num_generation_tokens:
+                self.generation_tokens.inc(it.num_generation_tokens)
+            for v in it.time_to_first_tokens:
+                self.ttft.observe(v)
+            for v in it.inter_token_latencies:
+                for h in self.itl:
+                    h.observe(v)
+            for f in it.finished_requests:
+                self.success[f.finish_reason].inc()
+                self.e2e.observe(f.e2e_latency)
+                self.queue.observe(f.queue_time)
 
 
 class _LazyLabels(dict[str, Any]):

@@ -89,10 +89,12 @@ def build_params(
     prompt_param: str,
     logprobs: int | None,
     logprobs_param: str = "logprobs",
+    tool_spec: StructuredOutputSpec | None = None,
 ) -> BuiltParams:
     """SamplingParams for one prompt, checked against the model (baton.validation.check_request).
 
     ``max_tokens=None`` takes the room the prompt leaves in the context. Output streams as deltas.
+    ``tool_spec``: the constraint of tool_choice required / a named function (tools.py).
     """
     check_unsupported(req)
     names = {
@@ -102,6 +104,15 @@ def build_params(
         "prompt_token_ids": prompt_param,
     }
     spec, structured_param = structured_spec(req)
+    if tool_spec is not None:
+        if spec is not None:
+            raise OpenAIError(
+                f"tool_choice required or a named function constrains the answer to a call, so "
+                f"it cannot be combined with {structured_param}",
+                param=structured_param,
+                code="invalid_value",
+            )
+        spec, structured_param = tool_spec, "tools"
     room = max(info.max_model_len - len(prompt_token_ids), 1)  # too long a prompt: check says so
     try:
         params = SamplingParams(

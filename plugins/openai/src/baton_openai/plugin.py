@@ -36,4 +36,6 @@ def register_commands(register: Any) -> None:
 
 @hookimpl
 def register_stat_loggers(register: Any) -> None:
-    register("prometheus", create_prometheus_logger)
+    from baton_openai.metrics_settings import PrometheusSettings
+
+    register("prometheus", create_prometheus_logger, PrometheusSettings)

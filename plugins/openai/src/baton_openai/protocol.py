@@ -149,6 +149,38 @@ def _message_fields_bounded(messages: Any) -> Any:
     return messages  # a longer list is refused by max_length
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: Annotated[dict[str, Any], Bounded] | None = None
+    """The arguments' JSON schema (none: any JSON object)."""
+    strict: bool | None = None
+    """Accepted; arguments follow the schema when tool_choice is required or names the
+    function (the answer is constrained), not with auto."""
+
+
+class ChatTool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[
         list[ChatMessage],
@@ -158,8 +190,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, lt=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[list[dict[str, Any]], Bounded] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[ChatTool], Bounded] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[str, Any], Bounded] | None = None
 
@@ -265,9 +298,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -288,9 +335,23 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -33,6 +33,7 @@ from baton.config import BatonConfig
 from baton_openai.address import bind_sockets, is_loopback
 from baton_openai.app import build_app
 from baton_openai.connection import protocol_class
+from baton_openai.parsers import ParserRegistry
 
 log = logging.getLogger("baton_openai")
 
@@ -141,6 +142,8 @@ class OpenAIServer:
         """
         self.loop = asyncio.get_running_loop()
         srv = self.config.server
+        parsers = ParserRegistry.load()
+        parsers.check(srv.tool_call_parser, srv.reasoning_parser)  # before the model loads
         sockets = [sock] if sock is not None else bind_sockets(srv.host, srv.port)
         if srv.api_key is None and not is_loopback(srv.host):
             log.warning(
@@ -159,7 +162,7 @@ class OpenAIServer:
         watcher: asyncio.Task[None] | None = None
         app = None
         try:
-            app = build_app(engine, self.config)
+            app = build_app(engine, self.config, parsers)
             # The model, torch and the app are ~500k objects that live as long as the server;
             # a full garbage collection walks them all (0.3 s here, the event loop stopped),
             # triggered by any request that allocates many objects. Frozen, they are skipped.
