@@ -5,7 +5,10 @@ through a real entry point."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
+import types
+from pathlib import Path
 
 import pytest
 
@@ -258,3 +261,33 @@ def test_parsers_are_found_through_the_entry_point_group(tmp_path, monkeypatch):
     assert "upper" in registry.names("tool")
     assert registry.entries["tool"]["upper"].distribution == "baton-parsers-demo"
     assert "upper" not in ParserRegistry.load(autoload=False).names("tool")
+
+
+def docs_examples() -> list[types.ModuleType]:
+    """The python examples of docs/hooks.md's baton-plugin-openai section, as modules."""
+    text = (Path(__file__).parents[3] / "docs" / "hooks.md").read_text()
+    section = text.split("## Hooks of baton-plugin-openai", 1)[1]
+    modules = []
+    for i, code in enumerate(re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)):
+        module = types.ModuleType(f"baton_openai_docs_example_{i}")
+        exec(compile(code, f"docs/hooks.md:openai-{i}", "exec"), module.__dict__)
+        modules.append(module)
+    return modules
+
+
+def test_hooks_md_parser_examples_run():
+    tool_example, reasoning_example = docs_examples()
+    registry = ParserRegistry.load(extra=[tool_example, reasoning_example], autoload=False)
+    lines = registry.tool_parser("lines")
+    parsed = lines.parse('Sure.\nCALL get_weather {"city": "Paris"}')
+    assert parsed.content == "Sure." and parsed.calls[0].name == "get_weather"
+    _, calls = streamed(lines, ["Sure.\nCALL get_", 'weather {"city": "Paris"}'])
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    analysis = registry.reasoning_parser("analysis")
+    assert analysis.split("think a bit\nFINAL: 42").model_dump() == {
+        "reasoning": "think a bit",
+        "content": "42",
+    }
+    s = analysis.stream()
+    events = s.feed("x FINAL") + s.feed(": y") + s.end()
+    assert [(e.kind, e.text) for e in events] == [("reasoning", "x"), ("content", "y")]

@@ -41,12 +41,13 @@ _WHY = {
     404: "The request names a model this server does not serve",
     408: "The request's headers or body did not arrive within server.header_timeout / body_timeout",
     413: "The request body is larger than server.max_request_bytes",
+    429: "server.max_queued_requests requests are waiting for their first token (Retry-After)",
     500: "An internal error (a bug: no request content leads here)",
     503: "The engine is dead or shutting down, or every preprocessing worker is busy",
 }
 
 #: The errors of a /v1 route that takes a JSON body and runs a generation.
-GENERATION_ERRORS = (400, 401, 404, 408, 413, 500, 503)
+GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
