@@ -186,6 +186,44 @@ def test_config_check_prints_the_errors_and_fails(argv, fragment, capsys):
     assert "Traceback" not in captured.err
 
 
+def test_config_check_reports_value_errors_and_plugin_problems_at_once(tmp_path, capsys):
+    toml = tmp_path / "baton.toml"
+    toml.write_text(
+        '[model]\nmax_model_len = "lots"\n'  # its default is None: still put back
+        "[cache]\nblock_size = 0\n"
+        '[scheduler]\npolicy = "nope"\nmax_num_seqs = -1\n'
+        "[transport.zmq]\nhvm = 3\n"
+    )
+    assert main(["config", "check", str(toml), "--set", "executor.num_threads=0"]) == 1
+    err = capsys.readouterr().err
+    assert "6 problems in the configuration" in err and "were not checked" not in err
+    for fragment in (
+        "model.max_model_len: Input should be a valid integer",
+        "cache.block_size: Input should be greater than 0 (got 0)",
+        "scheduler.max_num_seqs: Input should be greater than 0 (got -1)",
+        "executor.num_threads: Input should be greater than 0",
+        "scheduler policy 'nope' is not installed",
+        "transport.zmq.hvm: unknown setting of transport 'zmq'",
+    ):
+        assert fragment in err, fragment
+    assert main(["config", "check", str(toml), "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] is False and len(result["problems"]) == 5
+    assert result["problems"][0].endswith(
+        "model.max_model_len: Input should be a valid "
+        "integer, unable to parse string as an integer (got 'lots')"
+    )
+    assert "scheduler policy 'nope'" in result["problems"][3]
+
+
+def test_config_check_stops_before_the_plugins_on_a_check_across_sections(capsys):
+    argv = ["--set", "model.quantization=int8", "--set", "executor.tensor_parallel_size=2"]
+    assert main(["config", "check", *argv, "--policy", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "tensor-parallel shards are not quantized" in err
+    assert "the plugins were not checked" in err and "'nope'" not in err
+
+
 def test_config_check_reads_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("BATON_SCHEDULER__POLICY", "no-such-policy")
     assert main(["config", "check"]) == 1

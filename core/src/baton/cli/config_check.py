@@ -5,6 +5,11 @@ flags and ``--set``), then runs ``baton.engine.plugin_check.check_config_plugins
 check ``LLM`` / ``AsyncLLM`` and the engine core run before anything loads: the selected
 plugins are installed, every plugin sub-table belongs to an installed plugin and passes its
 settings model. It prints what is selected and exits 0, or prints the errors and exits 1.
+
+Every problem is reported at once: a value the config model refuses (``cache.block_size =
+0``) is listed, put back to its default, and the config built again, so that the plugin
+check still runs on the rest. Only a refusal that names no single field (a check across
+sections) stops it before the plugins are checked.
 """
 
 from __future__ import annotations
@@ -14,12 +19,19 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import pydantic
 
 from baton.cli.main import add_engine_arguments, engine_overrides
 from baton.errors import BatonError, ConfigError
+
+if TYPE_CHECKING:
+    from baton.config import BatonConfig
+
+#: Passes of "reset the refused values, build again" (a pass may reveal a cross-field check).
+MAX_PASSES = 4
 
 
 def config_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -35,8 +47,8 @@ def config_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
 
 def run_check(args: argparse.Namespace) -> int:
     """Check the configuration ``args`` describe; 0 when valid, 1 with the errors printed."""
-    from baton.config import CONFIG_ENV, BatonConfig
-    from baton.engine.plugin_check import check_config_plugins
+    from baton.config import CONFIG_ENV
+    from baton.engine.plugin_check import combined, find_plugin_problems
     from baton.plugins import get_registry
 
     if args.file and args.config and args.file != args.config:
@@ -46,16 +58,23 @@ def run_check(args: argparse.Namespace) -> int:
     path = args.file or args.config
     source = path or os.environ.get(CONFIG_ENV) or None  # the file BatonConfig.load reads
     registry = get_registry()
-    try:
-        config = BatonConfig.load(path, **engine_overrides(args))
-        selected = check_config_plugins(config, registry)
-    except BatonError as e:
+    config, problems = load_config(path, engine_overrides(args))
+    selected = []
+    if config is not None:
+        selected, plugin_problems = find_plugin_problems(config, registry)
+        problems += plugin_problems
+    if problems:
+        e = combined(problems)
         if args.json:
-            print(json.dumps({"ok": False, "config": source, "error": str(e)}, indent=2))
+            shown = {"ok": False, "config": source, "error": str(e)}
+            print(json.dumps(shown | {"problems": [str(p) for p in problems]}, indent=2))
         else:
             print(f"baton config check: {source or 'defaults'}: invalid", file=sys.stderr)
             print(f"{type(e).__name__}: {e}", file=sys.stderr)
+            if config is None:
+                print("(the plugins were not checked: fix the values first)", file=sys.stderr)
         return 1
+    assert config is not None
     for plugin, dist, reason in registry.failed:
         print(f"warning: plugin {plugin!r} ({dist}) failed to load: {reason}", file=sys.stderr)
     rows: list[dict[str, Any]] = msgspec.to_builtins(selected)
@@ -75,3 +94,55 @@ def run_check(args: argparse.Namespace) -> int:
         if r["settings"] is not None:
             print(f"{'':<{width}}    settings: {json.dumps(r['settings'])}")
     return 0
+
+
+def load_config(
+    path: str | None, overrides: dict[str, Any]
+) -> tuple[BatonConfig | None, list[BatonError]]:
+    """The config, with each value the config model refused put back to its default, and one
+    ConfigError per refused value; None for the config when a refusal names no field."""
+    from baton.config import BatonConfig, nest_overrides
+
+    problems: list[BatonError] = []
+    nested: dict[str, dict[str, Any]] = nest_overrides(overrides)
+    reset: set[tuple[str, str]] = set()
+    for _ in range(MAX_PASSES):
+        try:
+            return BatonConfig.load(path, **nested), problems
+        except ConfigError as e:
+            refused = e.__context__  # load raises ``from None``: the pydantic error stays here
+            if not isinstance(refused, pydantic.ValidationError):
+                return None, [*problems, e]  # no file, a syntax error
+            header = str(e).split("\n", 1)[0].rstrip(":")
+            for err in refused.errors():
+                problems.append(ConfigError(f"{header}: {_describe(err)}"))
+                field = _field_of(err["loc"])
+                if field is None or field[:2] in reset:  # no one field, or its default refused
+                    return None, problems
+                section, name, default = field
+                nested.setdefault(section, {})[name] = default  # kept when None, unlike a flag
+                reset.add((section, name))
+    return None, problems
+
+
+def _describe(err: Any) -> str:
+    """One refused value as ``format_validation_error`` shows it."""
+    path = ".".join(str(p) for p in err["loc"])
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"{path}: {err['msg']}{shown}" if path else f"{err['msg']}{shown}"
+
+
+def _field_of(loc: tuple[Any, ...]) -> tuple[str, str, Any] | None:
+    """(section, field, its default) for the field ``loc`` is in; None when ``loc`` names no
+    field of a section (a check across fields or sections)."""
+    from baton.config import BatonConfig
+
+    if len(loc) < 2 or loc[0] not in BatonConfig.model_fields:
+        return None
+    section = BatonConfig.model_fields[str(loc[0])].annotation
+    fields = getattr(section, "model_fields", {})
+    name = next((n for n, f in fields.items() if loc[1] in (n, f.alias, f.validation_alias)), None)
+    if name is None:
+        return None
+    return str(loc[0]), name, fields[name].get_default(call_default_factory=True)

@@ -42,6 +42,16 @@ def check_config_plugins(
     plugin and its settings). ``skip``: kinds the caller supplies itself (an executor instance).
     The error raised has the type of the first problem found and the text of all of them.
     """
+    selected, errors = find_plugin_problems(config, registry, skip)
+    if errors:
+        raise combined(errors)
+    return selected
+
+
+def find_plugin_problems(
+    config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()
+) -> tuple[list[Selected], list[BatonError]]:
+    """``check_config_plugins``'s checks: the plugins that passed, and every problem found."""
     errors: list[BatonError] = []
     selected: list[Selected] = []
     done: set[tuple[str, str]] = set()  # (kind, name) whose sub-table was checked
@@ -59,9 +69,7 @@ def check_config_plugins(
             selected.append(_selection(kind, entry, settings))
     for section in SECTIONS:
         errors += _check_sub_tables(config, section, registry, done)
-    if errors:
-        raise _combined(errors)
-    return selected
+    return selected, errors
 
 
 def _selected_names(kind: PluginKind, config: BatonConfig, registry: Registry) -> list[str]:
@@ -111,7 +119,8 @@ def _check_sub_tables(
     return errors
 
 
-def _combined(errors: list[BatonError]) -> BatonError:
+def combined(errors: list[BatonError]) -> BatonError:
+    """One error for ``errors``: the first's type, every message."""
     if len(errors) == 1:
         return errors[0]
     lines = "\n".join(f"  - {str(e).replace(chr(10), chr(10) + '    ')}" for e in errors)
