@@ -126,6 +126,8 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "KVShape",
         "model_config",
     ),
+    "baton.executor.group": ("WorkerGroup",),
+    "baton.executor.member": ("MemberLink", "Member", "Message", "READY", "SHUTDOWN"),
     "baton.executor.multiproc": ("MultiprocExecutor",),
     "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
     "baton.executor.latch": ("FailureLatch",),

@@ -1,13 +1,10 @@
-"""Starting the workers of a multiprocess executor: settings, device, channel, processes.
+"""What a multiprocess executor's workers need: settings, device, channel, per-rank arguments.
 
-Workers are started with the "spawn" method (a fresh interpreter: no CUDA or
-thread state inherited) as daemonic processes, so they also end with their
-parent; each also watches ``os.getppid()`` itself (``Heartbeats.start_beating``).
+The processes themselves are started by ``baton.executor.group.WorkerGroup``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from typing import Any, Literal
 
@@ -95,35 +92,24 @@ def worker_config(config: BatonConfig, rank: int, world_size: int, device: str) 
     )
 
 
-def spawn_workers(
-    ex: Any, transport: Any, backend: str, device: str, store_port: int
-) -> list[multiprocessing.process.BaseProcess]:
-    """Start one process per rank of executor ``ex`` (a MultiprocExecutor)."""
+def worker_args(ex: Any, backend: str, device: str, store_port: int) -> list[Any]:
+    """Each rank's WorkerBootstrap for executor ``ex`` (a MultiprocExecutor), in rank order:
+    what ``WorkerGroup.start`` hands to ``baton.worker.worker_proc.worker_main``."""
     from baton.plugins import get_registry
-    from baton.worker.worker_proc import WorkerBootstrap, worker_main
+    from baton.worker.worker_proc import WorkerBootstrap
 
-    ctx = multiprocessing.get_context("spawn")
     fingerprint = get_registry().fingerprint()
-    procs = []
-    for rank in range(ex.world_size):
-        boot = WorkerBootstrap(
+    return [
+        WorkerBootstrap(
             config=worker_config(ex.config, rank, ex.world_size, device),
             rank=rank,
             tp_size=ex.tp_size,
             pp_size=ex.pp_size,
             backend=backend,
             store_port=store_port,
-            transport=transport,
-            address=ex.channel.address,
             runner=ex.runner,
             parent_fingerprint=fingerprint,
-            parent_pid=os.getpid(),
             dist_timeout_s=ex.settings.dist_timeout,
-            heartbeats=ex.heartbeats,
         )
-        p = ctx.Process(
-            target=worker_main, args=(boot,), name=f"baton-{ex.name}-worker-{rank}", daemon=True
-        )
-        p.start()
-        procs.append(p)
-    return procs
+        for rank in range(ex.world_size)
+    ]

@@ -1,10 +1,11 @@
 """A worker process of a multiprocess executor: one rank of a tensor x pipeline parallel group.
 
-Start-up: connect the engine end of the executor's channel -> check the plugin
-set against the parent's -> join the torch.distributed group (gloo on CPU, NCCL
+It is the target of the executor's ``WorkerGroup`` (baton.executor.group).
+Start-up: join the group (heartbeat, this rank's end of the channel) -> check the
+plugin set against the parent's -> join the torch.distributed group (gloo on CPU, NCCL
 on CUDA; rendezvous at the executor's TCPStore on 127.0.0.1) -> build the
 Worker with the executor's runner factory and load this rank's shard -> READY.
-Then serve messages in order (``baton.executor.wire``) until SHUTDOWN.
+Then serve the calls in order (``baton.executor.wire``) until SHUTDOWN.
 
 Every rank runs every step; only the driver (tp rank 0 of the last stage)
 answers EXECUTE and SAMPLE. A driver whose step waits for a grammar bitmask
@@ -34,6 +35,7 @@ from typing import Any
 from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
+from baton.executor.member import Member, MemberLink, Message
 from baton.executor.wire import Kind
 from baton.process_exit import exit_now
 
@@ -53,13 +55,9 @@ class WorkerBootstrap:
     pp_size: int
     backend: str  # "gloo" | "nccl"
     store_port: int
-    transport: Any
-    address: Any
     runner: Any  # a baton.interfaces.RunnerFactory (pickled by reference)
     parent_fingerprint: list[tuple[str, str, str, str]]
-    parent_pid: int
     dist_timeout_s: float
-    heartbeats: Any  # baton.executor.heartbeat.Heartbeats: this rank beats in its slot
 
 
 class StepStats:
@@ -120,13 +118,13 @@ def reset_parallel_stats(worker: Any) -> None:
 
 
 class WorkerProc:
-    """One rank: its channel, its distributed context and its Worker."""
+    """One rank: its end of the group's channel, its distributed context and its Worker."""
 
-    def __init__(self, boot: WorkerBootstrap, channel: Any) -> None:
+    def __init__(self, boot: WorkerBootstrap, member: Member) -> None:
         from baton.plugins import get_registry
 
         self.boot = boot
-        self.channel = channel
+        self.member = member
         self.rank = boot.rank
         registry = get_registry()  # plugins load in every process the kernel spawns
         ours = registry.fingerprint()
@@ -145,7 +143,7 @@ class WorkerProc:
         self.worker.init_device()
         self.worker.load_model()
         self._encoder = self._decoders = None
-        self._deferred: deque[list[Any]] = deque()
+        self._deferred: deque[Message] = deque()
         self._awaiting_sample = False
 
     def _init_distributed(self) -> Any:
@@ -179,13 +177,13 @@ class WorkerProc:
 
     # ------------------------------------------------------------------ messages
 
-    def _send(self, kind: Kind, call_id: int, payload: list[Any], ok: bool = True) -> None:
-        self.channel.send([wire.reply(kind, call_id, self.rank, ok), *payload])
+    def _send(self, kind: Kind, call_id: int, payload: list[Any]) -> None:
+        self.member.reply(kind, call_id, payload)
 
-    def _fail(self, kind: Kind, call_id: int, error: BaseException) -> None:
+    def _fail(self, kind: int, call_id: int, error: BaseException) -> None:
         text = f"worker {self.rank} ({type(error).__name__}): {error}"
         log.error("%s\n%s", text, "".join(traceback.format_exception(error)))
-        self._send(kind, call_id, [text.encode()], ok=False)
+        self.member.reply_error(kind, call_id, text)
 
     def serve(self) -> None:
         from baton.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
@@ -197,24 +195,25 @@ class WorkerProc:
         self._out_type = ModelRunnerOutput
         while True:
             if self._deferred and not self._awaiting_sample:
-                frames = self._deferred.popleft()
+                msg = self._deferred.popleft()
                 waited_since = float("inf")
             else:
                 waited_since = time.monotonic()
-                frames = self.channel.recv(timeout=0.5)
-                if frames is None:
+                got = self.member.recv(timeout=0.5)
+                if got is None:
                     continue
-            kind, call_id, sent_at = wire.REQUEST.unpack(bytes(frames[0]))
+                msg = got
+            kind, call_id, sent_at, payload = msg
             if kind == Kind.SHUTDOWN:
                 return
             if kind == Kind.EXECUTE and self._awaiting_sample:
-                self._deferred.append(frames)  # after the pending step's SAMPLE
+                self._deferred.append(msg)  # after the pending step's SAMPLE
                 continue
             delivery = time.monotonic() - sent_at if waited_since <= sent_at else None
             try:
-                self._handle(Kind(kind), call_id, frames[1:], delivery)
+                self._handle(Kind(kind), call_id, payload, delivery)
             except Exception as e:  # reported; the executor fails and shuts every rank down
-                self._fail(Kind(kind) if kind in Kind._value2member_map_ else Kind.RPC, call_id, e)
+                self._fail(kind, call_id, e)
 
     def _handle(self, kind: Kind, call_id: int, payload: list[Any], delivery: float | None) -> None:
         if kind == Kind.EXECUTE:
@@ -269,35 +268,35 @@ class WorkerProc:
         except RuntimeError as e:  # a peer died: its connections are gone, nothing left to flush
             log.info("worker %d: closing the process group: %s", self.rank, e)
         finally:
-            self.channel.close()
+            self.member.close()
 
 
-def worker_main(boot: WorkerBootstrap) -> None:
-    """Entry point of a worker process."""
+def worker_main(link: MemberLink, boot: WorkerBootstrap) -> None:
+    """Entry point of a worker process (``WorkerGroup.start``'s target)."""
     cfg = boot.config
     logging.basicConfig(
         level=cfg.observability.log_level,
         format=f"%(asctime)s %(levelname)s worker{boot.rank} %(name)s: %(message)s",
     )
-    boot.heartbeats.start_beating(boot.rank, boot.parent_pid)
-    channel = boot.transport.connect_engine(boot.address, boot.rank)
+    member = link.join()
     try:
-        proc = WorkerProc(boot, channel)
-        ready = wire.WorkerReady(
-            rank=boot.rank,
-            pid=os.getpid(),
-            model_info=proc.worker.get_model_info(),
-            capabilities=proc.worker.get_model_capabilities(),
+        proc = WorkerProc(boot, member)
+        member.ready(
+            wire.WorkerReady(
+                rank=boot.rank,
+                pid=os.getpid(),
+                model_info=proc.worker.get_model_info(),
+                capabilities=proc.worker.get_model_capabilities(),
+            )
         )
-        channel.send([wire.reply(Kind.READY, 0, boot.rank), pickle.dumps(ready)])
     except BaseException as e:
         text = f"worker {boot.rank} failed to start: {type(e).__name__}: {e}"
         log.error("%s\n%s", text, "".join(traceback.format_exception(e)))
         try:
-            channel.send([wire.reply(Kind.READY, 0, boot.rank, ok=False), text.encode()])
+            member.reply_error(Kind.READY, 0, text)
             time.sleep(0.1)  # let the frame leave before the channel closes
         finally:
-            channel.close()
+            member.close()
         raise SystemExit(1) from None
     try:
         proc.serve()

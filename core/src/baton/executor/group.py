@@ -1,0 +1,422 @@
+"""A group of worker processes and the broadcast channel to them, for building an executor.
+
+``WorkerGroup(name, transport, world_size)`` holds the client end of a
+multiprocess transport's channel (``create_client(num_engines=world_size)``).
+``start(target, args)`` spawns one process per rank ("spawn": a fresh
+interpreter, daemonic) running ``target(link, args[rank])``; the worker joins
+with ``link.join()`` (``baton.executor.member``) and answers the start-up call
+with ``Member.ready(value)``; ``start`` returns those values in rank order.
+
+``call(kind, payload, to=ranks)`` sends the same frames to every rank in ``to``
+(the broadcast) and returns a Future: the answers of those ranks in rank order,
+or, with ``reply_from=rank``, that one rank's answer alone. Answers are decoded
+by the call's ``decode`` (default: the first frame unpickled).
+
+One thread reads the answers and watches the processes. The group fails when a
+worker exits, reports an error (``Member.reply_error``), sends an unreadable
+answer, misses its heartbeats for ``heartbeat_timeout`` seconds (a stopped or
+frozen process) or leaves a call with ``fail_after`` unanswered that long (stuck
+in its main thread): the first failure trips the group's ``FailureLatch``,
+every pending call's Future raises ``ExecutorError``, the failure callbacks run
+once, and every later call raises. ``shutdown`` asks the workers to exit,
+kills those that do not, and ends the threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from baton.errors import BatonError, ExecutorError
+from baton.executor.heartbeat import Heartbeats
+from baton.executor.latch import FailureLatch
+from baton.executor.member import READY, REPLY, SHUTDOWN, MemberLink, request_header
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two looks at the workers' processes, heartbeats and call deadlines.
+WATCH_INTERVAL = 0.05
+
+
+def unpickle_first(frames: list[Any]) -> Any:
+    """The default answer decoder: the first frame unpickled (None for an empty answer)."""
+    return pickle.loads(frames[0]) if frames else None
+
+
+class _Call:
+    """A call waiting for answers from ``expect`` ranks."""
+
+    __slots__ = (
+        "chained",
+        "deadline",
+        "decode",
+        "expect",
+        "fail_after",
+        "future",
+        "id",
+        "kind",
+        "one",
+        "results",
+    )
+
+    def __init__(
+        self,
+        call_id: int,
+        kind: int,
+        expect: set[int],
+        fail_after: float | None,
+        decode: Callable[[list[Any]], Any],
+        one: bool,
+        chained: bool,
+    ) -> None:
+        self.id = call_id
+        self.kind = kind
+        self.expect = expect
+        self.fail_after = fail_after
+        self.deadline = time.monotonic() + fail_after if fail_after else None
+        self.decode = decode
+        self.one = one
+        self.chained = chained
+        self.results: dict[int, Any] = {}
+        self.future: Future[Any] = Future()
+
+
+class WorkerGroup:
+    """Worker processes, the broadcast of calls to them, and their failure (see the module docstring).
+
+    ``transport`` is a multiprocess baton transport (``baton.executor.workers.pick_transport``).
+    ``kind_names`` names call kinds in error messages; ``hang_hint`` says which setting a call's
+    ``fail_after`` came from (e.g. "executor step_timeout").
+    """
+
+    def __init__(
+        self,
+        name: str,
+        transport: Any,
+        world_size: int,
+        *,
+        heartbeat_timeout: float = 4.0,
+        kind_names: dict[int, str] | None = None,
+        hang_hint: str = "fail_after",
+    ) -> None:
+        self.name = name
+        self.transport = transport
+        self.world_size = world_size
+        self.heartbeat_timeout = heartbeat_timeout
+        self.kind_names = {READY: "ready", **(kind_names or {})}
+        self.hang_hint = hang_hint
+        #: The first failure, the failure callbacks, the closed state.
+        self.latch = FailureLatch(name)
+        #: Each worker's last heartbeat, watched by the reader thread.
+        self.heartbeats = Heartbeats(world_size)
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._done: queue.SimpleQueue[tuple[Future[Any], Any, BaseException | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"baton-{name}-reader", daemon=True
+        )
+        self._completer = threading.Thread(
+            target=self._complete_loop, name=f"baton-{name}-done", daemon=True
+        )
+        self.channel: Any = transport.create_client(world_size)
+
+    # ------------------------------------------------------------------ start
+
+    def start(
+        self,
+        target: Callable[[MemberLink, Any], None],
+        args: Sequence[Any],
+        timeout: float | None = None,
+        what: str = "the workers to start",
+    ) -> list[Any]:
+        """Spawn one process per rank running ``target(link, args[rank])`` (both pickled: define
+        ``target`` at module level) and wait up to ``timeout`` seconds for every rank's
+        ``Member.ready(value)``; the values in rank order. Raises ExecutorError when a worker
+        fails to start; the caller then calls ``shutdown``."""
+        if len(args) != self.world_size:
+            raise ExecutorError(
+                f"{self.name}: {len(args)} worker arguments for {self.world_size} workers"
+            )
+        ready = self._new_call(
+            READY, set(range(self.world_size)), None, unpickle_first, False, False, call_id=0
+        )
+        self._reader.start()
+        self._completer.start()
+        ctx = multiprocessing.get_context("spawn")
+        for rank, arg in enumerate(args):
+            link = MemberLink(
+                group=self.name,
+                rank=rank,
+                world_size=self.world_size,
+                transport=self.transport,
+                address=self.channel.address,
+                heartbeats=self.heartbeats,
+                parent_pid=os.getpid(),
+            )
+            p = ctx.Process(
+                target=target,
+                args=(link, arg),
+                name=f"baton-{self.name}-worker-{rank}",
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+        return self.wait(ready.future, timeout, what)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ calls
+
+    def call(
+        self,
+        kind: int,
+        payload: Sequence[Any] = (),
+        *,
+        to: Iterable[int] | None = None,
+        reply_from: int | None = None,
+        decode: Callable[[list[Any]], Any] = unpickle_first,
+        fail_after: float | None = None,
+        chained: bool = False,
+    ) -> Future[Any]:
+        """Send ``[header, *payload]`` to each rank in ``to`` (default: all); a Future of the
+        answers of those ranks in rank order, or of ``reply_from``'s answer alone (then only
+        that rank answers). ``kind`` (1 to 254) tells the workers what the call is.
+
+        ``fail_after``: seconds after which an unanswered call fails the whole group (a worker
+        hangs). ``chained``: a done callback of this Future may wait on another call of the
+        group (the engine core chains ``sample_tokens`` onto a step); its Future is then
+        resolved on the group's completer thread, so that the reader keeps reading.
+        """
+        if not 0 < kind < SHUTDOWN:
+            raise ExecutorError(f"{self.name}: call kind {kind} is reserved (use 1 to 254)")
+        ranks = list(range(self.world_size)) if to is None else list(to)
+        expect = set(ranks) if reply_from is None else {reply_from}
+        call = self._new_call(kind, expect, fail_after, decode, reply_from is not None, chained)
+        self._send([request_header(kind, call.id, time.monotonic()), *payload], ranks)
+        return call.future
+
+    def wait(self, future: Future[Any], timeout: float | None, what: str) -> Any:
+        """``future.result(timeout)``; on timeout the call is dropped (a late answer is ignored)
+        and ExecutorError says what was awaited. The group stays healthy."""
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            with self._lock:
+                for call_id, call in list(self._calls.items()):
+                    if call.future is future:
+                        del self._calls[call_id]
+            raise ExecutorError(
+                f"{self.name}: timed out after {timeout} s waiting for {what}"
+            ) from None
+
+    def _new_call(
+        self,
+        kind: int,
+        expect: set[int],
+        fail_after: float | None,
+        decode: Callable[[list[Any]], Any],
+        one: bool,
+        chained: bool,
+        call_id: int | None = None,
+    ) -> _Call:
+        with self._lock:
+            self.latch.check()
+            call = _Call(
+                next(self._ids) if call_id is None else call_id,
+                kind,
+                expect,
+                fail_after,
+                decode,
+                one,
+                chained,
+            )
+            self._calls[call.id] = call
+        return call
+
+    def _send(self, frames: list[Any], ranks: list[int]) -> None:
+        with self._send_lock:
+            try:
+                for r in ranks:
+                    self.channel.send(frames, r)
+            except BatonError as e:
+                self.fail(ExecutorError(f"cannot reach a worker: {e}"))
+                raise ExecutorError(f"the {self.name} executor cannot reach a worker: {e}") from e
+
+    # ------------------------------------------------------------------ health
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(error)`` runs once on the group's first failure (at once if it failed)."""
+        self.latch.register(callback)
+
+    def check_health(self) -> None:
+        """Look at the workers now; raise ExecutorError when the group failed or is shut down."""
+        self._watch(time.monotonic())
+        self.latch.check()
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the group with ``error`` (the first failure wins): pending calls raise
+        ExecutorError, the failure callbacks run once, later calls raise."""
+        with self._lock:  # latched with the pending calls taken: no call slips in between
+            callbacks = self.latch.trip(error)
+            if callbacks is None:
+                return
+            calls, self._calls = list(self._calls.values()), {}
+        for c in calls:
+            self._settle(c, None, ExecutorError(f"the {self.name} executor failed: {error}"))
+        self.latch.notify(error, callbacks)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def dead_workers(self) -> str | None:
+        """Which workers exited, with their exit codes; None while all live."""
+        dead = [
+            f"worker {r} (pid {p.pid}) exited with code {p.exitcode}"
+            for r, p in enumerate(self.procs)
+            if p.exitcode is not None
+        ]
+        return "; ".join(dead) or None
+
+    def _watch(self, now: float) -> None:
+        if self.latch.closed or self.latch.failure is not None:
+            return
+        dead = self.dead_workers()
+        if dead:
+            self.fail(ExecutorError(dead))
+            return
+        limit = self.heartbeat_timeout
+        silent = self.heartbeats.silent(now, limit)
+        if silent:
+            rank, quiet = silent[0]
+            self.fail(
+                ExecutorError(
+                    f"worker {rank} (pid {self.procs[rank].pid}) sent no heartbeat for "
+                    f"{quiet:.1f} s: it is stopped or frozen (heartbeat_timeout={limit})"
+                )
+            )
+            return
+        with self._lock:
+            late = [c for c in self._calls.values() if c.deadline is not None and now > c.deadline]
+        if late:
+            call = late[0]
+            kind = self.kind_names.get(call.kind, f"kind-{call.kind}")
+            self.fail(
+                ExecutorError(
+                    f"a {kind} call was not answered within {call.fail_after} s: "
+                    f"a worker hangs ({self.hang_hint})"
+                )
+            )
+
+    # ------------------------------------------------------------------ reader, completer
+
+    def _read_loop(self) -> None:
+        next_check = 0.0
+        while not self.latch.closed:
+            try:
+                frames = self.channel.recv(timeout=WATCH_INTERVAL)
+            except BatonError as e:
+                if not self.latch.closed:
+                    self.fail(
+                        ExecutorError(
+                            f"the worker channel failed: {e}; {self.dead_workers() or ''}"
+                        )
+                    )
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + WATCH_INTERVAL
+                self._watch(now)
+            if frames is not None:
+                self._answer(frames)
+
+    def _answer(self, frames: list[Any]) -> None:
+        _, call_id, rank, ok = REPLY.unpack(bytes(frames[0]))
+        if not ok:
+            self.fail(ExecutorError(bytes(frames[1]).decode(errors="replace")))
+            return
+        with self._lock:
+            call = self._calls.get(call_id)
+        if call is None:
+            return  # its waiter timed out or the group failed
+        try:
+            value = call.decode(list(frames[1:]))
+        except Exception as e:
+            self.fail(ExecutorError(f"worker {rank} sent an unreadable answer: {e}"))
+            return
+        call.results[rank] = value
+        if not call.expect.issubset(call.results):
+            return
+        with self._lock:
+            if self._calls.pop(call_id, None) is None:
+                return  # failed or timed out meanwhile: settled elsewhere
+        self._settle(
+            call, value if call.one else [call.results[r] for r in sorted(call.expect)], None
+        )
+
+    def _settle(self, call: _Call, value: Any, error: BaseException | None) -> None:
+        """Resolve a call's Future once: a chained one on the completer thread."""
+        if call.chained:
+            self._done.put((call.future, value, error))
+        elif error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(value)
+
+    def _complete_loop(self) -> None:
+        while (item := self._done.get()) is not None:
+            future, value, error = item
+            if not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(value)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self, grace: float = 5.0) -> bool:
+        """Ask the workers to exit (``grace`` seconds, 1 after a failure), kill the rest, end the
+        threads and close the channel; pending calls raise ExecutorError. False when it was
+        shut down already."""
+        with self._lock:
+            if not self.latch.close():
+                return False
+            healthy = self.latch.failure is None
+            calls, self._calls = list(self._calls.values()), {}
+        for c in calls:
+            self._settle(c, None, ExecutorError(f"the {self.name} executor is shut down"))
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        if alive:
+            try:
+                with self._send_lock:
+                    frames = [request_header(SHUTDOWN, 0, time.monotonic())]
+                    for r in alive:
+                        self.channel.send(frames, r)
+            except BatonError as e:
+                log.debug("%s: shutdown message not delivered: %s", self.name, e)
+        deadline = time.monotonic() + (grace if healthy else 1.0)
+        for p in self.procs:
+            p.join(timeout=max(0.05, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                log.warning("%s: worker pid %s did not exit; killing it", self.name, p.pid)
+                p.kill()
+                p.join(timeout=5)
+        self._done.put(None)
+        for t in (self._reader, self._completer):
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=2)
+        self.channel.close()
+        return True

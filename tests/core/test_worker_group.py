@@ -1,0 +1,168 @@
+"""baton.executor.group.WorkerGroup, the public process group an executor is built from, with real
+worker processes: the broadcast reaches the ranks it names and each call gets its own Future;
+a worker that dies, reports an error or hangs fails the group once (pending calls raise
+ExecutorError, the failure callbacks run once, later calls raise); a wait that times out leaves
+the group healthy. ``GroupExecutor``, an executor built on the group alone (not on
+MultiprocExecutor) running baton's stock runner in one worker, passes the executor conformance
+suite: docs/writing-a-plugin.md's example, run from the page."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from baton.config import BatonConfig
+from baton.errors import BatonError, ExecutorError
+from baton.executor.group import WorkerGroup
+from baton.executor.member import READY, SHUTDOWN, MemberLink
+from baton.executor.multiproc import MultiprocExecutor
+from baton.executor.workers import pick_transport
+from baton.testing.conformance.executor import ExecutorConformance
+
+pytestmark = pytest.mark.timeout(300)
+
+ECHO, SILENT, BROKEN = 1, 2, 3
+
+
+def echo_worker(link: MemberLink, greeting: str) -> None:
+    """ECHO: answer (rank, the payload); SILENT: never answer; BROKEN: report an error."""
+    member = link.join()
+    member.ready((link.rank, greeting))
+    while True:
+        try:
+            msg = member.recv(timeout=0.5)
+        except BatonError:  # the group closed the channel
+            return
+        if msg is None:
+            continue
+        if msg.kind == SHUTDOWN:
+            member.close()
+            return
+        if msg.kind == ECHO:
+            member.reply(ECHO, msg.call_id, [pickle.dumps((link.rank, bytes(msg.payload[0])))])
+        elif msg.kind == BROKEN:
+            member.reply_error(BROKEN, msg.call_id, f"worker {link.rank} is broken")
+
+
+@pytest.fixture
+def group():
+    transport = pick_transport(BatonConfig.load(), "auto")
+    g = WorkerGroup("echo", transport, 3, kind_names={ECHO: "echo", SILENT: "silent"})
+    try:
+        assert g.start(echo_worker, ["a", "b", "c"], timeout=120) == [(0, "a"), (1, "b"), (2, "c")]
+        yield g
+    finally:
+        g.shutdown()
+        assert all(not p.is_alive() for p in g.procs), "a worker outlived shutdown"
+
+
+def test_broadcast_to_some_ranks_one_future_per_call(group: WorkerGroup) -> None:
+    everyone = group.call(ECHO, [b"all"])
+    two = group.call(ECHO, [b"two"], to=[0, 2])
+    one = group.call(ECHO, [b"one"], to=[0, 1, 2], reply_from=1)
+    assert two.result(30) == [(0, b"two"), (2, b"two")]
+    assert everyone.result(30) == [(0, b"all"), (1, b"all"), (2, b"all")]
+    assert one.result(30) == (1, b"one")  # reply_from: that rank's answer alone
+    with pytest.raises(ExecutorError, match="reserved"):
+        group.call(READY)
+    group.check_health()
+
+
+def test_a_wait_that_times_out_leaves_the_group_healthy(group: WorkerGroup) -> None:
+    future = group.call(SILENT, to=[0])
+    with pytest.raises(ExecutorError, match=r"timed out after 0\.2 s waiting for nothing"):
+        group.wait(future, 0.2, "nothing")
+    group.check_health()
+    assert group.call(ECHO, [b"x"], reply_from=2).result(30) == (2, b"x")
+
+
+def test_a_dead_worker_fails_pending_calls_and_the_group_once(group: WorkerGroup) -> None:
+    told: list[BaseException] = []
+    done = threading.Event()
+    group.register_failure_callback(lambda e: (told.append(e), done.set()))
+    pending = group.call(SILENT)
+    chained = group.call(SILENT, chained=True)
+    os.kill(group.pids()[1], signal.SIGKILL)
+    assert done.wait(10), "the death was not noticed"
+    for future in (pending, chained):
+        with pytest.raises(ExecutorError, match=r"worker 1 \(pid \d+\) exited"):
+            future.result(10)
+    with pytest.raises(ExecutorError, match="failed earlier"):
+        group.call(ECHO, [b"late"])
+    with pytest.raises(ExecutorError, match="exited"):
+        group.check_health()
+    group.fail(ExecutorError("a second failure"))  # the first one is kept, told once
+    late: list[BaseException] = []
+    group.register_failure_callback(late.append)  # registered after it: told at once
+    assert len(told) == 1 and late == told
+
+
+def test_a_worker_error_fails_the_group(group: WorkerGroup) -> None:
+    failed = threading.Event()
+    group.register_failure_callback(lambda e: failed.set())
+    future = group.call(BROKEN, to=[2])
+    with pytest.raises(ExecutorError, match="worker 2 is broken"):
+        future.result(30)
+    assert failed.is_set()
+
+
+def test_an_unanswered_call_past_fail_after_is_a_hang(group: WorkerGroup) -> None:
+    future = group.call(SILENT, to=[0], fail_after=0.3)
+    with pytest.raises(ExecutorError, match=r"a silent call was not answered within 0\.3 s"):
+        future.result(30)
+    assert group.shutdown() and not group.shutdown()  # once
+
+
+# ---------------------------------------------------------------- an executor on the group alone
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
+BLOCK = re.compile(r"^```python example=group\n(.*?)^```[ \t]*$", re.S | re.M)
+MODULE = "baton_docs_group"
+
+
+@pytest.fixture(scope="module")
+def page_module(tmp_path_factory: pytest.TempPathFactory):
+    """docs/writing-a-plugin.md's GroupExecutor, importable here and in spawned workers."""
+    [code] = BLOCK.findall(PAGE.read_text())
+    folder = tmp_path_factory.mktemp("page")
+    (folder / f"{MODULE}.py").write_text(code)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(folder))  # spawn passes sys.path on to the worker
+        yield importlib.import_module(MODULE)
+    sys.modules.pop(MODULE, None)
+
+
+class TestGroupExecutor(ExecutorConformance):
+    """The page's executor, built on WorkerGroup alone, answers the executor suite."""
+
+    pytestmark = [*ExecutorConformance.pytestmark, pytest.mark.slow]  # a worker per test
+
+    def engine_config(self) -> BatonConfig:
+        from baton.testing.tiny_model import tiny_model
+
+        return (
+            super()
+            .engine_config()
+            .replace(model=str(tiny_model("llama")), kv_cache_memory="64MiB", num_threads=1)
+        )
+
+    @pytest.fixture
+    def executor(self, config: BatonConfig, page_module: Any):
+        ex = page_module.GroupExecutor(config)
+        assert isinstance(ex.group, WorkerGroup) and not isinstance(ex, MultiprocExecutor)
+        yield ex
+        ex.shutdown()
+        assert all(not p.is_alive() for p in ex.group.procs), "the worker outlived shutdown"
+
+    def inject_failure(self, executor: Any) -> bool:
+        os.kill(executor.group.pids()[0], signal.SIGKILL)
+        return True
