@@ -109,7 +109,13 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     ),
     "baton.request": ("Request", "RequestStatus"),
     "baton.outputs": ("RequestOutput", "CompletionOutput", "Logprob", "SampleLogprobs"),
-    "baton.validation": ("check_request", "PRIORITY_MIN", "PRIORITY_MAX"),
+    "baton.validation": (
+        "check_request",
+        "checked_request",
+        "CheckedRequest",
+        "PRIORITY_MIN",
+        "PRIORITY_MAX",
+    ),
     "baton.metrics.stats": ("IterationStats",),
     # for server and command plugins
     "baton.frontend.input_processor": ("InputProcessor",),

@@ -11,16 +11,23 @@ scheduling metadata).
 Every error is an InvalidRequestError whose ``param`` names the request field
 ("prompt", "max_tokens", "top_k", ...), and whose message names the bad value
 and the fix.
+
+``checked_request`` runs the check and returns a ``CheckedRequest``: a server
+that checks a request itself (to answer 400 naming its own param) hands that to
+``AsyncLLM.generate``, which then does not check it again.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from baton.errors import ContextLengthError, InvalidRequestError
+from baton.protocol import ModelInfo
 from baton.sampling_params import MAX_LOGPROBS, SamplingParams, show_value
 from baton.scheduling_info import (
     MAX_DEADLINE_S,
@@ -29,10 +36,11 @@ from baton.scheduling_info import (
     MAX_TAGS,
     MAX_TENANT_CHARS,
     SchedulingInfo,
+    as_scheduling_info,
 )
 
 if TYPE_CHECKING:
-    from baton.protocol import EngineCoreRequest, ModelInfo
+    from baton.protocol import EngineCoreRequest
 
 #: A request's priority is an int64 (it crosses the msgpack boundary).
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -76,6 +84,60 @@ def check_request(
             f"{show_value(scheduling.priority)} disagree: give the priority once",
             param="priority",
         )
+
+
+class CheckedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt and its parameters that ``check_request`` accepted for the model ``info``.
+
+    Built by ``checked_request``; ``AsyncLLM.generate`` takes it as its prompt and does not
+    check it again (unless its engine's model differs from ``info``). The engine core still
+    checks what it receives.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    #: The request's scheduling metadata, the priority merged in.
+    scheduling: SchedulingInfo
+    #: The model the request was checked against.
+    info: ModelInfo
+    #: The prompt's text, when there is one (outputs echo it).
+    prompt: str | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+def checked_request(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    info: ModelInfo,
+    *,
+    prompt: str | None = None,
+    priority: int = 0,
+    user: str | None = None,
+    cache_salt: str | None = None,
+    scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
+) -> CheckedRequest:
+    """``check_request`` (``scheduling`` and ``priority`` merged first, as the frontends do),
+    and what it accepted as a ``CheckedRequest``."""
+    merged = as_scheduling_info(scheduling, priority)
+    check_request(
+        prompt_token_ids,
+        params,
+        info,
+        priority=merged.priority,
+        user=user,
+        cache_salt=cache_salt,
+        scheduling=merged,
+    )
+    return CheckedRequest(
+        prompt_token_ids=list(prompt_token_ids),
+        params=params,
+        scheduling=merged,
+        info=info,
+        prompt=prompt,
+        user=user,
+        cache_salt=cache_salt,
+    )
 
 
 def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:

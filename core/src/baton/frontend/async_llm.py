@@ -29,6 +29,7 @@ from baton.outputs import RequestOutput
 from baton.plugins import get_registry
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
+from baton.validation import CheckedRequest
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | CheckedRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -107,13 +108,34 @@ class AsyncLLM:
         ``priority``, ``user`` and ``scheduling`` (a SchedulingInfo or a dict of its fields)
         are for the scheduler policy, as in ``LLM.generate``. Cancelling the consumer (or
         closing the generator) aborts the request in the engine.
+
+        ``prompt`` may be a ``baton.validation.CheckedRequest`` (``checked_request``: a
+        server that checked the request itself): it carries its parameters (give none of
+        the others but ``request_id``) and is not checked again for this engine's model.
         """
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
-        params = sampling_params or SamplingParams()
-        text, ids = self.input_processor.tokenize(prompt)
-        info = self.input_processor.validate(
-            ids, params, priority=priority, user=user, scheduling=scheduling
+        if isinstance(prompt, CheckedRequest):
+            checked = self._checked(prompt, sampling_params, priority, user, scheduling)
+        else:
+            params = sampling_params or SamplingParams()
+            text, ids = self.input_processor.tokenize(prompt)
+            merged = self.input_processor.validate(
+                ids, params, priority=priority, user=user, scheduling=scheduling
+            )
+            checked = CheckedRequest(
+                prompt_token_ids=ids,
+                params=params,
+                scheduling=merged,
+                info=self.info,
+                prompt=text,
+                user=user,
+            )
+        text, ids, params, user = (
+            checked.prompt,
+            checked.prompt_token_ids,
+            checked.params,
+            checked.user,
         )
         rid = request_id or f"req-{next(self._ids)}"
         if self.output_processor.is_live(rid):
@@ -140,7 +162,13 @@ class AsyncLLM:
                 )
                 # validated above, once
                 req = self.input_processor.process(
-                    child_id, ids, p, scheduling=info, arrival_time=arrival, user=user
+                    child_id,
+                    ids,
+                    p,
+                    scheduling=checked.scheduling,
+                    arrival_time=arrival,
+                    user=user,
+                    cache_salt=checked.cache_salt,
                 )
                 await self.engine.add_request_async(req)
             while True:
@@ -155,6 +183,37 @@ class AsyncLLM:
         finally:
             # finished requests are already gone from the processor: this only aborts live ones
             await self._abort([rid])
+
+    def _checked(
+        self,
+        checked: CheckedRequest,
+        sampling_params: SamplingParams | None,
+        priority: int,
+        user: str | None,
+        scheduling: SchedulingInfo | Mapping[str, Any] | None,
+    ) -> CheckedRequest:
+        """A CheckedRequest as given, or checked again when it was checked for another model."""
+        if (
+            sampling_params is not None
+            or priority != 0
+            or user is not None
+            or scheduling is not None
+        ):
+            raise InvalidRequestError(
+                "a CheckedRequest carries its own sampling_params, priority, user and "
+                "scheduling: give them to checked_request, not to generate",
+                param="prompt",
+            )
+        if checked.info != self.info:  # checked against another model's limits
+            self.input_processor.validate(
+                checked.prompt_token_ids,
+                checked.params,
+                priority=checked.scheduling.priority,
+                user=checked.user,
+                cache_salt=checked.cache_salt,
+                scheduling=checked.scheduling,
+            )
+        return checked
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (and its n > 1 children); unknown or finished ids are no-ops."""

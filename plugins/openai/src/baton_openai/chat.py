@@ -175,12 +175,8 @@ async def _generate(
         [
             ticket.track(
                 ctx.engine.generate(
-                    {"prompt_token_ids": ids},
-                    built.params,
-                    request_id,
-                    priority=built.scheduling.priority,
-                    user=req.user,
-                    scheduling=built.scheduling,
+                    built.checked,  # checked once, by build_params
+                    request_id=request_id,
                 )
             )
         ]

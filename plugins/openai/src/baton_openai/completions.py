@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
@@ -114,12 +115,8 @@ async def _generate(
         [
             ticket.track(
                 engine.generate(
-                    {"prompt": t, "prompt_token_ids": ids},
-                    b.params,
-                    f"{request_id}-{i}",
-                    priority=b.scheduling.priority,
-                    user=req.user,
-                    scheduling=b.scheduling,
+                    msgspec.structs.replace(b.checked, prompt=t),  # checked once
+                    request_id=f"{request_id}-{i}",
                 )
             )
             for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))

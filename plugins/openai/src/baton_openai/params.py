@@ -15,7 +15,7 @@ from baton.errors import InvalidRequestError, StructuredOutputError
 from baton.protocol import ModelInfo
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
 from baton.scheduling_info import SchedulingInfo, as_scheduling_info
-from baton.validation import check_request
+from baton.validation import CheckedRequest, checked_request
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.protocol import SamplingFields
 
@@ -31,6 +31,9 @@ class BuiltParams:
     prompt_param: str = "prompt"
     #: What the scheduler policy reads: the body's ``scheduling`` with its ``priority`` merged in.
     scheduling: SchedulingInfo = field(default_factory=SchedulingInfo)
+    #: The prompt and its parameters as baton's check accepted them: what AsyncLLM.generate
+    #: takes without checking them again.
+    checked: CheckedRequest | None = None
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -136,15 +139,13 @@ def build_params(
             structured_outputs=spec,
             output_kind=RequestOutputKind.DELTA,
         )
-        scheduling = as_scheduling_info(req.scheduling, req.priority)
-        check_request(
+        checked = checked_request(
             prompt_token_ids,
             params,
             info,
-            priority=scheduling.priority,
             user=req.user,
-            scheduling=scheduling,
+            scheduling=as_scheduling_info(req.scheduling, req.priority),
         )
     except InvalidRequestError as e:
         raise from_baton_error(e, names) from None
-    return BuiltParams(params, structured_param, names, prompt_param, scheduling)
+    return BuiltParams(params, structured_param, names, prompt_param, checked.scheduling, checked)
