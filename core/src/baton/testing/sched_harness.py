@@ -141,7 +141,8 @@ class PolicyHarness:
         self.executor = FakeExecutor(
             block_size=config.cache.block_size, num_blocks=num_blocks, deep_check=deep_check
         )
-        self.pending: list[Request] = []  # not yet arrived, latest arrival last
+        #: Submitted, not yet arrived: by arrival time, equal times in the order submitted.
+        self.pending: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, FinishReason] = {}
@@ -154,16 +155,20 @@ class PolicyHarness:
         self.steps = 0
 
     def submit(self, *requests: Request) -> None:
-        """Requests enter the scheduler when the clock reaches their ``arrival_time``."""
+        """Requests enter the scheduler when the clock reaches their ``arrival_time``; those
+        with equal arrival times in the order they were submitted."""
         for r in requests:
             self.requests[r.request_id] = r
             self.pending.append(r)
-        self.pending.sort(key=lambda r: r.arrival_time, reverse=True)
+        self.pending.sort(key=lambda r: r.arrival_time)  # stable: ties keep submission order
         self._arrive()
 
     def _arrive(self) -> None:
-        while self.pending and self.pending[-1].arrival_time <= self.now:
-            self.scheduler.add_request(self.pending.pop())
+        due = 0
+        while due < len(self.pending) and self.pending[due].arrival_time <= self.now:
+            self.scheduler.add_request(self.pending[due])
+            due += 1
+        del self.pending[:due]
 
     def abort(self, request_ids: Sequence[str]) -> None:
         done = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
@@ -180,7 +185,7 @@ class PolicyHarness:
 
     def step(self) -> None:
         if not self.scheduler.has_unfinished_requests() and self.pending:
-            self.now = max(self.now, self.pending[-1].arrival_time)
+            self.now = max(self.now, self.pending[0].arrival_time)
         self._arrive()
         so = self.scheduler.schedule()
         for new in so.scheduled_new_reqs:
