@@ -210,6 +210,55 @@ def test_hook_register_structured_output_backends(monkeypatch):
     core.shutdown()
 
 
+def test_hook_register_speculators():
+    """A speculator that knows the fake model: every draft is accepted, outputs are unchanged,
+    its settings sub-table reaches the factory and it sees each event."""
+    from pydantic import BaseModel
+
+    fake = FakeExecutor()
+    events: list[tuple] = []
+
+    class Settings(BaseModel):
+        depth: int = 1
+
+    class Seer:
+        def __init__(self, depth: int) -> None:
+            self.depth = depth
+
+        def propose(self, request, max_tokens):
+            tokens = list(request.all_token_ids)
+            for _ in range(min(max_tokens, self.depth)):
+                tokens.append(fake.next_token(tokens, request.num_prompt_tokens))
+            return tokens[request.num_tokens :]
+
+        def observe(self, request, num_proposed, num_accepted):
+            events.append(("observe", request.request_id, num_proposed, num_accepted))
+
+        def finished(self, request):
+            events.append(("finished", request.request_id))
+
+    class Plugin:
+        @hookimpl
+        def register_speculators(self, register):
+            register("seer", lambda config, settings: Seer(settings.depth), Settings)
+
+    plugins = plugins_with(Plugin(), "spec-hook-plugin")
+    assert plugins.registry.get("speculator", "seer").plugin == "spec-hook-plugin"
+    config = BatonConfig.load(
+        max_model_len=512, speculative={"method": "seer", "num_tokens": 3, "seer": {"depth": 3}}
+    )
+    core = EngineCore(config, registry=plugins.registry, executor=fake, info=INFO)
+    tokens = serve(core, n=2)
+    core.shutdown()
+    plain = EngineCore(BatonConfig.load(max_model_len=512), executor=FakeExecutor(), info=INFO)
+    assert tokens == serve(plain, n=2)
+    plain.shutdown()
+    observed = [e for e in events if e[0] == "observe"]
+    # after the first token, max_tokens=4 leaves room for 2 drafts and the model's own token
+    assert observed and all(p == a == 2 for _, _, p, a in observed)
+    assert sorted(e[1] for e in events if e[0] == "finished") == ["r0", "r1"]
+
+
 def test_hook_register_stat_loggers(global_plugin):
     from baton.frontend.stat_loggers import StatLoggers
     from baton.metrics.stats import IterationStats

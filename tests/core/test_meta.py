@@ -116,6 +116,7 @@ def test_hooks_md_example_runs(name):
         "scheduler_policy": interfaces.SchedulerPolicy,
         "executor": interfaces.Executor,
         "transport": interfaces.Transport,
+        "speculator": interfaces.Speculator,
     }.get(kind)
     if protocol is not None:
         assert isinstance(product, protocol)
@@ -129,6 +130,12 @@ def test_hooks_md_example_runs(name):
         assert matcher.accept_tokens([40]) and matcher.is_terminated()
     if kind == "stat_logger":
         product.record(None, None)
+    if kind == "speculator":
+        from baton.request import Request
+        from baton.sampling_params import SamplingParams
+
+        request = Request("r", [5, 9, 9], SamplingParams())
+        assert list(product.propose(request, 3)) == [9, 9, 9]
 
 
 def test_every_extension_point_has_a_conformance_suite():
@@ -139,6 +146,7 @@ def test_every_extension_point_has_a_conformance_suite():
         "ExecutorConformance",
         "TransportConformance",
         "StructuredOutputConformance",
+        "SpeculatorConformance",
     ):
         cls = getattr(conformance, suite)
         assert inspect.isclass(cls) and any(n.startswith("test_") for n in dir(cls)), suite

@@ -48,6 +48,7 @@ def test_registry_and_config_tables_derive_from_the_record():
         "executor": ("executor", "backend"),
         "transport": ("transport", "name"),
         "structured_output": ("structured_output", "backend"),
+        "speculator": ("speculative", "method"),
     }
     hooks = {
         name

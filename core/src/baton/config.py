@@ -1,4 +1,4 @@
-"""baton's configuration: one pydantic-settings model, eight sections.
+"""baton's configuration: one pydantic-settings model, nine sections.
 
 Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
 ``BATON_<SECTION>__<FIELD>`` environment variables, a TOML or YAML file (given
@@ -177,6 +177,20 @@ class StructuredOutputSection(_Section):
     """Threads compiling grammars off the hot path."""
 
 
+class SpeculativeSection(_Section):
+    method: str = "none"
+    """A speculator proposing draft tokens that each step verifies: ngram (prompt lookup), or an
+    installed plugin's (`baton plugins`); none: no speculation."""
+    num_tokens: int = Field(5, ge=1, le=15)
+    """Most draft tokens per request per step (vLLM's num_speculative_tokens)."""
+    disable_by_batch_size: int | None = Field(4, gt=0)
+    """No drafts in a step where more requests than this are running: verifying drafts of many
+    requests costs more than it saves once a step is compute-bound. None: always speculate."""
+    adaptive: bool = True
+    """Per request: draft one more than was accepted last time (up to num_tokens), and pause
+    drafting for a while after repeated verifications that accepted nothing."""
+
+
 class ServerSection(_Section):
     host: str = "127.0.0.1"
     """Address `baton serve` binds (a non-loopback address without api_key logs a warning)."""
@@ -274,6 +288,7 @@ SECTIONS = (
     "executor",
     "transport",
     "structured_output",
+    "speculative",
     "server",
     "observability",
 )
@@ -305,6 +320,7 @@ class BatonConfig(BaseSettings):
     executor: ExecutorSection = Field(default_factory=ExecutorSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     structured_output: StructuredOutputSection = Field(default_factory=StructuredOutputSection)
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     server: ServerSection = Field(default_factory=ServerSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         ExecutorFactory,
         Register,
         SchedulerPolicyFactory,
+        SpeculatorFactory,
         StatLoggerFactory,
         StructuredOutputFactory,
         TransportFactory,
@@ -124,6 +125,26 @@ def register_structured_output_backends(register: Register[StructuredOutputFacto
     Selected by ``structured_output.backend``. The factory is called in the
     engine process the first time a request carries a structured-output spec.
     Built in: none (``baton-plugin-xgrammar`` provides ``xgrammar``).
+    """
+
+
+# ---------------------------------------------------------------------------
+# speculative decoding
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_speculators(register: Register[SpeculatorFactory]) -> None:
+    """Register speculators: proposers of draft tokens that the model verifies in one step.
+
+    :param register: ``register(name, factory, settings_model=None)``;
+        ``factory(config, settings)`` receives the BatonConfig and the validated
+        ``[speculative.<name>]`` settings (or None) and returns an object
+        implementing ``baton.interfaces.Speculator``.
+
+    Selected by ``speculative.method`` (``none``, the default: no speculation).
+    The factory is called once per engine core, in the engine process.
+    Built in: ``ngram`` (prompt lookup, ``baton.spec.ngram``).
     """
 
 

@@ -112,6 +112,41 @@ class FinishAwarePolicy(Protocol):
         """
 
 
+# --------------------------------------------------------------------------- speculator
+
+
+@runtime_checkable
+class Speculator(Protocol):
+    """Proposes draft tokens for a running request; the model verifies them in one step.
+
+    The kernel (``baton.spec.drafts``) asks for drafts when a request is
+    about to decode, schedules them with its next token, verifies them in the
+    same forward pass and keeps the longest prefix the model would have produced
+    itself (greedy: the argmax; sampling: the token drawn at that position), plus
+    the model's own next token. A proposal is taken as certain (a point
+    distribution), so accepting exactly the drafts that equal the model's draw
+    keeps the output distribution: speculation never changes what is generated,
+    only how many tokens a step yields.
+
+    Methods run in the engine process, once per request per step at most; keep
+    them cheap (a step of a 135M model on a CPU takes ~15 ms). ``request`` is
+    read-only (``baton.request.Request``: ``all_token_ids`` is the prompt and
+    the output so far).
+    """
+
+    def propose(self, request: Request, max_tokens: int) -> Sequence[int]:
+        """Up to ``max_tokens`` (>= 1) tokens likely to follow ``request.all_token_ids``;
+        empty when there is no good guess (the request then decodes one token)."""
+
+    def observe(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """The model kept ``num_accepted`` of the ``num_proposed`` tokens last proposed for
+        ``request`` (they are now part of ``request.all_token_ids``)."""
+
+    def finished(self, request: Request) -> None:
+        """``request`` finished (stopped, capped, aborted or failed); forget it. Called once
+        for each request that was ever passed to ``propose``."""
+
+
 # --------------------------------------------------------------------------- executor
 
 

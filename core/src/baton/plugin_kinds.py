@@ -62,6 +62,12 @@ class StatLoggerFactory(Protocol):
     ) -> interfaces.StatLogger: ...
 
 
+class SpeculatorFactory(Protocol):
+    """``factory(config, settings)``: a speculator, once per engine core (engine process)."""
+
+    def __call__(self, config: BatonConfig, settings: Any, /) -> interfaces.Speculator: ...
+
+
 #: What a command's factory returns: ``handler(args) -> exit status or None``.
 CommandHandler = Callable[[argparse.Namespace], int | None]
 
@@ -198,6 +204,17 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             many=True,
             builtin=("logging",),
             distributions={"prometheus": "baton-plugin-openai"},
+        ),
+        PluginKind(
+            name="speculator",
+            hook="register_speculators",
+            word="speculator",
+            factory=SpeculatorFactory,
+            product=interfaces.Speculator,
+            section="speculative",
+            selector="method",
+            unselected=frozenset({"none"}),
+            builtin=("ngram",),
         ),
         PluginKind(
             name="command",

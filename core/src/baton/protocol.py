@@ -127,6 +127,12 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     prefix_cache_hits: int = 0  # of which found cached
     num_preemptions: int = 0  # this step
     num_batches_in_flight: int = 0
+    # speculative decoding, this step (totals in a snapshot): verifications of drafts, draft
+    # tokens proposed, of which accepted, and accepted by draft position (index 0 = first draft)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, **_STRUCT):
@@ -181,6 +187,10 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     #: Scheduled requests whose sampling waits for a grammar bitmask (sample_tokens).
     structured_output_req_ids: list[str] = msgspec.field(default_factory=list)
+    #: Draft tokens to verify: req id -> the tokens proposed after its last token. Such a
+    #: request's num_scheduled_tokens is 1 + len(drafts); the runner returns the drafts it
+    #: accepted followed by one token of its own.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -48,6 +48,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "register_transports",
         "register_structured_output_backends",
         "register_stat_loggers",
+        "register_speculators",
         "register_commands",
     ),
     "baton.plugin_kinds": (
@@ -59,6 +60,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "TransportFactory",
         "StructuredOutputFactory",
         "StatLoggerFactory",
+        "SpeculatorFactory",
         "CommandFactory",
     ),
     "baton.interfaces": (
@@ -74,6 +76,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "StructuredOutputBackend",
         "GrammarMatcher",
         "StatLogger",
+        "Speculator",
     ),
     "baton.protocol": ALL,
     "baton.errors": ALL,
@@ -85,6 +88,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "ExecutorSection",
         "TransportSection",
         "StructuredOutputSection",
+        "SpeculativeSection",
         "ServerSection",
         "ObservabilitySection",
     ),
@@ -149,6 +153,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.testing.conformance.executor": ("ExecutorConformance",),
     "baton.testing.conformance.transport": ("TransportConformance",),
     "baton.testing.conformance.structured_output": ("StructuredOutputConformance",),
+    "baton.testing.conformance.speculator": ("SpeculatorConformance", "PROMPTS", "run_engine"),
 }
 
 

@@ -165,6 +165,31 @@ def dtype_config(llm: Any) -> dict[str, Any]:
     }
 
 
+def spec_figures(llm: Any) -> dict[str, Any] | None:
+    """Speculative decoding since the engine started (``speculative.method``), or None when off:
+    verifications, draft and accepted tokens, acceptance rate, tokens per verification (the
+    accepted drafts plus the model's own token) and acceptance by draft position."""
+    method = llm.config.speculative.method
+    if method == "none":
+        return None
+    s = llm.get_stats()
+    drafts, proposed, accepted = (
+        s.spec_num_drafts,
+        s.spec_num_draft_tokens,
+        s.spec_num_accepted_tokens,
+    )
+    return {
+        "method": method,
+        "num_tokens": llm.config.speculative.num_tokens,
+        "verifications": drafts,
+        "draft_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
+        "tokens_per_verification": round(1 + accepted / drafts, 3) if drafts else None,
+        "accepted_per_position": s.spec_accepted_per_position,
+    }
+
+
 def emit(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))

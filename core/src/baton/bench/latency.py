@@ -18,6 +18,7 @@ from baton.bench.common import (
     emit,
     load_workload,
     peak_rss_mb,
+    spec_figures,
     summarize,
 )
 
@@ -85,5 +86,6 @@ def main(args: argparse.Namespace) -> int:
     with LLM(config=args.config, **engine_overrides(args)) as llm:
         result = run_latency(llm, path, args.prompt_len, args.decode_tokens, args.repeats)
         result["config"] = {"cache_dtype": llm.config.cache.dtype, **dtype_config(llm)}
+        result["speculative"] = spec_figures(llm)
         emit(result, args.json)
     return 0

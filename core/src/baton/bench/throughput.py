@@ -21,6 +21,7 @@ from baton.bench.common import (
     emit,
     load_workload,
     peak_rss_mb,
+    spec_figures,
     summarize,
 )
 
@@ -159,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
         }
         stats = llm.get_stats()
         result["kv_blocks"] = stats.num_total_blocks
+        result["speculative"] = spec_figures(llm)
     result["startup_s"] = round(startup, 2)
     outputs = result.pop("_outputs")
     if args.per_request:

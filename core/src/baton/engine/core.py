@@ -21,7 +21,7 @@ from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import InvalidRequestError
+from baton.errors import ConfigError, InvalidRequestError
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
 from baton.plugins import Registry, get_registry
@@ -36,6 +36,7 @@ from baton.protocol import (
 )
 from baton.request import Request, RequestStatus
 from baton.sched.scheduler import Scheduler
+from baton.spec.drafts import Drafts
 from baton.structured.manager import StructuredOutputManager
 from baton.validation import check_engine_request
 
@@ -101,6 +102,7 @@ class EngineCore:
                 self.num_blocks,
                 max_model_len=self.info.max_model_len,
                 max_num_seqs_per_batch=per_batch,
+                drafts=self._drafts(config),
             )
             self.structured_output = StructuredOutputManager(config, self.registry, self.info)
         except BaseException:
@@ -113,6 +115,21 @@ class EngineCore:
         self.aborts_to_report: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ start-up
+
+    def _drafts(self, config: BatonConfig) -> Drafts | None:
+        """Speculative decoding's bookkeeping with the selected speculator; None when off."""
+        method = config.speculative.method
+        if method == "none":
+            return None
+        if self.batch_queue_size > 1:
+            raise ConfigError(
+                f"speculative.method={method!r} with executor {config.executor.backend!r}, "
+                f"which keeps {self.batch_queue_size} batches in flight: drafts need the previous "
+                "step's tokens before the next is scheduled. Set speculative.method='none' or "
+                "use an executor without a batch queue"
+            )
+        entry = self.registry.get("speculator", method)
+        return Drafts(entry.create(config, entry.settings(config)), config.speculative)
 
     def _apply_model_capabilities(self, config: BatonConfig) -> BatonConfig:
         caps = executor_capabilities(self.executor)

@@ -207,6 +207,9 @@ struct Stack {
   float* out;  // [M, Hd] final normed hidden (without a head), or nullptr
   const Lin* head;
   float* logits;  // [M, V] with a head
+  // rows read K/V that other rows write this step (one request's drafts being verified): every
+  // row's cache write then comes before any row's attention, one more barrier a layer
+  bool shared_context;
 };
 
 void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
@@ -242,7 +245,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     barrier();
     {  // this thread's (request, kv head) pairs: rotary, cache write, attention of the head group
       const auto [a, b] = share(M * KVH, nt, tid, 1);
-      for (int64_t u = a; u < b; ++u) {
+      auto write = [&](int64_t u) {
         const int64_t m = u / KVH, j = u % KVH;
         float* q = s.q + m * QW;
         float* k = s.k + m * KW;
@@ -250,9 +253,22 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
         rotary(q + j * G * D, 1, G, D, QW, s.cos + m * D, s.sin + m * D);
         baton_rows::write_kv(s.cache_type, k, s.v + m * KW, (*s.k_caches)[l], (*s.v_caches)[l], s.slots[m], cd, j,
                              j + 1);
-        baton_rows::decode_heads(s.cache_type, q, D, (*s.k_caches)[l], (*s.v_caches)[l],
+      };
+      auto attend = [&](int64_t u) {
+        const int64_t m = u / KVH, j = u % KVH;
+        baton_rows::decode_heads(s.cache_type, s.q + m * QW, D, (*s.k_caches)[l], (*s.v_caches)[l],
                                  s.block_table + m * s.max_blocks, s.ctx_lens[m], 0, cd, s.scale, s.attn + m * QW, D,
                                  j, j + 1, scores, qbuf);
+      };
+      if (s.shared_context) {
+        for (int64_t u = a; u < b; ++u) write(u);
+        barrier();
+        for (int64_t u = a; u < b; ++u) attend(u);
+      } else {
+        for (int64_t u = a; u < b; ++u) {
+          write(u);
+          attend(u);
+        }
       }
     }
     barrier();
@@ -312,7 +328,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
                       at::TensorList weights, at::TensorList biases, at::IntArrayRef qtypes, at::IntArrayRef q8a,
                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                       const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t H, int64_t KVH, float eps,
-                      float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_bias) {
+                      float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_bias,
+                      bool shared_context) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), M = hidden.size(0), Hd = hidden.size(1);
   const at::Tensor& v0 = v_caches[0];
   const int64_t D = v0.size(3), BS = v0.size(2), blocks = v0.size(0);
@@ -422,7 +439,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            tmp,
            head != nullptr ? nullptr : out.data_ptr<float>(),
            head != nullptr ? &head_lin : nullptr,
-           head != nullptr ? logits.data_ptr<float>() : nullptr};
+           head != nullptr ? logits.data_ptr<float>() : nullptr,
+           shared_context};
   at::internal::lazy_init_num_threads();
   const int64_t want = at::get_num_threads();
   if (want <= 1 || at::in_parallel_region()) {
@@ -444,7 +462,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& ctx_lens,
                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t quant_max_rows,
                          int64_t float_max_rows, const std::optional<at::Tensor>& head, int64_t head_qtype,
-                         int64_t head_q8a, const std::optional<at::Tensor>& head_bias) {
+                         int64_t head_q8a, const std::optional<at::Tensor>& head_bias, bool shared_context) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
@@ -477,7 +495,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   if (one_region_fits(M, weights, qtypes, la, head_qtype, has_head))
     return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, k_caches, v_caches, slots, block_table,
                       ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr, head_qtype,
-                      head_q8a != 0, hb);
+                      head_q8a != 0, hb, shared_context);
 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
@@ -535,7 +553,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
       "decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, "
       "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
-      "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None) -> Tensor");
+      "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layers", decode_layers); }

@@ -16,6 +16,14 @@ so that the step takes about that long: the running decodes are counted first
 and always scheduled, and the engine feeds each step's measured time back
 through ``observe_step_time``.
 
+With a speculator (``speculative.method``, ``baton.spec.drafts``) a running
+request about to decode may be scheduled with draft tokens: ``1 + k`` tokens,
+counted in the budget and given KV slots like any others, its
+``num_computed_tokens`` advanced by all of them. The runner verifies the drafts
+and returns those it accepted plus one token of its own; ``update_from_output``
+then takes the rejected ones back from ``num_computed_tokens`` (their slots are
+overwritten later; their blocks stay the request's).
+
 Admission takes the blocks of a request's whole sequence at once
 (``reserve_full_prompt``, the default), so its later prompt chunks need none.
 When a running request needs a block and none is free, the policy picks a
@@ -42,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from baton.errors import InvalidRequestError
+from baton.errors import ExecutorError, InvalidRequestError
 from baton.kv.hashing import update_block_hashes
 from baton.kv.manager import KVCacheManager
 from baton.protocol import (
@@ -59,6 +67,7 @@ from baton.request import Request, RequestStatus
 from baton.sched.admission import check_request
 from baton.sched.step_budget import PrefillBudget, StepShape
 from baton.sched.stop import append_and_check_stop
+from baton.spec.drafts import Drafts
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
@@ -76,7 +85,16 @@ _ERROR = RequestStatus.FINISHED_ERROR
 class _StepPlan:
     """One step's decisions while ``schedule()`` makes them."""
 
-    __slots__ = ("budget", "cached", "new_reqs", "num_scheduled", "preempted", "prefill", "so_ids")
+    __slots__ = (
+        "budget",
+        "cached",
+        "new_reqs",
+        "num_scheduled",
+        "preempted",
+        "prefill",
+        "so_ids",
+        "spec",
+    )
 
     def __init__(self, budget: int, prefill: int | None = None) -> None:
         #: Tokens the step can still take.
@@ -92,6 +110,8 @@ class _StepPlan:
         self.so_ids: list[str] = []
         #: Requests preempted this step that the runner holds.
         self.preempted: list[str] = []
+        #: Draft tokens scheduled for verification: req id -> drafts.
+        self.spec: dict[str, list[int]] = {}
 
     def take_back(self, req: Request) -> None:
         """Unschedule a running request scheduled earlier in this step (it was preempted)."""
@@ -102,6 +122,7 @@ class _StepPlan:
             self.prefill += n
         if req_id in self.so_ids:
             self.so_ids.remove(req_id)
+        self.spec.pop(req_id, None)
 
 
 class Scheduler:
@@ -115,8 +136,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         max_model_len: int | None = None,
         max_num_seqs_per_batch: int | None = None,
+        drafts: Drafts | None = None,
     ) -> None:
         self.policy = policy
+        #: Speculative decoding's bookkeeping (``speculative.method``); None: off.
+        self.drafts = drafts
         #: The policy's optional finished(request) event; the kernel's default does nothing.
         self._policy_finished: Callable[[Request], object] | None = getattr(
             policy, "finished", None
@@ -244,6 +268,8 @@ class Scheduler:
         self._running_dirty = True
         if self._num_sent.pop(rid, None) is not None:
             self._finished_ids.append(rid)
+        if self.drafts is not None:
+            self.drafts.finished(req)
         if seen_by_policy and self._policy_finished is not None:
             self._finished_for_policy.append(req)
 
@@ -356,6 +382,10 @@ class Scheduler:
         num_scheduled = plan.num_scheduled
         per_batch = self.max_num_seqs_per_batch
         long_prefill = self.long_prefill_token_threshold
+        drafts = self.drafts
+        if drafts is not None and not drafts.step_allows(len(self.running)):
+            drafts = None
+        max_model_len = self.max_model_len or 2**31
         for req in self.running:
             budget = plan.budget
             if budget <= 0 or len(num_scheduled) >= per_batch:
@@ -376,7 +406,21 @@ class Scheduler:
                 n = plan.prefill
             if n <= 0:
                 continue
-            new_ids = self._allocate_or_preempt(req, n, plan, now)
+            new_ids = None
+            if drafts is not None and not chunk:
+                room = min(
+                    budget - 1,
+                    req.max_tokens - (ntok - req.num_prompt_tokens) - 1,
+                    max_model_len - ntok - 1,
+                )
+                proposal = drafts.propose(req, room) if room > 0 else []
+                if proposal:  # slots for drafts only if free: never worth a preemption
+                    new_ids = self.kv.allocate_slots(req, 1 + len(proposal))
+                    if new_ids is not None:
+                        n = 1 + len(proposal)
+                        plan.spec[rid] = proposal
+            if new_ids is None:
+                new_ids = self._allocate_or_preempt(req, n, plan, now)
             if new_ids is None:
                 break  # the request preempted itself: nothing more fits
             num_scheduled[rid] = n
@@ -447,6 +491,7 @@ class Scheduler:
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted,
             structured_output_req_ids=plan.so_ids,
+            scheduled_spec_decode_tokens=plan.spec,
         )
 
     def _admit(self, plan: _StepPlan, now: float) -> None:
@@ -592,6 +637,7 @@ class Scheduler:
         requests = self.requests
         caching = self.enable_caching
         bs = self.block_size
+        spec = scheduler_output.scheduled_spec_decode_tokens
         outputs: list[EngineCoreOutput] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             if in_flight.get(rid) != step_id:
@@ -606,8 +652,11 @@ class Scheduler:
             try:
                 tokens = req.all_token_ids
                 computed = req.num_computed_tokens
+                drafts = spec.get(rid) if spec else None
+                if drafts:  # computed: after the accepted drafts (appended below)
+                    computed, n = self._take_back_rejected(req, drafts, sampled.get(rid))
                 new = None
-                if computed == len(tokens):  # this step reached the end: it sampled
+                if computed == len(tokens) or drafts:  # this step reached the end: it sampled
                     new = sampled.get(rid)
                     if not new:
                         req.status = _ERROR
@@ -647,6 +696,25 @@ class Scheduler:
         self._tell_policy_finished()
         return outputs
 
+    def _take_back_rejected(
+        self, req: Request, drafts: list[int], new: list[int] | None
+    ) -> tuple[int, int]:
+        """After verifying ``drafts``: ``num_computed_tokens`` less the rejected drafts, and
+        the tokens the step really computed. The runner returned the accepted drafts and one
+        token of its own (``new``); without tokens the request fails in the caller."""
+        k = len(drafts)
+        accepted = min(k, len(new) - 1) if new else 0
+        if new and new[:accepted] != drafts[:accepted]:
+            raise ExecutorError(
+                f"request {req.request_id!r}: the runner returned {new} for drafts {drafts}: "
+                "accepted tokens must be the drafts' prefix"
+            )
+        req.num_computed_tokens -= k - accepted
+        assert self.drafts is not None
+        if new:
+            self.drafts.verified(req, k, accepted)
+        return req.num_computed_tokens, 1 + accepted
+
     def _finish_with_error(self, req: Request, message: str) -> EngineCoreOutput:
         """Finish a request that failed this step (FINISHED_ERROR, blocks released); its output."""
         req.error = message
@@ -680,6 +748,9 @@ class Scheduler:
                 kv.prefix_cache_hits,
                 self.total_preemptions,
             )
+        spec = None
+        if self.drafts is not None:
+            spec = self.drafts.take_step_counters() if delta else self.drafts.total
         num_running = (
             sum(1 for r in self.running if r.status == _RUNNING)
             if self._running_dirty
@@ -697,4 +768,8 @@ class Scheduler:
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
             num_batches_in_flight=len(self._steps_in_flight),
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_position=list(spec.accepted_per_position) if spec else None,
         )

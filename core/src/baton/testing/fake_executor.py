@@ -275,10 +275,18 @@ class FakeExecutor:
         bs, kv, owners = self.block_size, self._kv, self._owners
         samplers: list[str] = []
         prefill = decode = 0
+        spec = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
             start, end = st.num_computed, st.num_computed + n
             tokens, blocks = st.tokens, st.block_ids
+            drafts = spec.get(rid) if spec else None
+            if drafts:  # its last token and the drafts: computed like tokens, then verified
+                assert start == len(tokens) - 1 and n == 1 + len(drafts), (
+                    f"request {rid!r}: {n} tokens from {start} with {len(drafts)} drafts, "
+                    f"has {len(tokens)}"
+                )
+                tokens = tokens + drafts
             assert n > 0 and end <= len(tokens), (
                 f"request {rid!r}: {n} tokens from {start}, has {len(tokens)}"
             )
@@ -297,7 +305,7 @@ class FakeExecutor:
             st.num_computed = end
             if end == len(tokens):
                 samplers.append(rid)
-            if n == 1 and end > st.num_prompt and start == len(tokens) - 1:
+            if drafts or (n == 1 and end > st.num_prompt and start == len(tokens) - 1):
                 decode += 1
             else:
                 prefill += n
@@ -334,12 +342,29 @@ class FakeExecutor:
                 sampled.append([])
                 continue
             st = self.reqs[rid]
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                st.sampled = self._verify(st, drafts)
+                sampled.append(st.sampled)
+                continue
             tok = self.next_token(st.tokens, st.num_prompt)
             if rid in rows:
                 tok = _allowed_token(grammar.bitmask[rows[rid]], tok, rid)  # type: ignore[union-attr]
             st.sampled = [tok]
             sampled.append([tok])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _verify(self, st: _ReqState, drafts: list[int]) -> list[int]:
+        """The drafts that equal the fake model's next tokens, then its own next token; the
+        rejected drafts' positions no longer count as computed."""
+        out: list[int] = []
+        for j in range(len(drafts) + 1):
+            tok = self.next_token(st.tokens + drafts[:j], st.num_prompt)
+            out.append(tok)
+            if j == len(drafts) or tok != drafts[j]:
+                break
+        st.num_computed = len(st.tokens) + len(out) - 1
+        return out
 
     # ---------------------------------------------------------- lifecycle
 

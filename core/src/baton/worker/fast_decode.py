@@ -138,6 +138,7 @@ class FastDecode:
             self.quant_max_rows,
             self.float_max_rows,
             *head,
+            inputs.rows_share_context,
         )
         self.steps += 1
         if fused_head:

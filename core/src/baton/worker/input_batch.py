@@ -154,6 +154,24 @@ class InputBatch:
         self.num_computed_tokens[row] = num_computed_tokens
         return row
 
+    def write_drafts(self, req_id: str, draft_token_ids: Sequence[int]) -> None:
+        """Place draft tokens after the request's tokens, for this step only: they are not
+        counted in ``num_tokens``, and the next step's new tokens overwrite them."""
+        row = self.req_id_to_index.get(req_id)
+        if row is None:
+            raise BatchContractError(
+                f"drafts for request {req_id!r}, which is not in the model runner's batch"
+            )
+        start = int(self.num_tokens[row])
+        end = start + len(draft_token_ids)
+        if end > self.max_model_len:
+            raise ExecutorError(
+                f"request {req_id!r}: {len(draft_token_ids)} drafts after {start} tokens "
+                f"> max_model_len={self.max_model_len}"
+            )
+        self.token_ids[row, start:end] = draft_token_ids
+        self._check_vocab(req_id, self.token_ids[row, start:end])
+
     def _append_blocks(self, row: int, block_ids: Sequence[int], req_id: str) -> None:
         start = int(self.num_blocks[row])
         end = start + len(block_ids)

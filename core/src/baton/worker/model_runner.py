@@ -474,6 +474,15 @@ class ModelRunner:
                 raise
             except Exception as e:
                 self._drop(req.req_id, e, failed)
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            if rid in failed:
+                continue
+            try:
+                batch.write_drafts(rid, drafts)
+            except BatchContractError:
+                raise
+            except Exception as e:
+                self._drop(rid, e, failed)
         return failed
 
     def _drop(self, req_id: str, error: Exception, failed: dict[str, str]) -> None:
@@ -506,9 +515,11 @@ class ModelRunner:
     def sample(
         self, logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput | None
     ) -> ModelRunnerOutput:
-        """One token per sampling request. When the batch fails to sample, each request is
-        sampled alone, and only those that fail alone are reported failed. A runner whose
-        hooks do not sample (a rank with partial or no logits) returns an empty output."""
+        """One token per sampling request; a request verifying drafts gets the drafts the
+        model accepts and one token of its own (``_verify``). When the batch fails to sample,
+        each request is sampled alone, and only those that fail alone are reported failed. A
+        runner whose hooks do not sample (a rank with partial or no logits) returns an empty
+        output."""
         if not self.hooks.samples():
             return ModelRunnerOutput()
         sampled: dict[str, list[int]] = {}
@@ -517,7 +528,9 @@ class ModelRunner:
         rids = inputs.sample_req_ids
         if rids:
             try:
-                tokens, lps = self._sample_rows(logits, rids, inputs.sample_rows, grammar)
+                tokens, lps = self._sample_rows(
+                    logits, rids, inputs.sample_rows, grammar, inputs.sample_offsets
+                )
             except Exception as e:  # rare: pay for row-by-row sampling only now
                 tokens, lps = self._sample_each(logits, inputs, grammar, failed)
                 if not failed:  # no request to blame (each row that failed logged itself)
@@ -526,9 +539,16 @@ class ModelRunner:
                         len(rids),
                         describe(e),
                     )
-            sampled = {rid: [tok] for rid, tok in zip(rids, tokens, strict=True) if tok is not None}
-            if lps is not None:
-                logprobs = {rid: [lp] for rid, lp in zip(rids, lps, strict=True) if lp is not None}
+            if inputs.drafts:
+                sampled, logprobs = _verify(inputs, tokens, lps, failed)
+            else:
+                sampled = {
+                    rid: [tok] for rid, tok in zip(rids, tokens, strict=True) if tok is not None
+                }
+                if lps is not None:
+                    logprobs = {
+                        rid: [lp] for rid, lp in zip(rids, lps, strict=True) if lp is not None
+                    }
         req_ids = [rid for rid in inputs.req_ids if rid not in failed] if failed else inputs.req_ids
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -543,11 +563,13 @@ class ModelRunner:
         req_ids: list[str],
         rows: np.ndarray,
         grammar: GrammarOutput | None,
+        offsets: np.ndarray | None = None,
     ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
-        """Sample ``logits`` (aligned with ``req_ids`` and their batch ``rows``): tokens, logprobs."""
+        """Sample ``logits`` (aligned with ``req_ids`` and their batch ``rows``, ``offsets``
+        past their tokens): tokens, logprobs."""
         if grammar is not None and grammar.req_ids:
             self._apply_grammar(logits, req_ids, grammar)
-        md = sampling_metadata(self.input_batch, rows, self.vocab_size, self.device)
+        md = sampling_metadata(self.input_batch, rows, self.vocab_size, self.device, offsets)
         out = self.sampler(logits, md)
         return out.token_ids.tolist(), out.logprobs
 
@@ -567,8 +589,13 @@ class ModelRunner:
         lps: list[TokenLogprobs | None] = []
         for i, rid in enumerate(inputs.sample_req_ids):
             try:
+                offsets = inputs.sample_offsets
                 [tok], row_lps = self._sample_rows(
-                    logits[i : i + 1], [rid], inputs.sample_rows[i : i + 1], grammar
+                    logits[i : i + 1],
+                    [rid],
+                    inputs.sample_rows[i : i + 1],
+                    grammar,
+                    offsets[i : i + 1] if offsets is not None else None,
                 )
             except Exception as e:
                 failed[rid] = describe(e)
@@ -599,3 +626,47 @@ class ModelRunner:
     def remove_requests(self, req_ids: list[str]) -> None:
         for rid in req_ids:
             self.input_batch.remove_request(rid)
+
+
+def _verify(
+    inputs: StepInputs,
+    tokens: list[int | None],
+    lps: list[TokenLogprobs | None] | None,
+    failed: dict[str, str],
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]] | None]:
+    """Tokens (and logprobs) per request of a step that verified drafts.
+
+    Row j of a verifying request drew the token that follows its first j drafts, as
+    decoding would have drawn it (greedy: the argmax; sampling: the same seeded or
+    fresh draw). Draft j is accepted when it equals that token, and the request gets
+    its accepted drafts followed by the first token that differs (or, all accepted, the
+    token after the last draft). A draft is a point guess, so this is speculative
+    sampling's accept test (keep x with probability p(x) / q(x) = p(x), else draw from
+    p without x): every token returned has the distribution decoding would give it.
+    """
+    assert inputs.drafts is not None and inputs.sample_offsets is not None
+    rows: dict[str, dict[int, int]] = {}  # req id -> offset -> index into tokens
+    for i, (rid, off) in enumerate(
+        zip(inputs.sample_req_ids, inputs.sample_offsets.tolist(), strict=True)
+    ):
+        if rid not in failed and tokens[i] is not None:
+            rows.setdefault(rid, {})[off] = i
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] | None = {} if lps is not None else None
+    for rid, at in rows.items():
+        drafts = inputs.drafts.get(rid, ())
+        out: list[int] = []
+        out_lps: list[TokenLogprobs] = []
+        for j in range(len(drafts) + 1):
+            i = at[j]
+            tok = tokens[i]
+            assert tok is not None
+            out.append(tok)
+            if lps is not None and lps[i] is not None:
+                out_lps.append(lps[i])  # type: ignore[arg-type]
+            if j == len(drafts) or tok != drafts[j]:
+                break
+        sampled[rid] = out
+        if logprobs is not None and out_lps:
+            logprobs[rid] = out_lps
+    return sampled, logprobs

@@ -2,8 +2,12 @@
 
 The scheduled tokens of all requests are flattened into one sequence: decode
 tokens (one per request) first, sorted by context length so that decode groups
-pad little, then the prefill chunks. Everything is computed with vectorised
-numpy over the batch arrays and written into preallocated buffers.
+pad little, then the prefill chunks. A request verifying draft tokens
+(speculative decoding) computes its last token and its drafts as that many
+decode rows of growing context length over its own blocks (every row's K/V is
+written before any row attends), so the decode kernels verify them; each of
+those rows samples. Everything is computed with vectorised numpy over the batch
+arrays and written into preallocated buffers.
 """
 
 from __future__ import annotations
@@ -37,8 +41,15 @@ class StepInputs:
     req_ids: list[str]  # scheduled requests, in the scheduler's order
     sample_req_ids: list[str]  # requests that sample, aligned with logits rows
     sample_rows: np.ndarray  # their batch rows
-    flat_req_ids: list[str]  # scheduled requests in flattened order
+    flat_req_ids: list[str]  # scheduled requests in flattened order (a verifying one per row)
     query_start: np.ndarray  # [n] where each of them starts in the flattened sequence
+    #: per sampling row: its position after the request's computed tokens (0 but for drafts:
+    #: row j of a request verifying drafts samples the token after its j-th draft)
+    sample_offsets: np.ndarray | None = None
+    #: the decode rows of one request attend to K/V written by each other this step
+    rows_share_context: bool = False
+    #: the drafts verified this step: req id -> draft tokens (SchedulerOutput's)
+    drafts: dict[str, list[int]] | None = None
 
 
 class StepInputBuilder:
@@ -95,11 +106,22 @@ class StepInputBuilder:
         start = b.num_computed_tokens[rows]
         end = start + q_lens
         num_tokens = b.num_tokens[rows]
-        if (q_lens <= 0).any() or (end > num_tokens).any():
-            bad = int(np.nonzero((q_lens <= 0) | (end > num_tokens))[0][0])
+        spec = so.scheduled_spec_decode_tokens
+        n_drafts = (
+            np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=n)
+            if spec
+            else None
+        )
+        avail = num_tokens if n_drafts is None else num_tokens + n_drafts
+        bad_q = (q_lens <= 0) | (end > avail)
+        if n_drafts is not None:  # a verifying request computes its last token and its drafts
+            bad_q |= (n_drafts > 0) & (start != num_tokens - 1)
+        if bad_q.any():
+            bad = int(np.nonzero(bad_q)[0][0])
             raise ExecutorError(
                 f"request {req_ids[bad]!r}: {int(q_lens[bad])} tokens scheduled from position {int(start[bad])} "
                 f"but it has {int(num_tokens[bad])} tokens"
+                + (f" and {int(n_drafts[bad])} drafts" if n_drafts is not None else "")
             )
         total = int(q_lens.sum())
         if total > self.max_num_tokens:
@@ -107,13 +129,33 @@ class StepInputBuilder:
                 f"{total} tokens scheduled > max_num_batched_tokens={self.max_num_tokens}"
             )
 
+        # segments: one per decode row (a verifying request gives one per token), one per chunk
         is_dec = q_lens == 1
+        if n_drafts is not None:
+            is_dec |= n_drafts > 0
         dec = np.nonzero(is_dec)[0]
-        dec = dec[np.argsort(-end[dec], kind="stable")]
-        order = np.concatenate([dec, np.nonzero(~is_dec)[0]])
-        rows_o, q_o, start_o, end_o = rows[order], q_lens[order], start[order], end[order]
+        pre = np.nonzero(~is_dec)[0]
+        if n_drafts is None:  # one row per decode
+            seg_req = dec[np.argsort(-end[dec], kind="stable")]
+            order = np.concatenate([seg_req, pre])
+            q_o, start_o, end_o = q_lens[order], start[order], end[order]
+            off_o = None
+        else:
+            seg_req = np.repeat(dec, q_lens[dec])
+            first = np.repeat(np.cumsum(q_lens[dec]) - q_lens[dec], q_lens[dec])
+            seg_off = self._arange[: len(seg_req)] - first
+            seg_end = start[seg_req] + seg_off + 1
+            by_len = np.argsort(-seg_end, kind="stable")
+            seg_req, seg_off, seg_end = seg_req[by_len], seg_off[by_len], seg_end[by_len]
+            order = np.concatenate([seg_req, pre])
+            q_o = np.concatenate([np.ones(len(seg_req), dtype=np.int64), q_lens[pre]])
+            end_o = np.concatenate([seg_end, end[pre]])
+            start_o = end_o - q_o
+            off_o = np.concatenate([seg_off, np.zeros(len(pre), dtype=np.int64)])
+        rows_o = rows[order]
         cu = np.cumsum(q_o)
         q_start = cu - q_o
+        n = len(order)  # segments from here on
 
         # flattened token arrays
         tok_req = np.repeat(self._arange[:n], q_o)
@@ -128,7 +170,7 @@ class StepInputBuilder:
         blocks = b.block_table[token_rows, positions // bs]
         np.add(blocks * bs, positions % bs, out=self._slots_np[:total])
 
-        nd = len(dec)
+        nd = len(seg_req)
         groups = self._decode_groups(rows_o[:nd], end_o[:nd])
         prefills = []
         for i in range(nd, n):
@@ -139,7 +181,7 @@ class StepInputBuilder:
                 blocks = self._to_device(torch.from_numpy(b.block_table[rows_o[i], :nb].copy()))
             prefills.append(PrefillSeq(int(q_start[i]), int(q_o[i]), p_len, blocks))
 
-        samples = end_o == num_tokens[order]
+        samples = end_o >= num_tokens[order]  # the last token, or a verifying row
         sample_idx = np.nonzero(samples)[0]
         logits_indices = torch.from_numpy(cu[sample_idx] - 1)
         attn = AttentionMetadata(
@@ -162,6 +204,9 @@ class StepInputBuilder:
             sample_rows=rows_o[sample_idx],
             flat_req_ids=[req_ids[j] for j in order],
             query_start=q_start,
+            sample_offsets=off_o[sample_idx] if off_o is not None else None,
+            drafts=spec or None,
+            rows_share_context=len(seg_req) > len(dec),
         )
 
     def _decode_groups(self, rows: np.ndarray, ctx: np.ndarray) -> list[DecodeGroup]:
@@ -197,9 +242,17 @@ class StepInputBuilder:
 
 
 def sampling_metadata(
-    batch: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
+    batch: InputBatch,
+    rows: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+    offsets: np.ndarray | None = None,
 ) -> SamplingMetadata:
-    """The SamplingMetadata of the sampling ``rows`` (aligned with the logits rows)."""
+    """The SamplingMetadata of the sampling ``rows`` (aligned with the logits rows).
+
+    ``offsets`` (verifying drafts): row i samples the token after the first
+    ``offsets[i]`` drafts, which count as output before it (seeds, min_tokens, penalties).
+    """
     temp = batch.temperature[rows]
     greedy = temp == 0.0
     md = SamplingMetadata(all_greedy=bool(greedy.all()))
@@ -208,6 +261,8 @@ def sampling_metadata(
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     n_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+    if offsets is not None:
+        n_out = n_out + offsets
     if not md.all_greedy:
         md.greedy = t(greedy)
         md.temperature = t(np.where(greedy, np.float32(1.0), temp))
@@ -239,7 +294,15 @@ def sampling_metadata(
         md.prompt_ids = t(
             _padded([batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in p_rows], vocab_size)
         )
-        md.output_ids = t(_padded([batch.output_token_ids(r) for r in p_rows], vocab_size))
+        outs = (
+            [batch.output_token_ids(r) for r in p_rows]
+            if offsets is None
+            else [
+                batch.token_ids[r, batch.num_prompt_tokens[r] : batch.num_tokens[r] + o]
+                for r, o in zip(p_rows, offsets[p_idx], strict=True)
+            ]
+        )
+        md.output_ids = t(_padded(outs, vocab_size))
         md.presence_penalty = t(pres[p_idx]) if (pres[p_idx] != 0).any() else None
         md.frequency_penalty = t(freq[p_idx]) if (freq[p_idx] != 0).any() else None
         md.repetition_penalty = t(rep[p_idx]) if (rep[p_idx] != 1).any() else None

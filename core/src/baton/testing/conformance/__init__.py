@@ -4,6 +4,7 @@
 - ``ExecutorConformance`` (``.executor``): provide an ``executor`` fixture.
 - ``TransportConformance`` (``.transport``): provide a ``transport`` fixture.
 - ``StructuredOutputConformance`` (``.structured_output``): see that module.
+- ``SpeculatorConformance`` (``.speculator``): set ``name`` or override ``make_speculator(config)``.
 
 Each suite is a plain class of ``test_*`` methods: ``class TestMine(SchedulerPolicyConformance):
 name = "mine"`` collects them all in your test module. Names are imported lazily, so importing
@@ -20,6 +21,7 @@ _SUITES = {
     "ExecutorConformance": "baton.testing.conformance.executor",
     "TransportConformance": "baton.testing.conformance.transport",
     "StructuredOutputConformance": "baton.testing.conformance.structured_output",
+    "SpeculatorConformance": "baton.testing.conformance.speculator",
 }
 
 __all__ = sorted(_SUITES)
