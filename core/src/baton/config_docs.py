@@ -41,8 +41,13 @@ protocol = "tcp"
 `baton config check [FILE]` checks a config (with `BATON_*` variables and the
 same flags and `--set` as `baton generate`) against every installed plugin's
 settings without loading a model or tokenizer: it prints the selected plugins
-and exits 0, or prints every problem and exits 1. `LLM`, `AsyncLLM` and
-`baton generate` / `chat` / `serve` run the same check before anything loads.
+and exits 0, or prints every problem and exits 1 (`--json`: `ok`, `error`, and
+`problems`, one string each). Values the config refuses and plugin problems are
+reported together: a refused value is listed and put back to its default so the
+plugins are still checked; only a refusal across sections (e.g. a quantization
+with tensor parallelism) stops before the plugins, and says so. `LLM`,
+`AsyncLLM` and `baton generate` / `chat` / `serve` run the same checks before
+anything loads (and stop at the first refused value).
 
 Other environment switches: `BATON_PLUGINS` (comma-separated allowlist of
 plugin or distribution names; baton-core's built-ins always load),
