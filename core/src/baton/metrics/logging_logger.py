@@ -1,4 +1,8 @@
-"""The built-in ``logging`` stat logger: one periodic log line with the engine's figures."""
+"""The built-in ``logging`` stat logger: one periodic log line with the engine's figures.
+
+When speculative decoding verified drafts in the interval, a second line per engine
+gives its acceptance rate, mean accepted length and per-position acceptance over
+that interval (``baton.metrics.spec``)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 from baton.config import BatonConfig
 from baton.hookspecs import hookimpl
+from baton.metrics.spec import SpecTally
 from baton.metrics.stats import IterationStats
 from baton.protocol import SchedulerStats
 
@@ -27,6 +32,8 @@ class LoggingStatLogger:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_preemptions = 0
+        #: Speculative decoding's figures in this interval, per engine index.
+        self.spec: dict[int, SpecTally] = {}
 
     def record(
         self,
@@ -42,6 +49,11 @@ class LoggingStatLogger:
             self.prefix_queries += scheduler_stats.prefix_cache_queries
             self.prefix_hits += scheduler_stats.prefix_cache_hits
             self.num_preemptions += scheduler_stats.num_preemptions
+            if scheduler_stats.spec_num_drafts:
+                tally = self.spec.get(engine_index)
+                if tally is None:
+                    tally = self.spec[engine_index] = SpecTally()
+                tally.add(scheduler_stats)
 
     def log(self) -> None:
         now = time.monotonic()
@@ -60,6 +72,8 @@ class LoggingStatLogger:
             100 * hit_rate,
             self.num_preemptions,
         )
+        for index, tally in sorted(self.spec.items()):
+            log.info("engine %03d: speculative decoding: %s", index, tally.describe())
         self._reset(now)
 
 

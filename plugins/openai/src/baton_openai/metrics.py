@@ -10,6 +10,14 @@ conventions (``baton_`` prefix, base units, counters end in ``_total``).
 plus ``vllm:time_per_output_token_seconds``, so dashboards made for vLLM work)
 or ``both``. ``baton_requests_rejected_total`` (the server's 429s) has no vLLM
 counterpart and is there whatever the choice.
+
+With ``speculative.method`` set, four more counters per engine (vLLM's names in
+vllm mode): ``spec_decode_num_drafts`` (verifications of drafts),
+``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+``spec_decode_num_accepted_tokens_per_pos`` (a ``position`` label, 0 = the
+first draft, one series per position up to ``speculative.num_tokens``): the
+acceptance rate is accepted / draft tokens, the mean accepted length
+1 + accepted / drafts, position i's acceptance per_pos{position=i} / drafts.
 """
 
 from __future__ import annotations
@@ -100,7 +108,10 @@ PREFIXES = {"baton": "baton_", "vllm": "vllm:"}
 class _Families:
     """The metric families of one naming scheme (``prefix``: ``baton_`` or ``vllm:``)."""
 
-    def __init__(self, r: CollectorRegistry, prefix: str, labels: list[str]) -> None:
+    def __init__(
+        self, r: CollectorRegistry, prefix: str, labels: list[str], speculative: bool = False
+    ) -> None:
+        self.spec = _SpecFamilies(r, prefix, labels) if speculative else None
         self.running = Gauge(
             f"{prefix}num_requests_running", "Requests in the running batch.", labels, registry=r
         )
@@ -185,6 +196,33 @@ class _Families:
         )
 
 
+class _SpecFamilies:
+    """Speculative decoding's counters of one naming scheme."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, labels: list[str]) -> None:
+        self.drafts = Counter(
+            f"{prefix}spec_decode_num_drafts",
+            "Verifications of draft tokens (one per request per step with drafts).",
+            labels,
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            f"{prefix}spec_decode_num_draft_tokens", "Draft tokens proposed.", labels, registry=r
+        )
+        self.accepted_tokens = Counter(
+            f"{prefix}spec_decode_num_accepted_tokens",
+            "Draft tokens the model accepted.",
+            labels,
+            registry=r,
+        )
+        self.accepted_per_pos = Counter(
+            f"{prefix}spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft).",
+            [*labels, "position"],
+            registry=r,
+        )
+
+
 class PrometheusStatLogger:
     """Observes SchedulerStats and IterationStats; ``log()`` is a no-op (Prometheus pulls)."""
 
@@ -196,7 +234,11 @@ class PrometheusStatLogger:
         names = settings.metric_names if isinstance(settings, PrometheusSettings) else "baton"
         schemes = ["baton", "vllm"] if names == "both" else [names]
         labels = ["model_name", "engine"]
-        self._families = [_Families(self.registry, PREFIXES[s], labels) for s in schemes]
+        spec = config.speculative.method != "none"
+        self._num_spec_positions = config.speculative.num_tokens if spec else 0
+        self._families = [
+            _Families(self.registry, PREFIXES[s], labels, speculative=spec) for s in schemes
+        ]
         self._rejected = Counter(
             "baton_requests_rejected",
             "Requests the server refused before running them (queue_full: a 429).",
@@ -215,7 +257,9 @@ class PrometheusStatLogger:
         m = self._per_engine.get(index)
         if m is None:
             labels = (self.model_name, str(index))
-            m = self._per_engine[index] = [_EngineMetrics(f, labels) for f in self._families]
+            m = self._per_engine[index] = [
+                _EngineMetrics(f, labels, self._num_spec_positions) for f in self._families
+            ]
         return m
 
     def record(
@@ -234,7 +278,10 @@ class PrometheusStatLogger:
 class _EngineMetrics:
     """The labelled children of one engine in one naming scheme (looked up once, not per step)."""
 
-    def __init__(self, f: _Families, labels: tuple[str, str]) -> None:
+    def __init__(self, f: _Families, labels: tuple[str, str], num_spec_positions: int) -> None:
+        self.spec = (
+            None if f.spec is None else _EngineSpecMetrics(f.spec, labels, num_spec_positions)
+        )
         self.running = f.running.labels(*labels)
         self.waiting = f.waiting.labels(*labels)
         self.kv_usage = f.kv_usage.labels(*labels)
@@ -265,6 +312,8 @@ class _EngineMetrics:
                 self.prefix_hits.inc(s.prefix_cache_hits)
             if s.num_preemptions:
                 self.preemptions.inc(s.num_preemptions)
+            if self.spec is not None and s.spec_num_drafts:
+                self.spec.record(s)
         if iteration_stats is not None:
             it = iteration_stats
             if it.num_prompt_tokens:
@@ -280,6 +329,29 @@ class _EngineMetrics:
                 self.success[f.finish_reason].inc()
                 self.e2e.observe(f.e2e_latency)
                 self.queue.observe(f.queue_time)
+
+
+class _EngineSpecMetrics:
+    """One engine's speculative-decoding counters (a series per draft position from zero)."""
+
+    def __init__(self, f: _SpecFamilies, labels: tuple[str, str], num_positions: int) -> None:
+        self.families = f
+        self.labels = labels
+        self.drafts = f.drafts.labels(*labels)
+        self.draft_tokens = f.draft_tokens.labels(*labels)
+        self.accepted_tokens = f.accepted_tokens.labels(*labels)
+        self.per_pos = [f.accepted_per_pos.labels(*labels, str(i)) for i in range(num_positions)]
+
+    def record(self, s: SchedulerStats) -> None:
+        self.drafts.inc(s.spec_num_drafts)
+        self.draft_tokens.inc(s.spec_num_draft_tokens)
+        self.accepted_tokens.inc(s.spec_num_accepted_tokens)
+        for i, n in enumerate(s.spec_accepted_per_position or ()):
+            while i >= len(self.per_pos):  # more positions than configured: a series for each
+                pos = str(len(self.per_pos))
+                self.per_pos.append(self.families.accepted_per_pos.labels(*self.labels, pos))
+            if n:
+                self.per_pos[i].inc(n)
 
 
 class _LazyLabels(dict[str, Any]):
