@@ -215,6 +215,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             selector="method",
             unselected=frozenset({"none"}),
             builtin=("ngram",),
+            distributions={"suffix": "baton-plugin-suffix"},
         ),
         PluginKind(
             name="command",
