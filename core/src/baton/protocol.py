@@ -201,6 +201,8 @@ class GrammarOutput(msgspec.Struct, **_STRUCT):
     """The bitmask for sample_tokens: row i masks req_ids[i]; bit set = token allowed.
 
     ``bitmask`` is an int32 numpy array or torch tensor of shape [len(req_ids), ceil(vocab/32)].
+    A request verifying k drafts has 1 + k rows in a row, in position order: the j-th masks
+    the token that follows its first j drafts.
     """
 
     req_ids: list[str]

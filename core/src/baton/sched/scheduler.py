@@ -431,7 +431,7 @@ class Scheduler:
             num_sent[rid] = ntok
             computed += n
             req.num_computed_tokens = computed
-            if req.grammar is not None and computed == ntok:
+            if req.grammar is not None and computed >= ntok:  # it samples (> : with drafts)
                 plan.so_ids.append(rid)
 
     def _allocate_or_preempt(

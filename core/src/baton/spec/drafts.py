@@ -3,8 +3,9 @@ and the acceptance figures.
 
 The scheduler asks ``Drafts.propose`` for a running request about to decode one
 token; it schedules the drafts with that token, and after the step tells
-``verified`` how many the model kept. Drafting is skipped for a request with a
-grammar (its matcher would have to advance over the drafts and roll back), and
+``verified`` how many the model kept. A request with a grammar keeps only the
+drafts its grammar allows in a row (``baton.structured.drafts``; the step then
+masks each verification position with its own bitmask row). Drafting is skipped
 for a whole step when more requests run than ``speculative.disable_by_batch_size``.
 With ``speculative.adaptive`` a request drafts one token more than it last had
 accepted (at most ``num_tokens``), and after ``PAUSE_AFTER`` verifications in a
@@ -21,6 +22,7 @@ from baton.config import SpeculativeSection
 from baton.errors import PluginError
 from baton.interfaces import Speculator
 from baton.request import Request
+from baton.structured.drafts import grammar_prefix
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,9 @@ class Drafts:
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafts for ``req`` (at most ``room``, which the caller bounds by the step's budget,
-        ``max_tokens`` and ``max_model_len``); [] when it should decode one token."""
-        if req.grammar is not None or room <= 0:
+        ``max_tokens`` and ``max_model_len``), cut to what its grammar allows if it has one;
+        [] when it should decode one token."""
+        if room <= 0:
             return []
         st = self._state.get(req.request_id)
         if st is None:
@@ -85,7 +88,14 @@ class Drafts:
                 f"speculator {type(self.speculator).__name__} proposed {len(tokens)} tokens "
                 f"for request {req.request_id!r}, more than the {k} asked for"
             )
-        return [int(t) for t in tokens]
+        drafts = [int(t) for t in tokens]
+        if drafts and req.grammar is not None:
+            try:
+                drafts = grammar_prefix(req.grammar, drafts)
+            except Exception as e:  # drafts are optional: the bitmask fill reports a broken matcher
+                log.warning("request %s: no drafts, its grammar raised: %r", req.request_id, e)
+                return []
+        return drafts
 
     def verified(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         """The model kept ``num_accepted`` of ``num_proposed`` drafts of ``req``."""

@@ -23,6 +23,7 @@ from baton.model_info import ModelInfo
 from baton.plugins import Registry
 from baton.protocol import GrammarOutput, SchedulerOutput
 from baton.request import Request, RequestStatus
+from baton.structured.drafts import fill_draft_rows
 
 if TYPE_CHECKING:
     from baton.interfaces import StructuredOutputBackend
@@ -162,6 +163,8 @@ class StructuredOutputManager:
     ) -> GrammarOutput | None:
         """Fill the bitmask rows of this step's constrained requests (runs while the forward does).
 
+        A request verifying drafts gets a row per position (``fill_draft_rows``).
+
         A request whose matcher raises gets no row and is reported through ``take_failed``:
         the core finishes it before this step's tokens are applied. None when no row is filled.
         """
@@ -169,7 +172,9 @@ class StructuredOutputManager:
         if not req_ids:
             return None
         backend = self.backend
-        n = len(req_ids)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        # a request verifying k drafts takes 1 + k rows, one per position
+        n = len(req_ids) + sum(len(spec.get(rid, ())) for rid in req_ids) if spec else len(req_ids)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = backend.allocate_bitmask(max(n, self.config.scheduler.max_num_seqs))
         bitmask = self._bitmask
@@ -177,16 +182,17 @@ class StructuredOutputManager:
         filled: list[str] = []
         for rid in req_ids:
             req = requests[rid]
-            try:
-                req.grammar.fill_bitmask(
-                    bitmask, len(filled)
-                )  # the next row: failures leave no gap
-            except (
-                Exception
-            ) as e:  # this request fails alone (take_failed); the others keep their rows
+            drafts = spec.get(rid) if spec else None
+            try:  # the next rows: failures leave no gap
+                if drafts:
+                    rows = fill_draft_rows(req.grammar, drafts, bitmask, len(filled))
+                else:
+                    req.grammar.fill_bitmask(bitmask, len(filled))
+                    rows = 1
+            except Exception as e:  # this request fails alone (take_failed); the others go on
                 self._report_fill_failure(req, e)
                 continue
-            filled.append(rid)
+            filled.extend([rid] * rows)
         if not filled:
             return None
         # a copy: with a batch queue the next step refills the buffer before this one samples

@@ -333,7 +333,9 @@ class FakeExecutor:
     def _sample(
         self, so: SchedulerOutput, samplers: list[str], grammar: GrammarOutput | None
     ) -> ModelRunnerOutput:
-        rows = {rid: i for i, rid in enumerate(grammar.req_ids)} if grammar is not None else {}
+        rows: dict[str, list[int]] = {}  # req id -> its bitmask rows, one per position
+        for i, rid in enumerate(grammar.req_ids if grammar is not None else ()):
+            rows.setdefault(rid, []).append(i)
         sampling = set(samplers)
         req_ids, sampled = [], []
         for rid in so.num_scheduled_tokens:
@@ -343,23 +345,29 @@ class FakeExecutor:
                 continue
             st = self.reqs[rid]
             drafts = so.scheduled_spec_decode_tokens.get(rid)
+            masks = [grammar.bitmask[i] for i in rows[rid]] if rid in rows else None  # type: ignore[union-attr]
             if drafts:
-                st.sampled = self._verify(st, drafts)
+                st.sampled = self._verify(st, drafts, masks, rid)
                 sampled.append(st.sampled)
                 continue
             tok = self.next_token(st.tokens, st.num_prompt)
-            if rid in rows:
-                tok = _allowed_token(grammar.bitmask[rows[rid]], tok, rid)  # type: ignore[union-attr]
+            if masks:
+                tok = _allowed_token(masks[0], tok, rid)
             st.sampled = [tok]
             sampled.append([tok])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
-    def _verify(self, st: _ReqState, drafts: list[int]) -> list[int]:
-        """The drafts that equal the fake model's next tokens, then its own next token; the
-        rejected drafts' positions no longer count as computed."""
+    def _verify(
+        self, st: _ReqState, drafts: list[int], masks: list[Any] | None = None, rid: str = ""
+    ) -> list[int]:
+        """The drafts that equal the fake model's next tokens (each position through its own
+        bitmask row, if any), then its own next token; the rejected drafts' positions no
+        longer count as computed."""
         out: list[int] = []
         for j in range(len(drafts) + 1):
             tok = self.next_token(st.tokens + drafts[:j], st.num_prompt)
+            if masks:
+                tok = _allowed_token(masks[j], tok, rid)
             out.append(tok)
             if j == len(drafts) or tok != drafts[j]:
                 break

@@ -568,7 +568,7 @@ class ModelRunner:
         """Sample ``logits`` (aligned with ``req_ids`` and their batch ``rows``, ``offsets``
         past their tokens): tokens, logprobs."""
         if grammar is not None and grammar.req_ids:
-            self._apply_grammar(logits, req_ids, grammar)
+            self._apply_grammar(logits, req_ids, grammar, offsets)
         md = sampling_metadata(self.input_batch, rows, self.vocab_size, self.device, offsets)
         out = self.sampler(logits, md)
         return out.token_ids.tolist(), out.logprobs
@@ -606,13 +606,22 @@ class ModelRunner:
         return tokens, lps
 
     def _apply_grammar(
-        self, logits: torch.Tensor, req_ids: list[str], grammar: GrammarOutput
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        grammar: GrammarOutput,
+        offsets: np.ndarray | None = None,
     ) -> None:
-        """Mask the rows of ``logits`` (aligned with ``req_ids``) that have a bitmask row."""
-        where = {rid: i for i, rid in enumerate(req_ids)}
+        """Mask the rows of ``logits`` (aligned with ``req_ids`` and their ``offsets`` past the
+        request's tokens) that have a bitmask row: a request's j-th row in the bitmask masks
+        its logits row at offset j (a request verifying drafts has one per position)."""
+        pos = offsets.tolist() if offsets is not None else [0] * len(req_ids)
+        where = {(rid, int(off)): i for i, (rid, off) in enumerate(zip(req_ids, pos, strict=True))}
+        seen: dict[str, int] = {}
         mask_rows, logit_rows = [], []
         for j, rid in enumerate(grammar.req_ids):
-            i = where.get(rid)
+            off = seen[rid] = seen.get(rid, -1) + 1
+            i = where.get((rid, off))
             if i is not None:  # a request in a mid-prompt chunk samples nothing this step
                 mask_rows.append(j)
                 logit_rows.append(i)
