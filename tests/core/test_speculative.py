@@ -115,9 +115,12 @@ class _OraclePlugin:
 
 @pytest.fixture(scope="module")
 def oracle_registered():
+    """The oracle in this process's plugins for this module only: a worker process (a parallel
+    executor in a later test) refuses to start when its plugins differ from the engine's."""
     plugins = get_plugins()
-    if not plugins.pm.has_plugin("test-oracle"):
-        plugins.register(_OraclePlugin(), "test-oracle", "tests", "0")
+    plugins.register(_OraclePlugin(), "test-oracle", "tests", "0")
+    yield
+    plugins.unregister("test-oracle")
 
 
 def engine_config(method: str, **overrides) -> BatonConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -83,10 +84,13 @@ class _Plugin:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def oracle_registered() -> None:
+def oracle_registered() -> Iterator[None]:
+    """The oracle in this process's plugins for this module only: a worker process (a parallel
+    executor in a later test) refuses to start when its plugins differ from the engine's."""
     plugins = get_plugins()
-    if not plugins.pm.has_plugin("test-grammar-oracle"):
-        plugins.register(_Plugin(), "test-grammar-oracle", "tests", "0")
+    plugins.register(_Plugin(), "test-grammar-oracle", "tests", "0")
+    yield
+    plugins.unregister("test-grammar-oracle")
 
 
 def speculative(method: str) -> dict[str, Any]:
