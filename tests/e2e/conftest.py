@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from baton import LLM, SamplingParams
+from baton.processes import is_helper
 from baton.testing.tiny_model import tiny_model
 
 
@@ -35,13 +36,12 @@ def _shm_segments() -> set[str]:
 
 
 def _children() -> list[psutil.Process]:
-    """Live descendants, except multiprocessing's resource tracker (it lives as long as we do)."""
+    """Live descendants, except multiprocessing's resource tracker and forkserver (they live as
+    long as we do)."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
-                p.cmdline()
-            ):
+            if p.status() != psutil.STATUS_ZOMBIE and not is_helper(p):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

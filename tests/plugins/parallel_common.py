@@ -13,6 +13,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.errors import EngineDeadError, ExecutorError
+from baton.processes import is_helper
 from baton.testing.conformance.executor import ExecutorConformance
 from baton.testing.faults import kill_on_first_output
 from tests.e2e.conftest import _children
@@ -100,7 +101,7 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
             if transport != "inproc"
             else psutil.Process()
         )
-        workers = [p for p in engine.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        workers = [p for p in engine.children(recursive=True) if not is_helper(p)]
         assert len(workers) >= 2, workers
         victim = workers[-1].pid
         killed_at = kill_on_first_output(llm.engine, victim)

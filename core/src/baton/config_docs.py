@@ -53,7 +53,10 @@ Other environment switches: `BATON_PLUGINS` (comma-separated allowlist of
 plugin or distribution names; baton-core's built-ins always load),
 `BATON_DISABLE_PLUGIN_AUTOLOAD=1`, `BATON_TRACE_PLUGINS=1` (log every hook
 call), `BATON_CACHE_DIR` (where converted models are kept), `BATON_LOG_LEVEL`
-(the CLI's log level).
+(the CLI's log level), `BATON_START_METHOD` (`forkserver`, the default on Linux:
+engine and worker processes fork from a server that imported torch and
+transformers once, so each starts in well under a second instead of 3-6 s; or
+`spawn`: a fresh interpreter per process).
 """
 
 

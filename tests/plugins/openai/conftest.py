@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.config import BatonConfig
+from baton.processes import is_helper
 from baton.testing.tiny_model import tiny_model
 from baton_openai.server import OpenAIServer
 
@@ -131,8 +132,6 @@ def engine_children() -> list[psutil.Process]:
     out = []
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
-                p.cmdline()
-            ):
+            if p.status() != psutil.STATUS_ZOMBIE and not is_helper(p):
                 out.append(p)
     return out

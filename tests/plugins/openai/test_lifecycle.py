@@ -19,6 +19,8 @@ import openai
 import psutil
 import pytest
 
+from baton.processes import is_helper
+
 from .conftest import ServerThread, metric, wait_for
 
 MESSAGES = [{"role": "user", "content": "Go on and on."}]
@@ -120,7 +122,7 @@ class ServeProcess:
         return [
             c.pid
             for c in psutil.Process(self.proc.pid).children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline())
+            if not is_helper(c)
         ]
 
     def wait(self, timeout: float = 60) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from baton import processes
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
 from baton.engine.core import UTILITY_METHODS
@@ -110,12 +111,11 @@ class MPClient(EngineCoreClient):
         res = self.resources
         channel = res.channel = transport.create_client(self.num_engines)
         fingerprint = get_registry().fingerprint()
-        ctx = multiprocessing.get_context("spawn")
         for i in range(self.num_engines):
             if transport.multiprocess:
-                p: Any = ctx.Process(
-                    target=run_engine_core,
-                    args=(config, channel.address, i, fingerprint),
+                p: Any = processes.start(
+                    run_engine_core,
+                    (config, channel.address, i, fingerprint),
                     name=f"baton-engine-{i}",
                 )
             else:
@@ -131,7 +131,7 @@ class MPClient(EngineCoreClient):
                     name=f"baton-engine-{i}",
                     daemon=True,
                 )
-            p.start()
+                p.start()
             res.procs.append(p)
         self.ready = self._wait_ready(channel)
         self.info: ModelInfo = self.ready[0].info

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from baton import processes
 from baton.errors import BatonError, ExecutorError
 from baton.executor.heartbeat import Heartbeats
 from baton.executor.latch import FailureLatch
@@ -157,7 +158,6 @@ class WorkerGroup:
         )
         self._reader.start()
         self._completer.start()
-        ctx = multiprocessing.get_context("spawn")
         for rank, arg in enumerate(args):
             link = MemberLink(
                 group=self.name,
@@ -168,13 +168,9 @@ class WorkerGroup:
                 heartbeats=self.heartbeats,
                 parent_pid=os.getpid(),
             )
-            p = ctx.Process(
-                target=target,
-                args=(link, arg),
-                name=f"baton-{self.name}-worker-{rank}",
-                daemon=True,
+            p = processes.start(
+                target, (link, arg), name=f"baton-{self.name}-worker-{rank}", daemon=True
             )
-            p.start()
             self.procs.append(p)
         return self.wait(ready.future, timeout, what)  # type: ignore[no-any-return]
 

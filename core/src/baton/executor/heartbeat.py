@@ -9,11 +9,12 @@ The same thread exits the worker when its parent (the engine process) is gone.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
 import time
 from typing import Any
+
+from baton import processes
 
 #: Seconds between two beats of a worker.
 INTERVAL = 0.5
@@ -23,7 +24,7 @@ class Heartbeats:
     """One ``time.monotonic()`` slot per worker (0.0: not started yet). Pickles to spawned workers."""
 
     def __init__(self, num_workers: int) -> None:
-        self.slots: Any = multiprocessing.get_context("spawn").RawArray("d", num_workers)
+        self.slots: Any = processes.context().RawArray("d", num_workers)
 
     def beat(self, rank: int) -> None:
         self.slots[rank] = time.monotonic()
@@ -35,12 +36,15 @@ class Heartbeats:
     def start_beating(self, rank: int, parent_pid: int) -> threading.Thread:
         """In worker ``rank``: beat every INTERVAL s; exit the process once ``parent_pid`` is gone."""
 
+        # started by a forkserver, the parent is the forkserver, which exits with its owner
+        first_parent = os.getppid()
+
         def beat() -> None:
             while True:
                 self.beat(rank)
                 time.sleep(INTERVAL)
-                if os.getppid() != parent_pid:  # re-parented: the engine process is gone
-                    os._exit(3)
+                if os.getppid() != first_parent or not processes.alive(parent_pid):
+                    os._exit(3)  # re-parented, or the engine process is gone
 
         thread = threading.Thread(target=beat, name="baton-worker-heartbeat", daemon=True)
         thread.start()
