@@ -181,8 +181,9 @@ class SpeculativeSection(_Section):
     method: str = "none"
     """A speculator proposing draft tokens that each step verifies: ngram (prompt lookup), or an
     installed plugin's (`baton plugins`); none: no speculation."""
-    num_tokens: int = Field(5, ge=1, le=15)
-    """Most draft tokens per request per step (vLLM's num_speculative_tokens)."""
+    num_tokens: int = Field(3, ge=1, le=15)
+    """Most draft tokens per request per step (vLLM's num_speculative_tokens). Each costs a row
+    of every matmul in the verifying step: on a 2-core CPU 3 beat 5 (docs/benchmarks.md)."""
     disable_by_batch_size: int | None = Field(4, gt=0)
     """No drafts in a step where more requests than this are running: verifying drafts of many
     requests costs more than it saves once a step is compute-bound. None: always speculate."""
