@@ -311,3 +311,74 @@ def test_rejected_drafts_are_taken_back_and_steps_stay_within_budget(oracle_regi
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == 0
     _, schedules3, _ = run("oracle", 3)  # 3 running > disable_by_batch_size=2
     assert not any(so.scheduled_spec_decode_tokens for so in schedules3[2:])
+
+
+class FakeSeer:
+    """Proposes the fake executor's next tokens, every third draft position wrong."""
+
+    def __init__(self, fake: FakeExecutor) -> None:
+        self.fake = fake
+        self.calls = 0
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        self.calls += 1
+        tokens = list(request.all_token_ids)
+        out = []
+        for i in range(max_tokens):
+            tok = self.fake.next_token(tokens, request.num_prompt_tokens)
+            tokens.append(tok)
+            out.append(tok + 1 if (self.calls + i) % 3 == 0 else tok)
+        return out
+
+    def observe(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        pass
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+def test_drafts_under_preemption_and_prefix_caching_keep_outputs_and_kv_exact(oracle_registered):
+    """A cache too small for every request: requests with drafts are preempted and recomputed,
+    shared prompt prefixes come from the prefix cache, and the fake executor checks every KV
+    slot a step reads (deep_check); outputs equal speculation off."""
+    from baton.engine.core import EngineCore
+    from baton.protocol import EngineCoreRequest, ModelInfo
+    from baton.testing import FakeExecutorSettings
+
+    info = ModelInfo(
+        path="fake", architecture="Fake", vocab_size=32000, max_model_len=256, eos_token_ids=[0]
+    )
+    shared = [9, 8, 7, 6, 5, 4, 3, 2] * 4  # two blocks of 16, shared by every prompt
+
+    def run(method: str) -> tuple[dict[str, list[int]], object]:
+        config = BatonConfig.load(
+            max_model_len=256,
+            block_size=16,
+            max_num_batched_tokens=128,
+            speculative={"method": method, "num_tokens": 4, "disable_by_batch_size": None},
+        )
+        fake = FakeExecutor(FakeExecutorSettings(num_blocks=24, deep_check=True), block_size=16)
+        _ORACLES.append(FakeSeer(fake))  # type: ignore[arg-type]
+        core = EngineCore(config, executor=fake, info=info)
+        for i in range(6):
+            core.add_request(
+                EngineCoreRequest(
+                    request_id=f"r{i}",
+                    prompt_token_ids=shared + [100 + i] * (3 + i),
+                    sampling_params=SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                )
+            )
+        tokens: dict[str, list[int]] = {}
+        while core.has_work():
+            outs, _ = core.step_fn()
+            for o in outs.outputs if outs else ():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        stats = core.scheduler.make_stats(delta=False)
+        core.shutdown()
+        return tokens, stats
+
+    off, _ = run("none")
+    on, on_stats = run("oracle")
+    assert on == off and all(len(t) == 60 for t in on.values())
+    assert on_stats.num_preemptions > 0 and on_stats.prefix_cache_hits > 0
+    assert 0 < on_stats.spec_num_accepted_tokens < on_stats.spec_num_draft_tokens
