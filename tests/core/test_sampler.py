@@ -281,3 +281,21 @@ def test_bitmask_layout_agrees_with_xgrammar():
     apply_bitmask(ours, bitmask)
     xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=V)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+
+
+def test_an_overflowing_penalty_samples_an_allowed_token():
+    """repetition_penalty=5e-324 divides a positive logit to +inf (the schema fuzzer's case):
+    the draw is still one of the tokens the bitmask allows, never a NaN pick."""
+    from baton.worker.sampler import apply_bitmask
+
+    logits = rand_logits(2, seed=5)
+    logits[:, 7] = 3.0
+    logits[:, 40] = -2.0
+    bitmask = torch.zeros(2, (V + 31) // 32, dtype=torch.int32)
+    bitmask[:, 0] = 1 << 7
+    bitmask[:, 1] = 1 << 8
+    apply_bitmask(logits, bitmask)
+    for seed in (None, 3):
+        sp = SamplingParams(repetition_penalty=5e-324, temperature=0.5, seed=seed)
+        out = sample([sp, sp], logits, prompts=[[7, 40], [7]])
+        assert set(out.token_ids.tolist()) <= {7, 40}

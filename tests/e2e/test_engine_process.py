@@ -140,10 +140,11 @@ def test_new_requests_are_refused_while_draining(model_dir, no_leaks):
     from baton.errors import EngineShuttingDownError
 
     llm = LLM(
-        model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": 600.0}
+        model=model_dir, max_model_len=2048, transport="zmq", **{"server.shutdown_timeout": 600.0}
     )
     try:
-        params = SamplingParams(max_tokens=240, ignore_eos=True, temperature=0)
+        # long enough to be still draining 0.3 s after SIGTERM (240 tokens could finish first)
+        params = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0)
         done: list = []
         t = threading.Thread(
             target=lambda: done.append(llm.generate("long one", params, use_tqdm=False))

@@ -127,8 +127,8 @@ def test_prompt_ids_are_the_model_template_token_for_token(sandboxed, monkeypatc
     seen: list[list[int]] = []
     generate = engine.generate
 
-    def spy(prompt, *args, **kwargs):
-        seen.append(list(prompt["prompt_token_ids"]))
+    def spy(prompt, *args, **kwargs):  # the server passes a CheckedRequest (checked once)
+        seen.append(list(prompt.prompt_token_ids))
         return generate(prompt, *args, **kwargs)
 
     monkeypatch.setattr(engine, "generate", spy)
@@ -252,7 +252,7 @@ def test_health_does_not_wait_for_a_busy_engine_step(server):
         client.completions.create(
             model=server.model,
             prompt="Once upon a time " * 200,
-            max_tokens=20,
+            max_tokens=200,  # long enough for the probe to sample it (20 took < 0.1 s)
             extra_body={"ignore_eos": True},
         )
 

@@ -286,6 +286,15 @@ class WorkerGroup:
         ]
         return "; ".join(dead) or None
 
+    def _exited_workers(self, wait: float = 1.0) -> str | None:
+        """``dead_workers()``, waiting up to ``wait`` s for an exit the channel saw first (a
+        process started by a forkserver reports its exit code through it, a moment later)."""
+        deadline = time.monotonic() + wait
+        while (dead := self.dead_workers()) is None and time.monotonic() < deadline:
+            for p in self.procs:
+                p.join(0.02)
+        return dead
+
     def _watch(self, now: float) -> None:
         if self.latch.closed or self.latch.failure is not None:
             return
@@ -327,7 +336,7 @@ class WorkerGroup:
                 if not self.latch.closed:
                     self.fail(
                         ExecutorError(
-                            f"the worker channel failed: {e}; {self.dead_workers() or ''}"
+                            f"the worker channel failed: {e}; {self._exited_workers() or ''}"
                         )
                     )
                 return

@@ -187,6 +187,9 @@ class Sampler:
             [md.seeds[i] if md.seeds else None for i in batch_rows], self.generator, logits.shape[1]
         )
         x = logits / sel(md.temperature)[:, None]
+        # a tiny repetition_penalty or temperature overflows a logit to +inf, whose softmax is
+        # NaN (and a NaN draw lands on any token, a masked one too): the largest float instead
+        x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
         min_p = sel(md.min_p)
         if min_p is not None:
             thresh = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
