@@ -1,5 +1,5 @@
-"""Installs as users install: wheels of baton-core, baton-plugin-zmq and baton-plugin-cuda-tp
-(not editable) in a fresh virtual environment, then a config file selecting zmq and cuda-tp,
+"""Installs as users install: a wheel of every distribution builds; those of baton-core,
+baton-plugin-zmq and baton-plugin-cuda-tp install (not editable) in a fresh virtual environment, then a config file selecting zmq and cuda-tp,
 and `baton generate`. Slow: it installs torch into the new environment (~1 min)."""
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ import pytest
 from baton.testing.tiny_model import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-DISTS = ("core", "plugins/zmq", "plugins/cuda-tp")
+#: Every distribution of the repository: each must build a wheel.
+DISTS = sorted(
+    str(p.parent.relative_to(ROOT))
+    for p in [ROOT / "core" / "pyproject.toml", *ROOT.glob("plugins/*/pyproject.toml"),
+              *ROOT.glob("contrib/*/pyproject.toml")]
+)  # fmt: skip
+#: What a user installs (README): the kernel and two plugins.
+INSTALLED = ("baton_core", "baton_plugin_zmq", "baton_plugin_cuda_tp")
 
 
 def run(*args: str | Path, cwd: Path | None = None, timeout: float = 900) -> str:
@@ -33,15 +40,15 @@ def test_wheels_install_in_a_fresh_venv_and_generate_with_zmq_and_cuda_tp(tmp_pa
     wheels = tmp_path / "wheels"
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
         "-w", wheels, *(ROOT / d for d in DISTS))  # fmt: skip
-    built = sorted(p.name.split("-")[0] for p in wheels.glob("*.whl"))
-    assert built == ["baton_core", "baton_plugin_cuda_tp", "baton_plugin_zmq"], built
+    built = {p.name.split("-")[0]: p for p in wheels.glob("*.whl")}
+    assert len(built) == len(DISTS), (sorted(built), DISTS)
 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)
     py = venv / "bin" / "python"
     # the torch build this checkout tests with (make setup's TORCH), then the wheels
     run(py, "-m", "pip", "install", "-q", f"torch=={importlib.metadata.version('torch')}")
-    run(py, "-m", "pip", "install", "-q", *sorted(wheels.glob("*.whl")))
+    run(py, "-m", "pip", "install", "-q", *(built[name] for name in INSTALLED))
 
     where = run(py, "-c", "import baton, baton_zmq, baton_cuda_tp; print(baton.__file__)")
     assert str(venv) in where, f"baton imported from {where.strip()}, not the new environment"
