@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ DISTS = sorted(
     for p in [ROOT / "core" / "pyproject.toml", *ROOT.glob("plugins/*/pyproject.toml"),
               *ROOT.glob("contrib/*/pyproject.toml")]
 )  # fmt: skip
+#: What a build leaves in a distribution's folder.
+BUILD_LEFTOVERS = ("build", "dist", "*.egg-info", "__pycache__")
 #: What a user installs (README): the kernel and two plugins.
 INSTALLED = ("baton_core", "baton_plugin_zmq", "baton_plugin_cuda_tp")
 
@@ -37,9 +40,14 @@ def run(*args: str | Path, cwd: Path | None = None, timeout: float = 900) -> str
 
 @pytest.mark.slow
 def test_wheels_install_in_a_fresh_venv_and_generate_with_zmq_and_cuda_tp(tmp_path):
+    # built from copies: setuptools writes build/ beside the sources, and files left there by an
+    # earlier build (even of a module since deleted) would go into the wheel
+    src = tmp_path / "src"
+    for d in DISTS:
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns(*BUILD_LEFTOVERS))
     wheels = tmp_path / "wheels"
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-        "-w", wheels, *(ROOT / d for d in DISTS))  # fmt: skip
+        "-w", wheels, *(src / d for d in DISTS))  # fmt: skip
     built = {p.name.split("-")[0]: p for p in wheels.glob("*.whl")}
     assert len(built) == len(DISTS), (sorted(built), DISTS)
 

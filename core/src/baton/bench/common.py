@@ -172,20 +172,19 @@ def spec_figures(llm: Any) -> dict[str, Any] | None:
     method = llm.config.speculative.method
     if method == "none":
         return None
-    s = llm.get_stats()
-    drafts, proposed, accepted = (
-        s.spec_num_drafts,
-        s.spec_num_draft_tokens,
-        s.spec_num_accepted_tokens,
-    )
+    from baton.metrics.spec import SpecTally
+
+    s = llm.get_stats()  # totals since the start
+    t = SpecTally()
+    t.add(s)
     return {
         "method": method,
         "num_tokens": llm.config.speculative.num_tokens,
-        "verifications": drafts,
-        "draft_tokens": proposed,
-        "accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
-        "tokens_per_verification": round(1 + accepted / drafts, 3) if drafts else None,
+        "verifications": t.num_drafts,
+        "draft_tokens": t.num_draft_tokens,
+        "accepted_tokens": t.num_accepted_tokens,
+        "acceptance_rate": round(t.acceptance_rate, 3) if t.num_draft_tokens else None,
+        "tokens_per_verification": round(t.mean_accepted_length, 3) if t.num_drafts else None,
         "accepted_per_position": s.spec_accepted_per_position,
     }
 

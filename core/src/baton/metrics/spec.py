@@ -25,6 +25,17 @@ class SpecTally:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    def verified(self, num_proposed: int, num_accepted: int) -> None:
+        """Count one verification that kept ``num_accepted`` of ``num_proposed`` drafts."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_position
+        if num_accepted > len(per_pos):
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
     def add(self, stats: SchedulerStats) -> None:
         """Add one step's figures (deltas)."""
         self.num_drafts += stats.spec_num_drafts

@@ -16,11 +16,12 @@ each time (up to ``MAX_PAUSE``), so text that does not repeat costs little.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from baton.config import SpeculativeSection
 from baton.errors import PluginError
 from baton.interfaces import Speculator
+from baton.metrics.spec import SpecTally
 from baton.request import Request
 from baton.structured.drafts import grammar_prefix
 
@@ -41,16 +42,6 @@ class _RequestState:
     paused_until: int = 0  # the step drafting resumes
 
 
-@dataclass
-class SpecCounters:
-    """Acceptance figures (since the previous ``take``)."""
-
-    num_drafts: int = 0  # verifications
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-
 class Drafts:
     """Draft bookkeeping for one scheduler."""
 
@@ -61,8 +52,9 @@ class Drafts:
         self.adaptive = section.adaptive
         self._state: dict[str, _RequestState] = {}
         self._step = 0
-        self.step_counters = SpecCounters(accepted_per_position=[0] * self.num_tokens)
-        self.total = SpecCounters(accepted_per_position=[0] * self.num_tokens)
+        #: acceptance figures of the current step (``take_step_counters``) and since the start
+        self.step_counters = self._tally()
+        self.total = self._tally()
 
     def step_allows(self, num_running: int) -> bool:
         """Whether this step drafts at all (called once per schedule)."""
@@ -99,12 +91,8 @@ class Drafts:
 
     def verified(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         """The model kept ``num_accepted`` of ``num_proposed`` drafts of ``req``."""
-        for c in (self.step_counters, self.total):
-            c.num_drafts += 1
-            c.num_draft_tokens += num_proposed
-            c.num_accepted_tokens += num_accepted
-            for i in range(num_accepted):
-                c.accepted_per_position[i] += 1
+        self.step_counters.verified(num_proposed, num_accepted)
+        self.total.verified(num_proposed, num_accepted)
         st = self._state.get(req.request_id)
         if st is not None and self.adaptive:
             st.limit = min(self.num_tokens, num_accepted + 1)
@@ -123,8 +111,12 @@ class Drafts:
         if self._state.pop(req.request_id, None) is not None:
             self.speculator.finished(req)
 
-    def take_step_counters(self) -> SpecCounters:
+    def take_step_counters(self) -> SpecTally:
         """This step's figures, reset for the next."""
         c = self.step_counters
-        self.step_counters = SpecCounters(accepted_per_position=[0] * self.num_tokens)
+        self.step_counters = self._tally()
         return c
+
+    def _tally(self) -> SpecTally:
+        # a position for every draft a step may verify, accepted or not
+        return SpecTally(accepted_per_position=[0] * self.num_tokens)

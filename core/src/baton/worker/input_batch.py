@@ -225,8 +225,9 @@ class InputBatch:
 
     # ------------------------------------------------------------------ views
 
-    def output_token_ids(self, row: int) -> np.ndarray:
-        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
+    def output_token_ids(self, row: int, drafts: int = 0) -> np.ndarray:
+        """The row's output tokens, and its first ``drafts`` draft tokens (``write_drafts``)."""
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row] + drafts]
 
     def all_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, : self.num_tokens[row]]

@@ -294,14 +294,8 @@ def sampling_metadata(
         md.prompt_ids = t(
             _padded([batch.token_ids[r, : batch.num_prompt_tokens[r]] for r in p_rows], vocab_size)
         )
-        outs = (
-            [batch.output_token_ids(r) for r in p_rows]
-            if offsets is None
-            else [
-                batch.token_ids[r, batch.num_prompt_tokens[r] : batch.num_tokens[r] + o]
-                for r, o in zip(p_rows, offsets[p_idx], strict=True)
-            ]
-        )
+        offs = offsets[p_idx].tolist() if offsets is not None else [0] * len(p_rows)
+        outs = [batch.output_token_ids(r, o) for r, o in zip(p_rows, offs, strict=True)]
         md.output_ids = t(_padded(outs, vocab_size))
         md.presence_penalty = t(pres[p_idx]) if (pres[p_idx] != 0).any() else None
         md.frequency_penalty = t(freq[p_idx]) if (freq[p_idx] != 0).any() else None
