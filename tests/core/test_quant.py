@@ -191,6 +191,25 @@ def test_quant_linear_equals_dequantized_matmul(qtype, rows, kernels):
     assert_linear_close(y, x, w)
 
 
+@pytest.mark.parametrize("qtype", list(QType))
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 9])
+def test_decode_rows_do_not_depend_on_their_neighbour_weight_rows(qtype, rows, cpu_kernel_ops):
+    """Past one row of x, linear_q computes several weight rows in one pass; which rows share a
+    pass follows where a thread's range starts, so a row's sums must not depend on its neighbours:
+    the same bits for a weight row whether the matrix starts at it or before it."""
+    n, k = shape_for(qtype, n=37)
+    raw = random_blocks(qtype, n, k, seed=rows)
+    bias = torch.randn(n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    full = torch.ops.baton.linear_q(x, raw, int(qtype), bias)
+    assert_linear_close(full, x, gguf_dequantize(raw, qtype), bias)
+    for start in (1, 2, 3):
+        part = torch.ops.baton.linear_q(
+            x, raw[start:].contiguous(), int(qtype), bias[start:].contiguous()
+        )
+        assert torch.equal(part, full[:, start:]), start
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_K])
 def test_prefill_tiles_cover_every_output_row(qtype, kernels):
     """300 outputs: several tiles of linear_q_tiles (and slices of the torch path), one partial."""

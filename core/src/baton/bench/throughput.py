@@ -69,7 +69,7 @@ def run_throughput(
             {"wall_s": round(wall, 3), "output_tokens": n_out, "tok_per_s": round(n_out / wall, 2)}
         )
         outputs = [o.outputs[0].token_ids for o in outs]
-        latencies = {**_latencies(outs), **itl.percentiles()}
+        latencies = {**_latencies(outs), **_decode_figures(outs), **itl.percentiles()}
     assert outputs is not None
     tok_s = summarize(r["tok_per_s"] for r in runs)
     return {
@@ -136,6 +136,29 @@ def _latencies(outs: list[Any]) -> dict[str, dict[str, float]]:
             key = "ttft_s" if name == "ttft" else "e2e_s"
             figures[key] = {f"p{q}": round(percentile(values, q), 4) for q in (50, 90, 99)}
     return figures
+
+
+def _decode_figures(outs: list[Any]) -> dict[str, Any]:
+    """Decoding alone, each request's prefill left out: TPOT percentiles (seconds per output
+    token after the first, from its first token to its last) and decode tokens/s (those tokens
+    over those times, summed over the requests: the decode speed when requests run one at a time,
+    as with ``--max-num-seqs 1``)."""
+    from baton.bench.common import percentile
+
+    tpots, tokens, seconds = [], 0, 0.0
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if m is None or m.ttft is None or m.e2e_latency is None or n < 2:
+            continue
+        span = m.e2e_latency - m.ttft
+        tpots.append(span / (n - 1))
+        tokens, seconds = tokens + n - 1, seconds + span
+    if not tpots or seconds <= 0:
+        return {}
+    return {
+        "tpot_s": {f"p{q}": round(percentile(tpots, q), 5) for q in (50, 90, 99)},
+        "decode_tok_per_s": round(tokens / seconds, 2),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
