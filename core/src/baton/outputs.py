@@ -18,6 +18,8 @@ class Logprob:
 
 #: Per generated position: candidate token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+#: Per prompt position: the prompt token plus the top-k there; None for the first (vLLM's).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -50,3 +52,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     user: str | None = field(default=None, repr=False)
+    #: With SamplingParams.prompt_logprobs: once the prompt is computed (with DELTA, in the
+    #: first output only).
+    prompt_logprobs: PromptLogprobs | None = None

@@ -101,6 +101,9 @@ class EngineCoreOutput(msgspec.Struct, **_STRUCT):
     events: list[EngineCoreEvent] | None = None
     #: Set with FinishReason.ERROR: what went wrong for this request only.
     error: str | None = None
+    #: With the first token of a request with prompt_logprobs: one entry per prompt token
+    #: but the first (the prompt token, then the top-k there).
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -218,6 +221,9 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     #: Requests that failed this step (their preparation or sampling raised) -> "ExceptionType: message".
     #: They are not in req_ids; the scheduler finishes them with FinishReason.ERROR.
     failed: dict[str, str] | None = None
+    #: Requests whose prompt ended this step and that asked for prompt_logprobs -> one entry
+    #: per prompt token but the first (TokenLogprobs: the prompt token, then the top-k).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
 
 
 class KVCacheSpec(msgspec.Struct, **_STRUCT):

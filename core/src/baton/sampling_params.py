@@ -18,6 +18,8 @@ import msgspec
 from baton.errors import InvalidRequestError, StructuredOutputError
 
 MAX_LOGPROBS = 20
+#: Largest |bias| of logit_bias (OpenAI's bound).
+MAX_LOGIT_BIAS = 100.0
 #: Most sequences one request may ask for (n); the HTTP layer caps at the same value.
 MAX_N = 128
 #: Exclusive bound of token counts, token ids and top_k: all fit an int32 (and the sampler's int64).
@@ -103,7 +105,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     ``temperature=0`` (or below 1e-5) is greedy. ``top_k=0`` (or -1) and ``top_p=1`` disable those
     filters. ``seed`` makes sampling reproducible whatever else is in the batch.
-    ``logprobs=k`` returns the sampled token's logprob plus the top k.
+    ``logprobs=k`` returns the sampled token's logprob plus the top k;
+    ``prompt_logprobs=k`` each prompt token's logprob (but the first's) plus the top k there.
+    ``logit_bias`` adds a bias in [-100, 100] to token ids' logits, ``allowed_token_ids`` keeps
+    only those tokens, ``bad_words`` bans each word's last token where its others were just
+    generated (vLLM's); the frontend tokenizes them into ``bad_words_token_ids``.
     """
 
     n: int = 1
@@ -125,6 +131,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputSpec | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    #: ``bad_words`` as token sequences (InputProcessor.process fills them from ``bad_words``).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +181,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         self.logprobs = _opt_int(
             "logprobs", self.logprobs, 0, MAX_LOGPROBS + 1, f"must be in [0, {MAX_LOGPROBS}]"
         )
+        self.prompt_logprobs = _opt_int(
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            0,
+            MAX_LOGPROBS + 1,
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        self._validate_token_constraints()
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float(name, getattr(self, name))
             _check(-2.0 <= value <= 2.0, name, value, "must be in [-2, 2]")
@@ -194,6 +214,70 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             self.output_kind = RequestOutputKind(self.output_kind)
         except (ValueError, TypeError):
             _check(False, "output_kind", self.output_kind, "must be a RequestOutputKind")
+
+    def _validate_token_constraints(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words (and their token ids): types and bounds."""
+        if self.logit_bias is not None:
+            _check(
+                isinstance(self.logit_bias, dict),
+                "logit_bias",
+                self.logit_bias,
+                "must be a dict of token id -> bias",
+            )
+            bias = {}
+            for tid, value in self.logit_bias.items():
+                _check(
+                    _is_int(tid) and 0 <= tid < MAX_INT32,
+                    "logit_bias",
+                    tid,
+                    "must have token ids in [0, 2**31) as keys",
+                )
+                b = _float("logit_bias", value)
+                _check(
+                    -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS,
+                    "logit_bias",
+                    value,
+                    "must hold biases in [-100, 100]",
+                )
+                bias[int(tid)] = b
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list(
+                "allowed_token_ids", self.allowed_token_ids, "must hold token ids in [0, 2**31)"
+            )
+            _check(
+                bool(self.allowed_token_ids),
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "must not be empty (leave it out to allow every token)",
+            )
+        if self.bad_words is not None:
+            _check(
+                isinstance(self.bad_words, list | tuple)
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                self.bad_words,
+                "must be a list of non-blank strings",
+            )
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            _check(
+                isinstance(self.bad_words_token_ids, list | tuple),
+                "bad_words_token_ids",
+                self.bad_words_token_ids,
+                "must be a list of token id lists",
+            )
+            words = []
+            for w in self.bad_words_token_ids:
+                ids = _int_list("bad_words_token_ids", w, "must hold token ids in [0, 2**31)")
+                _check(bool(ids), "bad_words_token_ids", w, "must hold non-empty lists")
+                words.append(ids)
+            self.bad_words_token_ids = words
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -141,7 +141,19 @@ def checked_request(
 
 
 def check_engine_request(request: EngineCoreRequest, info: ModelInfo) -> None:
-    """``check_request`` on a request as the engine core receives it."""
+    """``check_request`` on a request as the engine core receives it (bad_words tokenized:
+    the engine has no tokenizer)."""
+    params = request.sampling_params
+    if (
+        isinstance(params, SamplingParams)
+        and params.bad_words
+        and params.bad_words_token_ids is None
+    ):
+        raise InvalidRequestError(
+            "SamplingParams.bad_words reached the engine untokenized: set bad_words_token_ids "
+            "(InputProcessor.process does it from bad_words)",
+            param="bad_words",
+        )
     check_request(
         request.prompt_token_ids,
         request.sampling_params,
@@ -223,11 +235,24 @@ def check_params_for_model(params: SamplingParams, info: ModelInfo) -> None:
             param="stop_token_ids",
         )
     limit = min(MAX_LOGPROBS, vocab)
-    if params.logprobs is not None and params.logprobs > limit:
-        raise InvalidRequestError(
-            f"SamplingParams.logprobs must be in [0, {limit}], got {params.logprobs}",
-            param="logprobs",
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise InvalidRequestError(
+                f"SamplingParams.{name} must be in [0, {limit}], got {value}", param=name
+            )
+    for name, ids in (
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words", [t for w in params.bad_words_token_ids or () for t in w]),
+    ):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"SamplingParams.{name} must name token ids in [0, {vocab}) (the vocabulary), "
+                f"got {show_value(bad)}",
+                param=name,
+            )
 
 
 def check_priority(priority: Any) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 from baton.errors import ContextLengthError, InvalidRequestError
+from baton.frontend.bad_words import bad_words_token_ids
 from baton.model_info import ModelInfo
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, show_value
@@ -233,6 +234,10 @@ class InputProcessor:
         extra_eos = self.info.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:  # further EOS ids of the model stop like EOS does
             params = params.clone(stop_token_ids=[*(params.stop_token_ids or ()), *extra_eos])
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone(
+                bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words)
+            )
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

@@ -10,7 +10,7 @@ from typing import Any
 
 from baton.frontend.detokenizer import IncrementalDetokenizer
 from baton.metrics.stats import FinishedRequestStats, IterationStats, RequestMetrics
-from baton.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from baton.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from baton.protocol import EngineCoreEventType, EngineCoreOutput, FinishReason, TokenLogprobs
 from baton.sampling_params import RequestOutputKind, SamplingParams
 
@@ -79,6 +79,8 @@ class RequestState:
     logprobs: SampleLogprobs | None = None
     sent_logprobs: int = 0
     cumulative_logprob: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    sent_prompt_logprobs: bool = False
     #: Called with each RequestOutput (AsyncLLM's per-request queue); None: returned in a list.
     sink: Callable[[RequestOutput], None] | None = None
 
@@ -199,6 +201,11 @@ class OutputProcessor:
         finish_reason = out.finish_reason
         stop_reason = out.stop_reason
         new = out.new_token_ids
+        if state.params.prompt_logprobs is not None and state.prompt_logprobs is None:
+            if out.new_prompt_logprobs is not None:
+                state.prompt_logprobs = [None, *map(self._position, out.new_prompt_logprobs)]
+            elif new and len(state.prompt_token_ids) == 1:
+                state.prompt_logprobs = [None]  # nothing to score
         if new:
             state.token_ids.extend(new)
             if out.new_logprobs is not None and state.logprobs is not None:
@@ -257,15 +264,19 @@ class OutputProcessor:
 
     def _add_logprobs(self, state: RequestState, entries: list[TokenLogprobs]) -> None:
         assert state.logprobs is not None and state.cumulative_logprob is not None
-        decode = self.tokenizer.decode
         for e in entries:
-            pos: dict[int, Logprob] = {}
-            for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs, strict=True)):
-                if tid not in pos:
-                    rank = e.sampled_rank if j == 0 else j
-                    pos[tid] = Logprob(lp, rank, decode([tid]))
-            state.logprobs.append(pos)
+            state.logprobs.append(self._position(e))
             state.cumulative_logprob += e.logprobs[0]
+
+    def _position(self, e: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's candidates: its token (with its rank), then the top-k."""
+        decode = self.tokenizer.decode
+        pos: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs, strict=True)):
+            if tid not in pos:
+                rank = e.sampled_rank if j == 0 else j
+                pos[tid] = Logprob(lp, rank, decode([tid]))
+        return pos
 
     def _update_metrics(
         self, state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats | None
@@ -367,6 +378,11 @@ class OutputProcessor:
             if all_finished:
                 self.parents.pop(request_id, None)
             error = parent.error
+        prompt_lps = state.prompt_logprobs
+        if prompt_lps is not None and state.params.output_kind == RequestOutputKind.DELTA:
+            if state.sent_prompt_logprobs:
+                prompt_lps = None  # a delta carries them once
+            state.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -377,4 +393,5 @@ class OutputProcessor:
             metrics=state.metrics,
             error=error,
             user=state.user,
+            prompt_logprobs=prompt_lps,
         )

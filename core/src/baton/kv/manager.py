@@ -49,6 +49,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return _NO_BLOCKS, 0
+        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
+            return _NO_BLOCKS, 0  # its prompt's logits are needed: computed, not read (vLLM's)
         hashes = request.block_hashes
         max_blocks = min(len(hashes), (len(request.all_token_ids) - 1) // self.block_size)
         lookup = self.pool.cached_block_hash_to_block.get

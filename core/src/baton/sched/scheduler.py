@@ -618,6 +618,7 @@ class Scheduler:
         step_id = scheduler_output.step_id
         self._steps_in_flight.discard(step_id)
         failed = None
+        prompt_lps = None
         if model_runner_output is not None:
             failed = model_runner_output.failed
             if model_runner_output.req_ids:
@@ -631,6 +632,7 @@ class Scheduler:
             else:
                 sampled = {}
             logprobs = model_runner_output.logprobs
+            prompt_lps = model_runner_output.prompt_logprobs
         else:
             sampled, logprobs = {}, None
         in_flight = self._in_flight
@@ -684,6 +686,7 @@ class Scheduler:
                     num_cached_tokens=req.num_cached_tokens,
                     events=events,
                     error=req.error,
+                    new_prompt_logprobs=prompt_lps.get(rid) if prompt_lps else None,
                 )
                 if finished:
                     self._release(req)

@@ -59,6 +59,10 @@ class InputBatch:
         self.min_tokens = np.zeros(n, dtype=np.int64)
         #: stop token ids masked while a row is below min_tokens (None: min_tokens is 0)
         self.min_tokens_stop_ids: list[list[int] | None] = [None] * n
+        self.num_prompt_logprobs = np.full(n, -1, dtype=np.int64)  # -1 = no prompt logprobs
+        #: rows with logit_bias, allowed_token_ids or bad words (their params in ``constraints``)
+        self.constrained = np.zeros(n, dtype=bool)
+        self.constraints: list[SamplingParams | None] = [None] * n
 
     @property
     def num_reqs(self) -> int:
@@ -126,6 +130,9 @@ class InputBatch:
         if not sp.ignore_eos:
             stop_ids += [t for t in eos_token_ids if t not in stop_ids]
         self.min_tokens_stop_ids[row] = stop_ids if sp.min_tokens > 0 and stop_ids else None
+        self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        self.constrained[row] = sp.constrains_tokens
+        self.constraints[row] = sp if sp.constrains_tokens else None
 
     def update_cached(
         self,
@@ -218,10 +225,14 @@ class InputBatch:
             self.has_seed,
             self.num_logprobs,
             self.min_tokens,
+            self.num_prompt_logprobs,
+            self.constrained,
         ):
             arr[dst] = arr[src]
         self.min_tokens_stop_ids[dst] = self.min_tokens_stop_ids[src]
         self.min_tokens_stop_ids[src] = None
+        self.constraints[dst] = self.constraints[src]
+        self.constraints[src] = None
 
     # ------------------------------------------------------------------ views
 

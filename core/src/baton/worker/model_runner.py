@@ -123,6 +123,8 @@ class ModelRunner:
         self.num_blocks = 0
         self._pending: PendingStep | None = None
         self.fast_decode: FastDecode | None = None
+        #: prompt logprobs of requests whose prompt is still being computed (chunked prefill)
+        self._prompt_lps: dict[str, list[TokenLogprobs]] = {}
 
     # ------------------------------------------------------------------ model
 
@@ -433,10 +435,46 @@ class ModelRunner:
         if step.inputs is None or step.logits is None:
             out = ModelRunnerOutput()
         else:
-            out = self.sample(step.logits, step.inputs, grammar)
+            n = step.inputs.num_sample_rows
+            out = self.sample(step.logits[:n], step.inputs, grammar)
+            if step.inputs.prompt_rows is not None and self.hooks.samples():
+                self._score_prompts(step.logits[n:], step.inputs, out)
         if step.failed:
             out.failed = {**step.failed, **(out.failed or {})}
         return out
+
+    def _score_prompts(
+        self, logits: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput
+    ) -> None:
+        """Log-probabilities of the prompt tokens this step computed (prompt_logprobs), kept
+        until the request's prompt is done; then in ``out.prompt_logprobs``."""
+        rows = inputs.prompt_rows
+        assert rows is not None
+        failed = out.failed or {}
+        try:
+            raw = torch.log_softmax(logits.float(), dim=-1)
+            targets = torch.from_numpy(rows.targets).to(raw.device)
+            ks = [k for k, c in zip(rows.num_logprobs, rows.counts, strict=True) for _ in range(c)]
+            scored = Sampler.logprobs(raw, targets, ks)
+        except Exception as e:  # those requests fail; the step's tokens stand
+            for rid in rows.req_ids:
+                failed[rid] = describe(e)
+                self._prompt_lps.pop(rid, None)
+                log_contained(rid, "to score its prompt", e)
+            out.failed = failed
+            return
+        at = 0
+        for rid, count in zip(rows.req_ids, rows.counts, strict=True):
+            self._prompt_lps.setdefault(rid, []).extend(
+                lp for lp in scored[at : at + count] if lp is not None
+            )
+            at += count
+        done = {rid for rid in rows.req_ids if rid not in failed} & set(out.req_ids)
+        for rid, sampled in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            if rid in done and sampled:  # its last prompt chunk: the first token was sampled
+                if out.prompt_logprobs is None:
+                    out.prompt_logprobs = {}
+                out.prompt_logprobs[rid] = self._prompt_lps.pop(rid)
 
     def update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Apply the step's changes to the persistent batch; return the requests that failed.
@@ -450,8 +488,10 @@ class ModelRunner:
         batch = self.input_batch
         for rid in so.finished_req_ids:
             batch.remove_request(rid)
+            self._prompt_lps.pop(rid, None)
         for rid in so.preempted_req_ids:
             batch.remove_request(rid)
+            self._prompt_lps.pop(rid, None)  # recomputed from the start when it resumes
         failed: dict[str, str] = {}
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
@@ -488,6 +528,7 @@ class ModelRunner:
     def _drop(self, req_id: str, error: Exception, failed: dict[str, str]) -> None:
         """Take a request whose update raised out of the batch (no half-written row stays)."""
         self.input_batch.remove_request(req_id)
+        self._prompt_lps.pop(req_id, None)
         failed[req_id] = describe(error)
         log_contained(req_id, "to enter the model runner's batch", error)
 
@@ -496,13 +537,14 @@ class ModelRunner:
         return self.inputs.build(so, skip)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num sampling requests, vocab] for the positions that sample (through the
-        hooks' ``forward``)."""
+        """Logits [sampling rows + prompt rows, vocab] for the positions that sample, then
+        those that score prompt tokens (``inputs.prompt_rows``), through the hooks' ``forward``."""
         return self.hooks.forward(lambda: self._forward(inputs), int(inputs.input_ids.shape[0]))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.fast_decode is not None and self.fast_decode.applies(inputs):
-            return self.fast_decode.logits(inputs)
+        fast = self.fast_decode
+        if fast is not None and inputs.prompt_rows is None and fast.applies(inputs):
+            return fast.logits(inputs)
         out = self.model(
             input_ids=inputs.input_ids[None],
             position_ids=inputs.positions[None],
@@ -635,6 +677,7 @@ class ModelRunner:
     def remove_requests(self, req_ids: list[str]) -> None:
         for rid in req_ids:
             self.input_batch.remove_request(rid)
+            self._prompt_lps.pop(rid, None)
 
 
 def _verify(

@@ -1,7 +1,7 @@
 """Batched token sampling in torch.
 
 Order per row (vLLM's): grammar bitmask -> raw logprobs -> min-tokens stop mask
--> penalties (repetition over prompt + output, HF semantics; presence and
+-> allowed tokens, bad words, logit bias (token_constraints.py) -> penalties (repetition over prompt + output, HF semantics; presence and
 frequency over the output) -> greedy rows take the argmax; random rows:
 temperature -> min-p -> top-k -> top-p -> one draw by inverse CDF.
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.protocol import TokenLogprobs
+from baton.worker.token_constraints import TokenConstraints
 
 _MASK64 = (1 << 64) - 1
 #: Candidate counts tried in turn for top-p before a full sort of the row.
@@ -62,6 +63,8 @@ class SamplingMetadata:
     min_tokens_bans: list[tuple[int, list[int]]] = field(default_factory=list)
     #: per row: how many top logprobs (-1 = none); empty when no row wants logprobs
     num_logprobs: list[int] = field(default_factory=list)
+    #: logit_bias, allowed_token_ids, bad words (None when no row has any)
+    constraints: TokenConstraints | None = None
 
 
 @dataclass
@@ -129,7 +132,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Sample every row. Changes ``logits`` in place; when it raises, only by -inf masks
-        (min-tokens bans), so that the caller can sample the same rows again (one by one)."""
+        (min-tokens bans, allowed tokens, bad words), so that the caller can sample the same
+        rows again (one by one)."""
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw_logprobs = None
@@ -137,13 +141,23 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for row, ids in md.min_tokens_bans:
             logits[row, ids] = float("-inf")
-        if md.penalty_rows is None:
-            return self._sample(logits, md, raw_logprobs)
-        before = apply_penalties(logits, md)
+        c = md.constraints
+        biased = None
+        if c is not None:
+            c.mask(logits)
+            biased = c.add_bias(logits)
         try:
-            return self._sample(logits, md, raw_logprobs)
+            if md.penalty_rows is None:
+                return self._sample(logits, md, raw_logprobs)
+            before = apply_penalties(logits, md)
+            try:
+                return self._sample(logits, md, raw_logprobs)
+            except BaseException:
+                logits[md.penalty_rows] = before  # penalising twice would change the retried rows
+                raise
         except BaseException:
-            logits[md.penalty_rows] = before  # penalising twice would change the retried rows
+            if biased is not None and c is not None and c.bias is not None:
+                logits[c.bias[0]] = biased  # nor biasing twice
             raise
 
     def _sample(
@@ -154,7 +168,7 @@ class Sampler:
         else:
             tokens = self._sample_mixed(logits, md)
         lps = (
-            self._logprobs(raw_logprobs, tokens, md.num_logprobs)
+            self.logprobs(raw_logprobs, tokens, md.num_logprobs)
             if raw_logprobs is not None
             else None
         )
@@ -214,9 +228,11 @@ class Sampler:
     # ------------------------------------------------------------------ logprobs
 
     @staticmethod
-    def _logprobs(
+    def logprobs(
         raw: torch.Tensor, tokens: torch.Tensor, num: list[int]
     ) -> list[TokenLogprobs | None]:
+        """Per row of ``raw`` (log-probabilities): ``tokens``' logprob and rank, then the top
+        ``num[i]`` (-1: None for that row)."""
         max_k = max(num)
         tok_lp = raw.gather(1, tokens[:, None])
         ranks = (raw > tok_lp).sum(dim=1) + 1

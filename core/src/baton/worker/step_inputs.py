@@ -23,11 +23,26 @@ from baton.protocol import SchedulerOutput
 from baton.worker.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.input_batch import InputBatch
 from baton.worker.sampler import SamplingMetadata
+from baton.worker.token_constraints import token_constraints
 
 #: A decode group holds requests whose context is at least this fraction of the group's longest.
 DECODE_GROUP_MIN_FILL = 0.5
 #: ...unless fewer requests than this would be left for a new group.
 DECODE_GROUP_MIN_SIZE = 4
+
+
+@dataclass
+class PromptRows:
+    """Logits rows past the sampling ones that score prompt tokens (prompt_logprobs).
+
+    Request ``req_ids[j]`` has ``counts[j]`` rows in a row: row p of its chunk scores the
+    prompt token at position p + 1 (``targets``), with the top ``num_logprobs[j]``.
+    """
+
+    req_ids: list[str]
+    counts: list[int]
+    num_logprobs: list[int]
+    targets: np.ndarray  # [P] int64
 
 
 @dataclass
@@ -50,6 +65,12 @@ class StepInputs:
     rows_share_context: bool = False
     #: the drafts verified this step: req id -> draft tokens (SchedulerOutput's)
     drafts: dict[str, list[int]] | None = None
+    #: prompt tokens scored this step; their logits rows follow the sampling rows
+    prompt_rows: PromptRows | None = None
+
+    @property
+    def num_sample_rows(self) -> int:
+        return len(self.sample_req_ids)
 
 
 class StepInputBuilder:
@@ -183,7 +204,11 @@ class StepInputBuilder:
 
         samples = end_o >= num_tokens[order]  # the last token, or a verifying row
         sample_idx = np.nonzero(samples)[0]
-        logits_indices = torch.from_numpy(cu[sample_idx] - 1)
+        flat = cu[sample_idx] - 1
+        prompt_rows = self._prompt_rows(req_ids, order, rows_o, start_o, end_o, q_start)
+        if prompt_rows is not None:
+            flat = np.concatenate([flat, prompt_rows[1]])
+        logits_indices = torch.from_numpy(flat)
         attn = AttentionMetadata(
             kv_caches=self._kv_caches,
             slot_mapping=self._to_device(self._slots[:total]),
@@ -207,7 +232,42 @@ class StepInputBuilder:
             sample_offsets=off_o[sample_idx] if off_o is not None else None,
             drafts=spec or None,
             rows_share_context=len(seg_req) > len(dec),
+            prompt_rows=prompt_rows[0] if prompt_rows is not None else None,
         )
+
+    def _prompt_rows(
+        self,
+        req_ids: list[str],
+        order: np.ndarray,
+        rows_o: np.ndarray,
+        start_o: np.ndarray,
+        end_o: np.ndarray,
+        q_start: np.ndarray,
+    ) -> tuple[PromptRows, np.ndarray] | None:
+        """The prompt positions this step scores, and their flattened indices: each segment of
+        a request that wants prompt_logprobs and has no output yet (a resumed request with
+        output sent them before), over its positions up to the prompt's second-to-last."""
+        b = self.batch
+        want = (b.num_prompt_logprobs[rows_o] >= 0) & (
+            b.num_tokens[rows_o] == b.num_prompt_tokens[rows_o]
+        )
+        if not want.any():
+            return None
+        ids, counts, ks, flats, targets = [], [], [], [], []
+        for i in np.nonzero(want)[0].tolist():
+            row = int(rows_o[i])
+            lo, hi = int(start_o[i]), min(int(end_o[i]), int(b.num_prompt_tokens[row]) - 1)
+            if hi <= lo:
+                continue
+            ids.append(req_ids[int(order[i])])
+            counts.append(hi - lo)
+            ks.append(int(b.num_prompt_logprobs[row]))
+            flats.append(int(q_start[i]) + self._arange[: hi - lo])
+            targets.append(b.token_ids[row, lo + 1 : hi + 1])
+        if not ids:
+            return None
+        rows = PromptRows(ids, counts, ks, np.concatenate(targets))
+        return rows, np.concatenate(flats)
 
     def _decode_groups(self, rows: np.ndarray, ctx: np.ndarray) -> list[DecodeGroup]:
         """Split decodes (sorted by context length, descending) into groups of similar length."""
@@ -309,6 +369,7 @@ def sampling_metadata(
     lp = batch.num_logprobs[rows]
     if (lp >= 0).any():
         md.num_logprobs = lp.tolist()
+    md.constraints = token_constraints(batch, rows, vocab_size, device, offsets)
     return md
 
 
