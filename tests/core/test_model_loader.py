@@ -211,7 +211,7 @@ def test_unreadable_config_json(tmp_path, content, match):
         read_model_info(tmp_path, 256)
 
 
-@pytest.mark.parametrize("arch", ["BertModel", "BertForMaskedLM"])
+@pytest.mark.parametrize("arch", ["BertForMaskedLM", "BertForSequenceClassification"])
 def test_a_folder_that_is_not_a_causal_lm_is_refused(tmp_path, arch):
     from transformers import BertConfig
 
@@ -224,6 +224,19 @@ def test_a_folder_that_is_not_a_causal_lm_is_refused(tmp_path, arch):
         read_model_info(tmp_path, 256)
     with pytest.raises(ModelLoadError, match=pattern):
         check_architecture(config)
+
+
+def test_a_base_model_without_a_head_loads_for_pooling_only(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    from baton.model_info import read_model_info
+
+    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1)
+    config.architectures = ["BertModel"]
+    config.save_pretrained(tmp_path)
+    info = read_model_info(tmp_path, 256)
+    assert (info.runner_type, info.pooling_type) == ("pooling", "cls")
+    assert check_architecture(config) is BertModel
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ that ``import baton`` (and the CLI's start-up) stays fast.
 from typing import TYPE_CHECKING, Any
 
 from baton.hookspecs import PLUGIN_API_VERSION, hookimpl
+from baton.pooling_params import PoolingParams
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
 from baton.scheduling_info import SchedulingInfo
 
@@ -19,6 +20,8 @@ _LAZY = {
     "RequestOutput": "baton.outputs",
     "CompletionOutput": "baton.outputs",
     "Logprob": "baton.outputs",
+    "PoolingOutput": "baton.outputs",
+    "PoolingRequestOutput": "baton.outputs",
     "BatonConfig": "baton.config",
     "EngineCore": "baton.engine.core",
 }
@@ -28,7 +31,13 @@ if TYPE_CHECKING:
     from baton.engine.core import EngineCore
     from baton.frontend.async_llm import AsyncLLM
     from baton.frontend.llm import LLM
-    from baton.outputs import CompletionOutput, Logprob, RequestOutput
+    from baton.outputs import (
+        CompletionOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -48,6 +57,9 @@ __all__ = [
     "CompletionOutput",
     "EngineCore",
     "Logprob",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -73,6 +73,15 @@ class ModelSection(_Section):
     rows). "none": float32, exact weight-only quantization. "int8": quantized to int8 per 32
     values, integer dot products with the weight blocks (as llama.cpp computes), faster at one
     request and not exact (greedy tokens may differ). Prefill keeps float32 inputs."""
+    pooling_type: Literal["auto", "last", "mean", "cls"] = "auto"
+    """How a pooling request (embeddings: LLM.embed, /v1/embeddings) turns its prompt's final
+    hidden states (after the model's final norm) into one vector, unless the request says:
+    "last" the last token's, "mean" the mean over every prompt token, "cls" the first token's.
+    "auto": the model's own (a sentence-transformers Pooling config in its folder; else "cls"
+    for an encoder such as BERT, "last" for a causal LM). vLLM's --pooler-config pooling_type."""
+    pooling_normalize: bool = True
+    """L2-normalise pooled vectors unless the request says (vLLM's pooler normalize; on by
+    default for embeddings, as in vLLM)."""
 
     @pydantic.model_validator(mode="after")
     def _quantization_needs_float32(self) -> ModelSection:

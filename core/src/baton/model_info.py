@@ -31,10 +31,11 @@ def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
         raise ModelLoadError(
             f"{path}: text_config must be an object, got {type(text_cfg).__name__}"
         )
+    runner_type = "generate"
     if not cfg.get("auto_map"):  # remote-code models are refused when loaded, with their reason
         from baton.worker.model_loader import check_causal_architectures
 
-        check_causal_architectures(cfg.get("architectures"), str(path))
+        runner_type = check_causal_architectures(cfg.get("architectures"), str(path))
     vocab_size = _positive_int(text_cfg, "vocab_size", path)
     if vocab_size is None:
         raise ModelLoadError(
@@ -67,7 +68,46 @@ def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
         vocab_size=vocab_size,
         max_model_len=int(max_model_len),
         eos_token_ids=_eos_ids(folder, text_cfg),
+        hidden_size=_positive_int(text_cfg, "hidden_size", path) or 0,
+        matryoshka_dimensions=_matryoshka(cfg),
+        runner_type=runner_type,
+        pooling_type=_pooling_type(folder, cfg, runner_type),
     )
+
+
+#: sentence-transformers' pooling modes -> baton's pooling types
+_ST_MODES = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
+
+
+def _pooling_type(folder: Path, cfg: dict[str, Any], runner_type: str) -> str:
+    """The model's own pooling: its sentence-transformers Pooling module's mode if it has one;
+    else the first token's for an encoder (config.json says ``is_decoder: false``, BERT-style)
+    and the last token's for the rest."""
+    try:  # a list, not an object: read here (a sentence-transformers file, optional)
+        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        modules = None
+    for module in modules if isinstance(modules, list) else ():
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            st = _read_json(folder / str(module.get("path", "")) / "config.json", required=False)
+            mode = next((t for k, t in _ST_MODES.items() if st.get(k) is True), None)
+            if mode is not None:
+                return mode
+    if runner_type == "pooling" and cfg.get("is_decoder") is False:
+        return "cls"
+    return "last"
+
+
+def _matryoshka(cfg: dict[str, Any]) -> list[int] | None:
+    """The embedding sizes a Matryoshka model lists ([]: any), None for other models."""
+    dims = cfg.get("matryoshka_dimensions")
+    if isinstance(dims, list) and all(type(d) is int and d > 0 for d in dims):
+        return sorted(dims)
+    return [] if cfg.get("is_matryoshka") is True else None
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton.metrics.stats import RequestMetrics
 
@@ -55,3 +56,30 @@ class RequestOutput:
     #: With SamplingParams.prompt_logprobs: once the prompt is computed (with DELTA, in the
     #: first output only).
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result: one vector (vLLM's PoolingOutput)."""
+
+    data: Any  # a 1-D float32 torch tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as a list of floats (vLLM's EmbeddingOutput.embedding)."""
+        return [float(x) for x in self.data.tolist()]
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What ``LLM.embed`` / ``AsyncLLM.encode`` return for one prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None  # None while unfinished or after an error
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    user: str | None = field(default=None, repr=False)

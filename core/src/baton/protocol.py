@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from baton.pooling_params import PoolingParams
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -60,6 +61,9 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):
     #: What the scheduler policy may read (deadline, tenant, tags); its priority equals
     #: ``priority``. None: only ``priority`` (clients that predate it send none).
     scheduling: SchedulingInfo | None = None
+    #: Set for a pooling request (embeddings): its prompt's hidden states are pooled after
+    #: its last prompt chunk instead of sampled, and it finishes there.
+    pooling_params: PoolingParams | None = None
 
 
 class UtilityRequest(msgspec.Struct, **_STRUCT):
@@ -104,6 +108,8 @@ class EngineCoreOutput(msgspec.Struct, **_STRUCT):
     #: With the first token of a request with prompt_logprobs: one entry per prompt token
     #: but the first (the prompt token, then the top-k there).
     new_prompt_logprobs: list[TokenLogprobs] | None = None
+    #: A pooling request's result: a 1-D float32 torch tensor (its embedding).
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:
@@ -163,6 +169,8 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     num_computed_tokens: int
     #: Tokens generated before a preemption; empty for a first-time request.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    #: Set for a pooling request: the runner pools its prompt's hidden states, never samples it.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):
@@ -224,6 +232,9 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     #: Requests whose prompt ended this step and that asked for prompt_logprobs -> one entry
     #: per prompt token but the first (TokenLogprobs: the prompt token, then the top-k).
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    #: Pooling requests that computed their last prompt token this step -> their pooled
+    #: vector (a 1-D float32 torch tensor). They are in req_ids with no sampled token.
+    pooler_output: dict[str, Any] | None = None
 
 
 class KVCacheSpec(msgspec.Struct, **_STRUCT):
@@ -249,6 +260,16 @@ class ModelInfo(msgspec.Struct, **_STRUCT):
     eos_token_ids: list[int]
     dtype: str = ""  # what the loaded model computes in; "" until a worker has loaded it
     dtype_native: bool = True  # whether the device computes dtype in hardware (not emulated)
+    hidden_size: int = 0  # the size of a pooled vector (embedding); 0: unknown
+    #: Embedding sizes the model was trained to be cut to (PoolingParams.dimensions): None
+    #: when it was not (Matryoshka), [] when any size up to hidden_size is.
+    matryoshka_dimensions: list[int] | None = None
+    #: "generate" (a causal LM), or "pooling": a base model without a head (BertModel, ...),
+    #: which serves pooling requests (embeddings) only.
+    runner_type: str = "generate"
+    #: The model's own pooling (model.pooling_type "auto"): its sentence-transformers Pooling
+    #: mode, else "cls" for an encoder, "last" for the rest.
+    pooling_type: str = "last"
 
     @property
     def eos_token_id(self) -> int | None:

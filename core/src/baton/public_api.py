@@ -32,6 +32,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "CompletionOutput",
         "Logprob",
         "PLUGIN_API_VERSION",
+        "PoolingOutput",
+        "PoolingParams",
+        "PoolingRequestOutput",
         "RequestOutput",
         "RequestOutputKind",
         "SamplingParams",
@@ -102,6 +105,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "MAX_SEED",
         "show_value",
     ),
+    "baton.pooling_params": ("PoolingParams", "POOLING_TYPES", "check_pooling", "with_defaults"),
     "baton.scheduling_info": (
         "SchedulingInfo",
         "as_scheduling_info",
@@ -112,7 +116,14 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "MAX_DEADLINE_S",
     ),
     "baton.request": ("Request", "RequestStatus"),
-    "baton.outputs": ("RequestOutput", "CompletionOutput", "Logprob", "SampleLogprobs"),
+    "baton.outputs": (
+        "RequestOutput",
+        "CompletionOutput",
+        "Logprob",
+        "SampleLogprobs",
+        "PoolingOutput",
+        "PoolingRequestOutput",
+    ),
     "baton.validation": (
         "check_request",
         "checked_request",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from baton.pooling_params import PoolingParams
 from baton.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo, as_scheduling_info
@@ -64,11 +65,13 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "request_id",
         "sampling_params",
         "scheduling",
+        "skip_reading_prefix_cache",
         "status",
         "stop_reason",
         "user",
@@ -87,6 +90,7 @@ class Request:
         client_index: int = 0,
         max_model_len: int | None = None,
         scheduling: SchedulingInfo | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -125,6 +129,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.events: list[EngineCoreEvent] | None = None
+        #: Set for a pooling request: it finishes with its pooled vector after its prompt.
+        self.pooling_params = pooling_params
+        #: A prefix-cache hit would skip tokens whose hidden states the pooling needs (mean, cls).
+        self.skip_reading_prefix_cache = (
+            pooling_params is not None and pooling_params.needs_all_tokens
+        )
 
     @classmethod
     def from_engine_core_request(
@@ -142,6 +152,7 @@ class Request:
             req.client_index,
             max_model_len,
             req.scheduling,
+            req.pooling_params,
         )
 
     @property

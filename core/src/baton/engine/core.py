@@ -25,6 +25,7 @@ from baton.errors import ConfigError, InvalidRequestError
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
 from baton.plugins import Registry, get_registry
+from baton.pooling_params import check_generation, pooled_request
 from baton.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -182,6 +183,10 @@ class EngineCore:
             raise InvalidRequestError(f"request id {rid!r} is already in use; ids must be unique")
         # the frontend's check again: a client may send EngineCoreRequests without a frontend
         check_engine_request(request, self.info)
+        if request.pooling_params is not None:
+            request = pooled_request(request, self.config.model, self.info)
+        else:
+            check_generation(self.info)
         req = Request.from_engine_core_request(request, max_model_len=self.info.max_model_len)
         if req.use_structured_output:
             self.structured_output.add_request(req)  # -> WAITING_FOR_FSM, compiles off the hot path

@@ -21,12 +21,14 @@ from baton.errors import (
 )
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
+from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
 from baton.model_info import model_info
-from baton.outputs import RequestOutput
+from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
+from baton.pooling_params import PoolingParams, check_generation
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 from baton.validation import CheckedRequest
@@ -115,6 +117,7 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
+        check_generation(self.info)
         if isinstance(prompt, CheckedRequest):
             checked = self._checked(prompt, sampling_params, priority, user, scheduling)
         else:
@@ -182,6 +185,71 @@ class AsyncLLM:
                     return
         finally:
             # finished requests are already gone from the processor: this only aborts live ones
+            await self._abort([rid])
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+        scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """Pool one prompt's final hidden states (vLLM's ``AsyncLLM.encode``): yields one
+        PoolingRequestOutput, when the request finishes. It runs in the engine's steps with
+        the generation requests; None fields of ``pooling_params`` take the config's
+        ``model.pooling_type`` / ``model.pooling_normalize``. Cancelling aborts it."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        text, ids = self.input_processor.tokenize(prompt)
+        params, merged = check_pooling_prompt(
+            self.input_processor,
+            self.config.model,
+            ids,
+            pooling_params,
+            priority=priority,
+            user=user,
+            scheduling=scheduling,
+        )
+        rid = request_id or f"pool-{next(self._ids)}"
+        if self.output_processor.is_live(rid):
+            raise InvalidRequestError(
+                f"request id {rid!r} is already in flight; request ids must be unique"
+            )
+        queue: asyncio.Queue[PoolingRequestOutput | BaseException] = asyncio.Queue()
+        self._ensure_handler()
+        arrival = time.monotonic()
+        try:
+            self.output_processor.add_request(
+                rid,
+                text,
+                ids,
+                SamplingParams(),
+                arrival,
+                user=user,
+                sink=queue.put_nowait,
+                pooling=True,
+            )
+            await self.engine.add_request_async(
+                pooling_engine_request(
+                    self.input_processor,
+                    rid,
+                    ids,
+                    params,
+                    scheduling=merged,
+                    arrival_time=arrival,
+                    user=user,
+                )
+            )
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.error is not None:
+                raise error_from_message(item.error)
+            yield item
+        finally:
             await self._abort([rid])
 
     def _checked(

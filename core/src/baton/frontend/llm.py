@@ -17,12 +17,14 @@ from baton.engine.plugin_check import check_config_plugins
 from baton.errors import InvalidRequestError
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
+from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
 from baton.model_info import model_info
-from baton.outputs import RequestOutput
+from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
+from baton.pooling_params import PoolingParams, check_generation
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -108,6 +110,70 @@ class LLM:
             tokenized.append((self.tokenizer.decode(ids), ids))
         return self._run(tokenized, sampling_params, use_tqdm, None, None, scheduling)
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        user: str | Sequence[str | None] | None = None,
+        scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt's final hidden states into one vector; outputs in prompt order.
+
+        The prompts run through the same scheduler and runner steps as ``generate``'s
+        (batched with them); ``pooling_params`` None fields take ``model.pooling_type`` and
+        ``model.pooling_normalize``. ``outputs.data`` is the vector (``outputs.embedding``
+        as floats). The other arguments are as in ``generate``.
+        """
+        tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
+        n = len(tokenized)
+        given = _per_prompt(pooling_params, n, "pooling_params")
+        prios = _per_prompt(priority if priority is not None else 0, n, "priority")
+        users = _per_prompt(user, n, "user")
+        scheds = _per_prompt(scheduling, n, "scheduling")
+        # check everything before anything reaches the engine
+        checked = [
+            check_pooling_prompt(
+                self.input_processor, self.config.model, ids, p, priority=pr, user=u, scheduling=s
+            )
+            for (_, ids), p, pr, u, s in zip(tokenized, given, prios, users, scheds, strict=True)
+        ]
+        request_ids: list[str] = []
+        try:
+            for (text, ids), u, (params, info) in zip(tokenized, users, checked, strict=True):
+                rid = str(next(self._ids))
+                request_ids.append(rid)
+                arrival = time.monotonic()
+                self.output_processor.add_request(
+                    rid, text, ids, SamplingParams(), arrival, user=u, pooling=True
+                )
+                self.engine.add_request(
+                    pooling_engine_request(
+                        self.input_processor,
+                        rid,
+                        ids,
+                        params,
+                        scheduling=info,
+                        arrival_time=arrival,
+                        user=u,
+                    )
+                )
+            return self._run_engine(request_ids, use_tqdm, "Pooling")
+        except BaseException:
+            self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
+            raise
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[PoolingRequestOutput]:
+        """Embeddings of the prompts (vLLM's ``LLM.embed``): ``encode`` with the config's pooling."""
+        return self.encode(prompts, pooling_params, **kwargs)
+
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """Forget the prefix cache; False while requests hold blocks, unless ``reset_running``
         preempts the running ones first (they are recomputed later, with the same tokens)."""
@@ -136,6 +202,7 @@ class LLM:
         user: str | Sequence[str | None] | None,
         scheduling: SchedulingArg | Sequence[SchedulingArg],
     ) -> list[RequestOutput]:
+        check_generation(self.info)
         n = len(tokenized)
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
@@ -182,12 +249,13 @@ class LLM:
             self.engine.add_request(req)
         return [c[0] for c in children]
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool, desc: str = "Generating"
+    ) -> list[Any]:
+        """The finished outputs of ``request_ids`` (RequestOutput or PoolingRequestOutput)."""
         wanted = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(
-            total=len(request_ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True
-        )
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc=desc, disable=not use_tqdm, dynamic_ncols=True)
         try:
             while len(finished) < len(wanted):
                 out = self.engine.get_output()

@@ -10,7 +10,15 @@ from typing import Any
 
 from baton.frontend.detokenizer import IncrementalDetokenizer
 from baton.metrics.stats import FinishedRequestStats, IterationStats, RequestMetrics
-from baton.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from baton.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from baton.protocol import EngineCoreEventType, EngineCoreOutput, FinishReason, TokenLogprobs
 from baton.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,12 +90,14 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     sent_prompt_logprobs: bool = False
     #: Called with each RequestOutput (AsyncLLM's per-request queue); None: returned in a list.
-    sink: Callable[[RequestOutput], None] | None = None
+    sink: Callable[[Any], None] | None = None
+    #: A pooling request: one PoolingRequestOutput when it finishes, no tokens.
+    pooling: bool = False
 
 
 @dataclass(slots=True)
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     #: Requests the engine still runs but the frontend finished (stop strings): abort them.
     reqs_to_abort: list[str]
 
@@ -110,10 +120,15 @@ class OutputProcessor:
         index: int = 0,
         parent: ParentRequest | None = None,
         user: str | None = None,
-        sink: Callable[[RequestOutput], None] | None = None,
+        sink: Callable[[Any], None] | None = None,
         detokenize: bool = True,
+        pooling: bool = False,
     ) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, params) if detokenize else None
+        """Track a request; ``pooling``: a pooling request (``params`` are the engine's
+        placeholder), answered by one PoolingRequestOutput."""
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, params) if detokenize and not pooling else None
+        )
         self.states[request_id] = RequestState(
             request_id,
             index,
@@ -127,6 +142,7 @@ class OutputProcessor:
             sink=sink,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
+            pooling=pooling,
         )
         if parent is not None:
             self.parents[parent.request_id] = parent
@@ -172,7 +188,7 @@ class OutputProcessor:
         (detokenisation, logprobs, stop strings) finishes with an error and is aborted in the
         engine; the others in the batch are processed as usual."""
         now = time.monotonic()
-        result: list[RequestOutput] = []
+        result: list[RequestOutput | PoolingRequestOutput] = []
         to_abort: list[str] = []
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -197,7 +213,9 @@ class OutputProcessor:
         now: float,
         iteration_stats: IterationStats | None,
         to_abort: list[str],
-    ) -> RequestOutput | None:
+    ) -> RequestOutput | PoolingRequestOutput | None:
+        if state.pooling:
+            return self._pooled(state, out, now, iteration_stats)
         finish_reason = out.finish_reason
         stop_reason = out.stop_reason
         new = out.new_token_ids
@@ -229,7 +247,7 @@ class OutputProcessor:
         error: Exception,
         iteration_stats: IterationStats | None,
         to_abort: list[str],
-    ) -> RequestOutput | None:
+    ) -> RequestOutput | PoolingRequestOutput | None:
         """Finish a request whose output raised: an error output; the engine drops it."""
         rid = out.request_id
         message = f"{type(error).__name__}: {error}"
@@ -242,6 +260,8 @@ class OutputProcessor:
             iteration_stats.finished_requests.append(
                 self._finished_stats(state, FinishReason.ERROR)
             )
+        if state.pooling:
+            return self._pooling_output(state, out, None, message)
         kind = state.params.output_kind
         token_ids = (
             state.token_ids[state.sent_tokens :]
@@ -259,6 +279,45 @@ class OutputProcessor:
             stop_reason=None,
         )
         return self._request_output(state, completion, True, out, message)
+
+    def _pooled(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        iteration_stats: IterationStats | None,
+    ) -> PoolingRequestOutput | None:
+        """A pooling request's output: its vector once it finished, nothing before."""
+        self._update_metrics(state, out, now, iteration_stats)
+        if out.finish_reason is None:
+            return None
+        del self.states[out.request_id]
+        if iteration_stats is not None:
+            iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
+            iteration_stats.finished_requests.append(self._finished_stats(state, out.finish_reason))
+        data = out.pooling_output
+        return self._pooling_output(
+            state, out, PoolingOutput(data) if data is not None else None, out.error
+        )
+
+    def _pooling_output(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        pooled: PoolingOutput | None,
+        error: str | None,
+    ) -> PoolingRequestOutput:
+        return PoolingRequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=pooled,
+            finished=True,
+            num_cached_tokens=out.num_cached_tokens,
+            metrics=state.metrics,
+            error=error,
+            user=state.user,
+        )
 
     # ------------------------------------------------------------------ helpers
 

@@ -44,10 +44,11 @@ class KVCacheManager:
         """The longest cached prefix of the request's full blocks, and how many tokens it covers.
 
         Never the whole sequence: the last token is always left to compute, so
-        the step produces logits to sample from. Takes no reference yet (that
-        happens in ``allocate_slots``) and counts no statistics.
+        the step produces logits to sample from. None for a request that must compute
+        every token (``skip_reading_prefix_cache``: mean or cls pooling). Takes no reference
+        yet (that happens in ``allocate_slots``) and counts no statistics.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return _NO_BLOCKS, 0
         if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
             return _NO_BLOCKS, 0  # its prompt's logits are needed: computed, not read (vLLM's)

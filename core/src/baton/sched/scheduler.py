@@ -65,6 +65,7 @@ from baton.protocol import (
 )
 from baton.request import Request, RequestStatus
 from baton.sched.admission import check_request
+from baton.sched.pooling import take_pooled
 from baton.sched.step_budget import PrefillBudget, StepShape
 from baton.sched.stop import append_and_check_stop
 from baton.spec.drafts import Drafts
@@ -558,6 +559,7 @@ class Scheduler:
                     block_ids=list(kv.get_block_ids(rid)),
                     num_computed_tokens=num_hit,
                     output_token_ids=tokens[req.num_prompt_tokens :],
+                    pooling_params=req.pooling_params,
                 )
             )
             self._num_sent[rid] = ntok
@@ -633,8 +635,9 @@ class Scheduler:
                 sampled = {}
             logprobs = model_runner_output.logprobs
             prompt_lps = model_runner_output.prompt_logprobs
+            pooler_output = model_runner_output.pooler_output
         else:
-            sampled, logprobs = {}, None
+            sampled, logprobs, pooler_output = {}, None, None
         in_flight = self._in_flight
         requests = self.requests
         caching = self.enable_caching
@@ -657,8 +660,10 @@ class Scheduler:
                 drafts = spec.get(rid) if spec else None
                 if drafts:  # computed: after the accepted drafts (appended below)
                     computed, n = self._take_back_rejected(req, drafts, sampled.get(rid))
-                new = None
-                if computed == len(tokens) or drafts:  # this step reached the end: it sampled
+                new = pooled = None
+                if req.pooling_params is not None and computed == len(tokens):
+                    new, pooled = [], take_pooled(req, pooler_output, step_id)
+                elif computed == len(tokens) or drafts:  # this step reached the end: it sampled
                     new = sampled.get(rid)
                     if not new:
                         req.status = _ERROR
@@ -687,6 +692,7 @@ class Scheduler:
                     events=events,
                     error=req.error,
                     new_prompt_logprobs=prompt_lps.get(rid) if prompt_lps else None,
+                    pooling_output=pooled,
                 )
                 if finished:
                     self._release(req)

@@ -265,31 +265,47 @@ def causal_lm_class_names() -> frozenset[str]:
     return frozenset(names)
 
 
-def check_causal_architectures(architectures: Any, where: str) -> None:
-    """ModelLoadError unless one of a config's ``architectures`` is a causal LM (none listed: no check)."""
+def base_model_class_names() -> frozenset[str]:
+    """The class names of transformers' base models (no head: BertModel, LlamaModel, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, list | tuple) else (value,))
+    return frozenset(names)
+
+
+def check_causal_architectures(architectures: Any, where: str) -> str:
+    """What a config's ``architectures`` can run as: ``"generate"`` (a causal LM; also when
+    none is listed) or ``"pooling"`` (a base model without a head, such as BertModel: it only
+    embeds); ModelLoadError for anything else."""
     if not architectures:
-        return
+        return "generate"
     names = architectures if isinstance(architectures, list) else [architectures]
     if any(isinstance(a, str) and a in causal_lm_class_names() for a in names):
-        return
+        return "generate"
+    if any(isinstance(a, str) and a in base_model_class_names() for a in names):
+        return "pooling"
     shown = ", ".join(repr(a) for a in names)
     raise ModelLoadError(
         f"{where} declares the architecture {shown}, which is not a causal language model: "
         "baton serves causal (decoder-only text-generation) models such as LlamaForCausalLM or "
-        "Qwen2ForCausalLM; an encoder (BertModel, ...) or a masked LM cannot generate text"
+        "Qwen2ForCausalLM, and base models without a head (BertModel, ...) for embeddings only; "
+        "a masked LM or a classifier cannot generate text"
     )
 
 
 def check_architecture(hf_config: Any) -> type:
-    """The transformers causal-LM class for ``hf_config``; ModelLoadError when baton cannot run it."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    """The transformers class for ``hf_config`` (its causal LM, or its base model for a checkpoint
+    of one: embeddings only); ModelLoadError when baton cannot run it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
     model_type = getattr(hf_config, "model_type", "?")
     if getattr(hf_config, "auto_map", None):
         raise ModelLoadError(
             f"model type {model_type!r} needs remote code (auto_map), which baton does not run"
         )
-    check_causal_architectures(
+    runner = check_causal_architectures(
         getattr(hf_config, "architectures", None), f"the config of model type {model_type!r}"
     )
     if getattr(hf_config, "is_encoder_decoder", False):
@@ -297,7 +313,8 @@ def check_architecture(hf_config: Any) -> type:
             f"model type {model_type!r} is an encoder-decoder; baton runs decoder-only causal LMs"
         )
     try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+        mapping = MODEL_FOR_CAUSAL_LM_MAPPING if runner == "generate" else MODEL_MAPPING
+        cls = mapping[type(hf_config)]
     except KeyError:
         raise ModelLoadError(f"model type {model_type!r} is not a transformers causal LM") from None
     if not getattr(cls, "_supports_attention_backend", False):
@@ -349,20 +366,16 @@ def load_model(
     their part ever reaches the device); ``model.quantization`` applies after it
     (``baton.worker.quantize_model``).
     """
-    from transformers import AutoModelForCausalLM
-
     from baton.worker import attention
     from baton.worker.compute_dtype import resolve_dtype
 
     folder, hf_config = load_hf_config(cfg)
-    check_architecture(hf_config)
+    cls = check_architecture(hf_config)
     dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device, cfg.model.quantization)
     attention.register()
     t0 = time.monotonic()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL
-        )
+        model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
     if prepare is not None:

@@ -21,6 +21,7 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
+from baton.pooling_params import default_pooling_type
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -35,8 +36,10 @@ from baton.worker.attention import META_KWARG, AttentionMetadata, DecodeGroup, P
 from baton.worker.cpu_features import native_compute
 from baton.worker.cpu_linear import CpuLMHead, use_small_batch_linears
 from baton.worker.fast_decode import FastDecode, build_fast_decode
+from baton.worker.headless import head_kwargs, is_bidirectional
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache_dtype import kv_cache_dtype
+from baton.worker.pooler import Pooler
 from baton.worker.sampler import Sampler, apply_bitmask
 from baton.worker.step_inputs import StepInputBuilder, StepInputs, sampling_metadata
 
@@ -68,6 +71,8 @@ class PendingStep:
     inputs: StepInputs | None
     #: requests that failed to prepare this step -> "ExceptionType: message"
     failed: dict[str, str]
+    #: pooling requests whose prompt ended this step -> their vector (worker/pooler.py)
+    pooled: dict[str, torch.Tensor] | None = None
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -123,6 +128,7 @@ class ModelRunner:
         self.num_blocks = 0
         self._pending: PendingStep | None = None
         self.fast_decode: FastDecode | None = None
+        self.pooler = Pooler("last", cfg.model.pooling_normalize)  # the model's own: load_model
         #: prompt logprobs of requests whose prompt is still being computed (chunked prefill)
         self._prompt_lps: dict[str, list[TokenLogprobs]] = {}
 
@@ -134,6 +140,9 @@ class ModelRunner:
 
         folder = resolve_model(self.cfg.model.name, self.cfg.model.cache_dir)
         self.model_info = read_model_info(folder, self.cfg.model.max_model_len)
+        self.pooler.pooling_type = default_pooling_type(
+            self.cfg.model.pooling_type, self.model_info
+        )
         self.model = load_model(self.cfg, self.device, prepare=self.prepare_model)
         self.hf_config = self.model.config
         text = self.hf_config.get_text_config()
@@ -149,7 +158,10 @@ class ModelRunner:
             dtype_native=native_compute(self.dtype, self.device),
         )
         self.kv_dtype = kv_cache_dtype(self.cfg.cache.dtype, self.dtype, self.device)
-        self.vocab_size = head_vocab_size(self.model.get_output_embeddings())
+        head = self.model.get_output_embeddings()
+        #: a base model without an LM head (BertModel, ...): it only pools (worker/headless.py)
+        self.headless = head is None
+        self.vocab_size = head_vocab_size(head) if head is not None else self.model_info.vocab_size
         self.max_model_len = self.model_info.max_model_len
         self.eos_token_ids = list(self.model_info.eos_token_ids)
         self.input_batch = InputBatch(
@@ -194,6 +206,9 @@ class ModelRunner:
         from baton.worker.attention import model_capabilities
 
         chunked, prefix, reason = model_capabilities(self.hf_config)
+        if is_bidirectional(self.model):
+            chunked, prefix = False, False
+            reason = f"{type(self.model).__name__} attends both ways (an encoder)"
         return ModelCapabilities(
             supports_chunked_prefill=chunked, supports_prefix_caching=prefix, reason=reason
         )
@@ -301,7 +316,7 @@ class ModelRunner:
         self.model(
             input_ids=ids,
             position_ids=pos,
-            logits_to_keep=keep,
+            **head_kwargs(self.model, keep, int(ids.shape[1]), self.headless),
             use_cache=False,
             **{META_KWARG: meta},
         )
@@ -391,7 +406,7 @@ class ModelRunner:
             self.model(
                 input_ids=ids,
                 position_ids=pos,
-                logits_to_keep=keep,
+                **head_kwargs(self.model, keep, int(ids.shape[1]), self.headless),
                 use_cache=False,
                 **{META_KWARG: meta},
             )
@@ -414,8 +429,14 @@ class ModelRunner:
             raise ExecutorError("execute_model before initialize_kv_cache")
         step = PendingStep(None, None, failed)
         if not failed or any(r not in failed for r in scheduler_output.num_scheduled_tokens):
-            step.inputs = self.prepare_inputs(scheduler_output, skip=failed)
-            step.logits = self.forward(step.inputs)
+            inputs = self.prepare_inputs(scheduler_output, skip=failed)
+            # pooling requests leave the sampling rows; their hidden states are pooled instead
+            step.inputs, spans = self.pooler.plan(inputs, self.input_batch)
+            spans = spans if self.hooks.samples() else []
+            with self.pooler.capture(self.model, spans):
+                step.logits = self.forward(step.inputs)
+            step.pooled, pool_failed = self.pooler.pool(spans)
+            failed.update(pool_failed)
         if scheduler_output.structured_output_req_ids:
             self._pending = step
             return None
@@ -439,6 +460,8 @@ class ModelRunner:
             out = self.sample(step.logits[:n], step.inputs, grammar)
             if step.inputs.prompt_rows is not None and self.hooks.samples():
                 self._score_prompts(step.logits[n:], step.inputs, out)
+        if step.pooled:
+            out.pooler_output = step.pooled
         if step.failed:
             out.failed = {**step.failed, **(out.failed or {})}
         return out
@@ -486,6 +509,7 @@ class ModelRunner:
         BatchContractError (scheduler and runner disagree) still fails the step.
         """
         batch = self.input_batch
+        self.pooler.update(so)
         for rid in so.finished_req_ids:
             batch.remove_request(rid)
             self._prompt_lps.pop(rid, None)
@@ -543,15 +567,24 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         fast = self.fast_decode
-        if fast is not None and inputs.prompt_rows is None and fast.applies(inputs):
+        if (
+            fast is not None
+            and inputs.prompt_rows is None
+            and not self.pooler.capturing  # its native stack skips the hook that pools
+            and fast.applies(inputs)
+        ):
             return fast.logits(inputs)
         out = self.model(
             input_ids=inputs.input_ids[None],
             position_ids=inputs.positions[None],
-            logits_to_keep=inputs.logits_indices,
+            **head_kwargs(
+                self.model, inputs.logits_indices, int(inputs.input_ids.shape[0]), self.headless
+            ),
             use_cache=False,
             **{META_KWARG: inputs.attn},
         )
+        if self.headless:  # it pools only: no request samples
+            return out.last_hidden_state.new_empty(0, self.vocab_size)
         return out.logits[0]
 
     def sample(
