@@ -272,31 +272,9 @@ def test_a_pooled_vector_crosses_the_process_boundary_as_a_frame():
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
+def bert():
     """A tiny random BertModel with the SmolLM2 tokenizer (its vocabulary size)."""
-    import shutil
-
-    from transformers import BertConfig, BertModel
-
-    from baton.testing.tiny_model import TOKENIZER_FILES, VOCAB_SIZE
-
-    dest = tmp_path_factory.mktemp("bert")
-    config = BertConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(0)
-    BertModel(config).eval().save_pretrained(dest)
-    src = tiny_model("llama")
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dest)
-    return dest
+    return tiny_model("bert", max_position_embeddings=64)
 
 
 def test_an_encoder_pools_in_batched_steps_as_transformers_computes(bert, caplog):

@@ -8,6 +8,8 @@ with a model that is fast and still a real transformers architecture.
 
 ``tiny_model(arch, **overrides)`` is the cached form for tests: each distinct
 model is built once per process, in a temporary folder removed at exit.
+``tiny_model("bert")`` is an encoder (a BertModel checkpoint, no LM head): it
+serves pooling requests (embeddings) only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3")
+#: base models without an LM head (saved as their AutoModel class): embeddings only
+ENCODER_ARCHS = ("bert",)
 VOCAB_SIZE = 49152
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -57,12 +61,27 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
 }
 
 
+_ENCODER: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    pad_token_id=2,
+)
+
+
 def tiny_config(arch: str, **overrides: Any) -> Any:
     """The transformers config of a tiny ``arch`` model (``overrides`` win)."""
     from transformers import AutoConfig
 
+    if arch in ENCODER_ARCHS:
+        return AutoConfig.for_model(arch, **{**_ENCODER, **overrides})
     if arch not in ARCHS:
-        raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {', '.join(ARCHS)}")
+        known = ", ".join((*ARCHS, *ENCODER_ARCHS))
+        raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {known}")
     kwargs = {**_COMMON, **_PER_ARCH[arch], **overrides}
     return AutoConfig.for_model(arch, **kwargs)
 
@@ -80,9 +99,10 @@ def make_tiny_model(
     converted once into the model cache). ``overrides`` are config fields.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     config = tiny_config(arch, **overrides)
+    auto = AutoModel if arch in ENCODER_ARCHS else AutoModelForCausalLM
     dest = (
         Path(dest_dir)
         if dest_dir is not None
@@ -92,7 +112,7 @@ def make_tiny_model(
     src = Path(tokenizer_dir) if tokenizer_dir is not None else _default_tokenizer_dir()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto.from_config(config, dtype=torch.float32)
     model.save_pretrained(dest)
     for name in TOKENIZER_FILES:
         if (src / name).is_file() and not (

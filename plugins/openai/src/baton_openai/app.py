@@ -20,6 +20,7 @@ from baton_openai.chat import router as chat_router
 from baton_openai.completions import router as completions_router
 from baton_openai.context import ServerContext, check_api_key
 from baton_openai.cors import install_cors
+from baton_openai.embeddings import router as embeddings_router
 from baton_openai.errors import install_error_handlers
 from baton_openai.health import EngineHealth
 from baton_openai.limits import RequestLimits
@@ -28,6 +29,7 @@ from baton_openai.parsers import ParserRegistry
 from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import ModelCard, ModelList
 from baton_openai.request_id import RequestIdMiddleware
+from baton_openai.tokenize import router as tokenize_router
 from baton_openai.unhandled import UnhandledErrors
 
 #: /health reports a wedged engine (503) once a health check has gone unanswered this long.
@@ -114,7 +116,13 @@ def build_app(
     app.add_middleware(RequestIdMiddleware)
     install_cors(app, srv.cors_origins)
     auth = [Depends(check_api_key)]
-    for router in (models_router, chat_router, completions_router):
+    for router in (
+        models_router,
+        chat_router,
+        completions_router,
+        embeddings_router,
+        tokenize_router,
+    ):
         app.include_router(router, dependencies=auth)
     app.include_router(ops_router)
     return app
