@@ -339,3 +339,50 @@ def test_a_sentence_transformers_pooling_config_sets_the_default(bert, tmp_path)
     with LLM(model=str(folder), max_model_len=64) as llm:
         [out] = llm.embed(SHORT, use_tqdm=False)
     torch.testing.assert_close(out.outputs.data, want(bert, SHORT, "mean"), atol=ATOL, rtol=0)
+
+
+def test_the_runner_restarts_a_preempted_mean_from_its_first_token(path):
+    """A request preempted mid-prompt comes back as new: its partial sum is dropped, not doubled."""
+    from baton.config import BatonConfig
+    from baton.protocol import CachedRequestData, KVCacheConfig, NewRequestData
+    from baton.worker.model_runner import ModelRunner
+
+    cfg = BatonConfig.load(model=str(path), block_size=4, max_num_batched_tokens=16)
+    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(KVCacheConfig(num_blocks=32, block_size=4))
+    prompt = LONG[:12]
+    params = PoolingParams(pooling_type="mean", normalize=True)
+
+    def new(blocks):
+        return NewRequestData(
+            req_id="p",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=1),
+            block_ids=blocks,
+            num_computed_tokens=0,
+            pooling_params=params,
+        )
+
+    def step(i, n, **kw):
+        return runner.execute_model(
+            SchedulerOutput(
+                step_id=i, num_scheduled_tokens={"p": n}, total_num_scheduled_tokens=n, **kw
+            )
+        )
+
+    assert step(1, 8, scheduled_new_reqs=[new([1, 2, 3])]).pooler_output is None
+    # preempted after its first chunk; admitted again (other blocks) from its first token
+    assert (
+        step(2, 8, preempted_req_ids=["p"], scheduled_new_reqs=[new([4, 5, 6])]).pooler_output
+        is None
+    )
+    cached = CachedRequestData(
+        req_ids=["p"], new_token_ids=[[]], new_block_ids=[[]], num_computed_tokens=[8]
+    )
+    out = step(3, 4, scheduled_cached_reqs=cached)
+    assert out.sampled_token_ids == [[]] and not out.failed
+    torch.testing.assert_close(
+        out.pooler_output["p"], want(path, prompt, "mean"), atol=ATOL, rtol=0
+    )
+    assert "p" not in runner.pooler.requests

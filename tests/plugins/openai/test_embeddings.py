@@ -76,6 +76,8 @@ def test_token_ids_and_normalize_false(server, model_dir):
     ("body", "param", "words"),
     [
         ({"input": [1, 2, 49152]}, "input", "outside the vocabulary"),
+        ({"input": [[5] * 1024]}, "input", "model.max_model_len is 1024"),
+        ({"input": ["ok", "word " * 50_000]}, "input", "max_model_len"),
         ({"input": ""}, "input", "empty"),
         ({"input": []}, "input", "must not be empty"),
         ({"input": [[1, 2], "x"]}, "input", "input must be"),
