@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -14,10 +14,17 @@ from baton_openai.admission import QueueGate
 from baton_openai.errors import OpenAIError
 from baton_openai.parser_types import ReasoningParser, ToolParser
 from baton_openai.preprocess import Preprocessor
-from baton_openai.protocol import SamplingFields
 from baton_openai.tool_parsers import HermesToolParser
 
 log = logging.getLogger("baton_openai")
+
+
+class RouteRequest(Protocol):
+    """What check_request reads of a request body (every /v1, /tokenize and /detokenize model)."""
+
+    model: str | None
+
+    def ignored_fields(self) -> list[str]: ...
 
 
 @dataclass
@@ -41,7 +48,7 @@ class ServerContext:
     def of(cls, request: Request) -> ServerContext:
         return request.app.state.baton  # type: ignore[no-any-return]
 
-    def check_request(self, req: SamplingFields) -> None:
+    def check_request(self, req: RouteRequest) -> None:
         """The checks before any work: the engine is alive and the model is ours."""
         if self.engine.errored:
             raise OpenAIError(
