@@ -3,7 +3,7 @@
 Each repeat: start `baton serve` (zmq transport by default, the default model),
 send every request of the workload at once as a streaming chat completion
 (its ``messages``, ``max_tokens`` = its ``max_new_tokens``, temperature 0,
-``ignore_eos``) with the official AsyncOpenAI client, check that each one
+``ignore_eos``; the load of ``baton bench serve``), check that each one
 completes with exactly its token count and no error, stop the server; then run
 ``baton bench throughput --workload ... --json`` (the offline LLM) back to
 back. Reports TTFT p50/p99, inter-token latency p50/p99 and output tokens/s
@@ -17,28 +17,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from baton.bench.common import load_workload
+from baton_openai.bench_serve import SERVED_NAME, ServeProcess, run_load
+from baton_openai.bench_serve import summarize as summarize_load
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = ROOT.parent / "shared" / "bench" / "workload.json"
-
-
-def percentile(values: list[float], q: float) -> float:
-    from baton.bench.common import percentile as pct
-
-    return pct(values, q)
 
 
 class TreeCpu:
@@ -92,145 +87,20 @@ class TreeCpu:
         }
 
 
-class Serve:
-    """`baton serve` in a subprocess; the URL comes from its 'listening on' log line."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "baton.cli.main",
-            "serve",
-            "--port",
-            "0",
-            "--transport",
-            args.transport,
-            "--served-model-name",
-            "bench",
-        ]
-        if args.model:
-            cmd += ["--model", args.model]
-        if args.config:
-            cmd += ["--config", args.config]
-        self.proc = subprocess.Popen(
-            cmd,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.log: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(900) or self.url is None:
-            self.proc.kill()
-            raise SystemExit("baton serve did not start:\n" + "".join(self.log[-30:]))
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-async def _one(client: Any, req: dict[str, Any], t0: float) -> dict[str, Any]:
-    times: list[float] = []
-    usage = None
-    finish = None
-    try:
-        stream = await client.chat.completions.create(
-            model="bench",
-            messages=req["messages"],
-            max_tokens=req["max_new_tokens"],
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for c in chunk.choices:
-                if c.delta.content:
-                    times.append(time.perf_counter())
-                if c.finish_reason:
-                    finish = c.finish_reason
-    except Exception as e:  # counted and reported: the benchmark's verdict needs every error
-        return {"id": req["id"], "error": f"{type(e).__name__}: {e}"}
-    tokens = usage.completion_tokens if usage else 0
-    return {
-        "id": req["id"],
-        "error": None,
-        "tokens": tokens,
-        "expected": req["max_new_tokens"],
-        "finish": finish,
-        "ttft": times[0] - t0 if times else None,
-        "itls": [b - a for a, b in itertools.pairwise(times)],
-        "end": times[-1] if times else None,
-    }
-
-
-async def _load(url: str, requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
-    import httpx
-    from openai import AsyncOpenAI
-
-    limits = httpx.Limits(
-        max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8
-    )
-    async with AsyncOpenAI(
-        base_url=f"{url}/v1",
-        api_key="none",
-        max_retries=0,
-        timeout=3600,
-        http_client=httpx.AsyncClient(limits=limits, timeout=3600),
-    ) as client:
-        await client.chat.completions.create(
-            model="bench", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-        )  # warm-up: connection and first-step costs
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, r, t0) for r in requests))
-        wall = max((r["end"] for r in results if r.get("end")), default=t0) - t0
-    return list(results), wall
-
-
-def run_server(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    serve = Serve(args)
+def run_server(args: argparse.Namespace, requests: list[Any]) -> dict[str, Any]:
+    """One `baton bench serve` run: the server started and stopped by baton_openai.bench_serve."""
+    argv = ["--transport", args.transport]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.config:
+        argv += ["--config", args.config]
+    serve = ServeProcess(argv)
     try:
         with TreeCpu([os.getpid(), serve.proc.pid]) as cpu:
-            results, wall = asyncio.run(_load(serve.url or "", requests))
+            records, wall = asyncio.run(run_load(serve.url or "", requests, model=SERVED_NAME))
     finally:
         code = serve.stop()
-    errors = [r for r in results if r["error"]]
-    wrong = [r["id"] for r in results if not r["error"] and r["tokens"] != r["expected"]]
-    ttfts = [r["ttft"] for r in results if r.get("ttft") is not None]
-    itls = [x for r in results if not r["error"] for x in r["itls"]]
-    out_tokens = sum(r.get("tokens", 0) for r in results)
-    return {
-        "requests": len(results),
-        "errors": [r["error"] for r in errors][:5],
-        "num_errors": len(errors),
-        "wrong_token_counts": wrong,
-        "output_tokens": out_tokens,
-        "wall_s": round(wall, 2),
-        "tok_per_s": round(out_tokens / wall, 2) if wall > 0 else 0.0,
-        "ttft_s": {f"p{q}": round(percentile(ttfts, q), 4) for q in (50, 99)},
-        "itl_s": {f"p{q}": round(percentile(itls, q), 4) for q in (50, 99)},
-        "cpu": cpu.result,
-        "server_exit_code": code,
-    }
+    return {**summarize_load(records, wall), "cpu": cpu.result, "server_exit_code": code}
 
 
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
@@ -335,7 +205,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    requests = json.loads(args.workload.read_text())["requests"]
+    requests = load_workload(args.workload).requests
     server_runs, offline_runs = [], []
     for i in range(args.repeats):
         server_runs.append(run_server(args, requests))

@@ -29,6 +29,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from baton.plugin_kinds import (
+        BenchFactory,
         CommandFactory,
         ExecutorFactory,
         Register,
@@ -177,4 +178,20 @@ def register_commands(register: Register[CommandFactory]) -> None:
 
     Called once when the CLI starts. Built in: ``generate``, ``chat``,
     ``plugins``, ``bench``, ``config``; ``baton-plugin-openai`` adds ``serve``.
+    """
+
+
+@hookspec
+def register_benches(register: Register[BenchFactory]) -> None:
+    """Register ``baton bench`` subcommands (benchmarks).
+
+    :param register: ``register(name, factory)``; ``factory(parser)`` receives the
+        benchmark's ``argparse.ArgumentParser`` (``baton bench <name>``), adds its
+        arguments and returns the handler ``handler(args: argparse.Namespace) -> int |
+        None``. The kernel adds no arguments: a benchmark that runs an engine adds
+        ``baton.cli.main.add_engine_arguments`` itself.
+
+    Called once when ``baton bench`` builds its parser. Built in: ``scheduler``,
+    ``transport``, ``throughput``, ``latency``; ``baton-plugin-openai`` adds
+    ``serve`` (HTTP load against ``baton serve`` or any OpenAI-compatible server).
     """

@@ -78,6 +78,12 @@ class CommandFactory(Protocol):
     def __call__(self, parser: argparse.ArgumentParser, /) -> CommandHandler: ...
 
 
+class BenchFactory(Protocol):
+    """``factory(parser)``: adds the benchmark's arguments, returns its handler (CLI start-up)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, /) -> CommandHandler: ...
+
+
 F_contra = TypeVar("F_contra", contravariant=True)
 
 
@@ -105,7 +111,8 @@ class PluginKind:
     factory: type
     """The factory protocol ``register`` takes."""
     product: type | None
-    """The protocol in ``baton.interfaces`` the factory's product implements (None: commands)."""
+    """The protocol in ``baton.interfaces`` the factory's product implements (None: commands and
+    benchmarks, whose factories return a CLI handler)."""
     section: str | None = None
     """The config section that selects it and holds its ``[<section>.<name>]`` settings
     sub-tables; None: not configured (no settings model allowed)."""
@@ -224,6 +231,15 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             factory=CommandFactory,
             product=None,
             builtin=("generate", "chat", "plugins", "bench", "config"),
+            distributions={"serve": "baton-plugin-openai"},
+        ),
+        PluginKind(
+            name="bench",
+            hook="register_benches",
+            word="benchmark",
+            factory=BenchFactory,
+            product=None,
+            builtin=("scheduler", "transport", "throughput", "latency"),
             distributions={"serve": "baton-plugin-openai"},
         ),
     )

@@ -7,7 +7,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from baton.cli.config_check import config_command
 from baton.cli.main import add_engine_arguments, engine_overrides
@@ -182,8 +182,8 @@ def plugins_command(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-#: bench kind -> module with add_arguments(parser) and main(args)
-BENCHES = {
+#: built-in benchmark -> module with add_arguments(parser) and main(args)
+BUILTIN_BENCHES = {
     "scheduler": "baton.bench.scheduler",
     "transport": "baton.bench.transport",
     "throughput": "baton.bench.throughput",
@@ -191,24 +191,43 @@ BENCHES = {
 }
 
 
+class ModuleBench:
+    """The bench factory of a module with ``add_arguments(parser)`` and ``main(args)``, imported
+    only when ``baton bench`` builds its parser (plugins load in every process)."""
+
+    def __init__(self, module_name: str) -> None:
+        self.module_name = module_name
+
+    @property  # type: ignore[override]
+    def __doc__(self) -> str | None:  # the help line: the module's docstring
+        return importlib.import_module(self.module_name).__doc__
+
+    def __call__(self, parser: argparse.ArgumentParser) -> Handler:
+        module = importlib.import_module(self.module_name)
+        module.add_arguments(parser)
+        return cast(Handler, module.main)
+
+
 def bench_command(p: argparse.ArgumentParser) -> Handler:
-    """Benchmarks: scheduler, transport, throughput, latency."""
+    """Benchmarks: scheduler, transport, throughput, latency, and those plugins register."""
+    from baton.plugins import get_registry
+
     sub = p.add_subparsers(dest="bench", metavar="KIND", required=True)
-    for name, module_name in BENCHES.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # not built yet in this checkout
-        bp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        module.add_arguments(bp)
-        bp.set_defaults(_bench_main=module.main)
+    for entry in get_registry().of_kind("bench"):
+        doc = (entry.factory.__doc__ or "").strip()
+        bp = sub.add_parser(entry.name, help=doc.splitlines()[0] if doc else None)
+        bp.set_defaults(_bench_main=entry.create(bp))
 
     def run(args: argparse.Namespace) -> int:
         return int(args._bench_main(args) or 0)
 
     return run
+
+
+@hookimpl
+def register_benches(register: Any) -> None:
+    for name, module_name in BUILTIN_BENCHES.items():
+        register(name, ModuleBench(module_name))
 
 
 @hookimpl

@@ -1,4 +1,5 @@
-"""Plugin module of baton-plugin-openai: registers command ``serve`` and stat logger ``prometheus``.
+"""Plugin module of baton-plugin-openai: registers command ``serve``, benchmark ``serve``
+(``baton bench serve``) and stat logger ``prometheus``.
 
 Plugins load in every process baton spawns (engine cores too), so this module
 imports nothing heavy: FastAPI, uvicorn and prometheus-client load only when
@@ -22,6 +23,14 @@ def serve_command(parser: Any) -> Any:
     return run_serve
 
 
+def serve_bench(parser: Any) -> Any:
+    """HTTP load on an OpenAI-compatible server: streaming requests at a rate, TTFT/ITL/TPOT."""
+    from baton_openai.bench_serve import add_arguments, main
+
+    add_arguments(parser)
+    return main
+
+
 def create_prometheus_logger(config: Any, settings: Any = None, engine_index: int = 0) -> Any:
     """The registered factory: ``factory(config, settings, engine_index)``."""
     from baton_openai.metrics import PrometheusStatLogger
@@ -32,6 +41,11 @@ def create_prometheus_logger(config: Any, settings: Any = None, engine_index: in
 @hookimpl
 def register_commands(register: Any) -> None:
     register("serve", serve_command)
+
+
+@hookimpl
+def register_benches(register: Any) -> None:
+    register("serve", serve_bench)
 
 
 @hookimpl
