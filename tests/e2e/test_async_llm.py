@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from baton import AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError, EngineShuttingDownError, InvalidRequestError
@@ -97,3 +98,25 @@ async def test_shutdown_ends_waiting_requests(model_dir):
     with pytest.raises(EngineShuttingDownError):
         async for _ in gen:
             pass
+
+
+async def test_pooled_vectors_cross_the_zmq_transport_unchanged(model_dir):
+    """A pooling request in an engine process: the vector that comes back is the in-process one
+    (a batch of other work may round differently: equal to float32 precision)."""
+    from baton import LLM, PoolingParams
+
+    prompts = [list(range(100, 140)), [7, 8]]
+    params = PoolingParams(pooling_type="mean")
+    with LLM(model=model_dir, max_model_len=512) as local:
+        want = [o.outputs.data for o in local.embed(prompts, params, use_tqdm=False)]
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=512, transport="zmq")
+    try:
+        outs = await asyncio.gather(
+            *(anext(llm.encode({"prompt_token_ids": p}, params)) for p in prompts),
+            anext(llm.generate("hello", SamplingParams(max_tokens=4))),
+        )
+    finally:
+        llm.shutdown()
+    for out, vec in zip(outs[:2], want, strict=True):
+        assert out.finished
+        torch.testing.assert_close(out.outputs.data, vec, atol=1e-5, rtol=0)
