@@ -107,3 +107,33 @@ def test_prompt_logprobs_are_bounded(llm: LLM) -> None:
     assert e.value.param == "prompt_logprobs"
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_runner_scores_a_prompt_again_after_a_preemption_mid_prompt(path: str) -> None:
+    from baton.config import BatonConfig
+    from baton.protocol import KVCacheConfig
+    from baton.testing.runner_driver import Driver
+    from baton.worker.model_runner import ModelRunner
+
+    cfg = BatonConfig.load(model=path, block_size=4, max_num_batched_tokens=7, max_num_seqs=4)
+    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(KVCacheConfig(num_blocks=64, block_size=4))
+    d = Driver(runner, 64, 4, budget=7)
+    d.add("o", prompt_of(9, seed=8), max_tokens=3)  # shares every step's budget
+    prompt = prompt_of(23, seed=7)
+    r = d.add("p", prompt, max_tokens=2, params=SamplingParams(temperature=0, prompt_logprobs=1))
+    scores = []
+    for _ in range(3):
+        scores.append(d.step()[1].prompt_logprobs)
+    assert 0 < r.computed < len(prompt) and not any(scores)  # mid-prompt: nothing returned yet
+    d.preempt(r)  # its partial scores go with its row; it is computed again from the start
+    while d.running:
+        scores.append(d.step()[1].prompt_logprobs)
+    [returned] = [s for s in scores if s]
+    lps = returned["p"]
+    ref = reference(path, prompt)
+    assert [lp.token_ids[0] for lp in lps] == prompt[1:]
+    want = [float(ref[i, t]) for i, t in enumerate(prompt[1:])]
+    assert [lp.logprobs[0] for lp in lps] == pytest.approx(want, abs=TOLERANCE)
+    assert all(len(lp.token_ids) == 2 for lp in lps)  # the prompt token and the top 1

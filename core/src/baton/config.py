@@ -256,6 +256,11 @@ class ServerSection(_Section):
     e.g. ["https://app.example.com"], or ["*"] for any; empty: no CORS headers."""
     log_format: Literal["text", "json"] = "text"
     """`baton serve`'s log lines: text, or json (one JSON object a line, with the request id)."""
+    chat_template: str | None = None
+    """A chat template `baton serve` uses instead of the tokenizer's (vLLM's --chat-template):
+    a Jinja file's path, or the template itself (text with `{`, `}` or a newline); a path that
+    does not exist is refused at start-up. A request's own `chat_template` still overrides it
+    (allow_client_chat_template)."""
 
     @pydantic.field_validator("api_key")
     @classmethod

@@ -128,7 +128,8 @@ def test_stop_strings(server, client):
         (dict(prompt="x " * 1100), "prompt"),
         (dict(best_of=3), "best_of"),
         (dict(suffix="end"), "suffix"),
-        (dict(echo=True, logprobs=1), "echo"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
     ],
 )
 def test_bad_parameters(server, client, kwargs, param):

@@ -16,7 +16,7 @@ from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
 from baton_openai.json_body import PiecewiseJSONRoute
-from baton_openai.logprobs import chat_logprobs
+from baton_openai.logprobs import chat_logprobs, prompt_logprobs_field
 from baton_openai.openapi import GENERATION_ERRORS, error_responses, streaming_ok
 from baton_openai.params import BuiltParams, build_params
 from baton_openai.protocol import (
@@ -105,10 +105,20 @@ async def create_chat_completion(
         raise OpenAIError(
             "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
         )
+    if req.stream and req.prompt_logprobs is not None:
+        raise OpenAIError(
+            "prompt_logprobs are not available with stream=true (as in vLLM): leave one out",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
     reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
     build_messages = lambda: template_messages(req.messages)  # noqa: E731
     if plan is not None:
-        template = client_template or getattr(ctx.engine.tokenizer, "chat_template", None)
+        template = (
+            client_template
+            or ctx.preprocess.chat_template
+            or getattr(ctx.engine.tokenizer, "chat_template", None)
+        )
         if template_renders_tools(template):
             template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
         else:  # the template would drop them: the parser's instructions in the system message
@@ -165,6 +175,7 @@ async def _generate(
             logprobs=top,
             logprobs_param="top_logprobs",
             tool_spec=tool_spec,
+            prompt_logprobs=req.prompt_logprobs,
         ),
         deadline=deadline,
         what="checking the request",
@@ -227,7 +238,13 @@ def _response(
                 stop_reason=c.stop_reason,
             )
         )
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=acc.usage())
+    return ChatCompletionResponse(
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=acc.usage(),
+        prompt_logprobs=prompt_logprobs_field(acc.prompt_logprobs.get(0)),
+    )
 
 
 async def _chunks(

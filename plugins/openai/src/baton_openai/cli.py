@@ -38,6 +38,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(default 30, unlike the library's 0; 0 aborts them at once)",
     )
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument(
+        "--chat-template",
+        help="a chat template to use instead of the tokenizer's: a Jinja file's path, or the "
+        "template itself (server.chat_template)",
+    )
     add_engine_arguments(p)
 
 
@@ -49,6 +54,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("served_model_name", "server.served_model_name"),
         ("api_key", "server.api_key"),
         ("shutdown_timeout", "server.shutdown_timeout"),
+        ("chat_template", "server.chat_template"),
     ):
         value = getattr(args, flag, None)
         if value is not None:

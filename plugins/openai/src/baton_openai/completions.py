@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -16,10 +17,21 @@ from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
 from baton_openai.json_body import PiecewiseJSONRoute
-from baton_openai.logprobs import completion_logprobs
+from baton_openai.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    prompt_logprobs_field,
+)
 from baton_openai.openapi import GENERATION_ERRORS, error_responses, streaming_ok
 from baton_openai.params import BuiltParams, build_params
-from baton_openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from baton_openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
 from baton_openai.request_id import engine_request_id
 from baton_openai.streaming import DISCONNECTED, DONE, SSEResponse, cancel_on_disconnect, sse
 
@@ -56,14 +68,28 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
             param="best_of",
             code="unsupported_parameter",
         )
-    if req.echo and req.logprobs is not None:
+    if req.max_tokens == 0 and not req.echo:
         raise OpenAIError(
-            "echo with logprobs (prompt logprobs) is not supported by baton",
-            param="echo",
+            "max_tokens=0 returns the prompt alone, which needs echo=true: set echo, or give "
+            "max_tokens >= 1",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    if req.stream and req.prompt_logprobs is not None:
+        raise OpenAIError(
+            "prompt_logprobs are not available with stream=true (as in vLLM): leave one out, "
+            "or use echo with logprobs",
+            param="prompt_logprobs",
             code="unsupported_parameter",
         )
     engine = ctx.engine
     prompts = _prompts(req.prompt)
+    # echo with logprobs scores the prompt (vLLM: prompt_logprobs = logprobs); max_tokens=0
+    # generates one token that is not returned
+    prompt_lps, prompt_lps_param = req.prompt_logprobs, "prompt_logprobs"
+    if req.echo and req.logprobs is not None and (prompt_lps or 0) <= req.logprobs:
+        prompt_lps, prompt_lps_param = req.logprobs, "logprobs"
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
 
     def prepare() -> tuple[list[str | None], list[list[int]], list[BuiltParams]]:
         # tokenizing (and checking every token id) is work the client controls: on a worker thread
@@ -78,10 +104,12 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
                     req,
                     prompt_token_ids=ids,
                     info=engine.info,
-                    max_tokens=req.max_tokens,
+                    max_tokens=max_tokens,
                     max_tokens_param="max_tokens",
                     prompt_param="prompt",
                     logprobs=req.logprobs,
+                    prompt_logprobs=prompt_lps,
+                    prompt_logprobs_param=prompt_lps_param,
                 )
             )
             if req.echo and text is None:
@@ -124,36 +152,71 @@ async def _generate(
     )
     acc = Accumulator([len(ids) for ids in ids_list], req.n)
     built = built_list[0]
-    echo = texts if req.echo else None
+    echo = Echo(texts, ids_list, engine.tokenizer.decode) if req.echo else None
     if not req.stream:
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
         if done is DISCONNECTED:
             return Response(status_code=499)
-        return _response(request_id, ctx.model_name, acc, req.logprobs, echo)
+        return _response(request_id, ctx.model_name, req, acc, echo)
     first = await cancel_on_disconnect(raw, first_output(stream, built))
     if first is DISCONNECTED:
         return Response(status_code=499)
     return SSEResponse(_chunks(request_id, ctx.model_name, req, stream, first, acc, built, echo))
 
 
+@dataclass
+class Echo:
+    """The prompts an echo request returns before (or, with max_tokens=0, instead of) its
+    completions."""
+
+    texts: list[str | None]
+    token_ids: list[list[int]]
+    decode: Callable[[list[int]], str]
+
+    def text(self, prompt_index: int) -> str:
+        return self.texts[prompt_index] or ""
+
+    def logprobs(self, prompt_index: int, acc: Accumulator, top: int) -> CompletionLogprobs:
+        lps = acc.prompt_logprobs.get(prompt_index)
+        return echo_logprobs(self.token_ids[prompt_index], lps, top, self.decode)
+
+
 def _response(
-    request_id: str, model: str, acc: Accumulator, top: int | None, echo: list[str | None] | None
+    request_id: str,
+    model: str,
+    req: CompletionRequest,
+    acc: Accumulator,
+    echo: Echo | None,
 ) -> CompletionResponse:
+    top = req.logprobs
+    echo_only = req.max_tokens == 0  # the one token generated is not returned
     choices = []
     for index in sorted(acc.choices):
         c = acc.choices[index]
-        prefix = (echo[index // acc.n] or "") if echo else ""
-        logprobs = completion_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
+        p = index // acc.n
+        prefix = echo.text(p) if echo else ""
+        logprobs = None
+        if top is not None:
+            start = len(prefix)
+            logprobs = completion_logprobs([] if echo_only else c.token_ids, c.logprobs, top, start)
+            if echo is not None:
+                logprobs = joined(echo.logprobs(p, acc, top), logprobs)
         choices.append(
             CompletionChoice(
                 index=index,
-                text=prefix + "".join(c.text),
+                text=prefix + ("" if echo_only else "".join(c.text)),
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_logprobs=prompt_logprobs_field(acc.prompt_logprobs.get(p))
+                if req.prompt_logprobs is not None
+                else None,
             )
         )
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=acc.usage())
+    usage = acc.usage()
+    if echo_only:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
 async def _chunks(
@@ -164,13 +227,17 @@ async def _chunks(
     first: Item | None,
     acc: Accumulator,
     built: BuiltParams,
-    echo: list[str | None] | None,
+    echo: Echo | None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     offsets: dict[int, int] = {}
+    # echo with logprobs: a prompt's chunk waits for its first output, which brings its scores
+    echo_scored = echo is not None and req.logprobs is not None
+    echo_only = req.max_tokens == 0
+    echoed: set[int] = set()
 
     def chunk(choices: list[CompletionChoice], usage: Any = None) -> bytes:
         c = CompletionResponse(
@@ -178,22 +245,41 @@ async def _chunks(
         )
         return sse(c.model_dump_json(exclude_none=True))
 
+    def usage() -> Usage:
+        u = acc.usage()
+        if echo_only:
+            u.completion_tokens, u.total_tokens = 0, u.prompt_tokens
+        return u
+
+    def echo_choices(p: int) -> list[CompletionChoice]:
+        assert echo is not None
+        echoed.add(p)
+        lps = echo.logprobs(p, acc, req.logprobs) if req.logprobs is not None else None
+        text = echo.text(p)
+        for i in range(req.n):
+            offsets[p * req.n + i] = len(text)
+        return [
+            CompletionChoice(index=p * req.n + i, text=text, logprobs=lps) for i in range(req.n)
+        ]
+
     try:
-        if echo:
-            yield chunk(
-                [
-                    CompletionChoice(index=p * req.n + i, text=t or "")
-                    for p, t in enumerate(echo)
-                    for i in range(req.n)
-                ]
-            )
+        if echo is not None and not echo_scored:
+            yield chunk([c for p in range(len(echo.texts)) for c in echo_choices(p)])
         item = first
         while item is not None:
             p, out = item
             acc.add(p, out, keep=False)
+            if echo_scored and p not in echoed:
+                yield chunk(echo_choices(p))
             choices = []
             for c in out.outputs:
                 index = acc.index(p, c)
+                if echo_only:  # the one token generated is not returned
+                    if c.finish_reason is not None:
+                        choices.append(
+                            CompletionChoice(index=index, text="", finish_reason=c.finish_reason)
+                        )
+                    continue
                 logprobs = None
                 if req.logprobs is not None and c.logprobs:
                     logprobs = completion_logprobs(
@@ -211,10 +297,10 @@ async def _chunks(
                         )
                     )
             if choices:
-                yield chunk(choices, acc.usage() if continuous else None)
+                yield chunk(choices, usage() if continuous else None)
             item = await anext(stream, None)
         if include_usage:
-            yield chunk([], acc.usage())
+            yield chunk([], usage())
         yield DONE
     except BatonError as e:
         yield sse(json.dumps(to_openai_error(e, built).body()))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.errors import BatonError, InvalidRequestError, StructuredOutputError
-from baton.outputs import CompletionOutput, RequestOutput
+from baton.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.params import BuiltParams
 from baton_openai.protocol import Usage
@@ -98,12 +98,16 @@ class Accumulator:
         self.prompt_lens = prompt_lens
         self.choices: dict[int, Choice] = {}
         self.cached_tokens = 0
+        #: prompt index -> its prompt logprobs (requests with prompt_logprobs)
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}
 
     def index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.n + c.index
 
     def add(self, prompt_index: int, out: RequestOutput, keep: bool) -> None:
         """Count (and with ``keep``, store) each delta; ``keep=False`` when streaming."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(prompt_index, out.prompt_logprobs)
         for c in out.outputs:
             ch = self.choices.setdefault(self.index(prompt_index, c), Choice())
             ch.token_ids.extend(c.token_ids)  # counted even when streaming: usage needs them

@@ -36,16 +36,58 @@ class BuiltParams:
     checked: CheckedRequest | None = None
 
 
-def check_unsupported(req: SamplingFields) -> None:
-    if req.logit_bias:
+def logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) with int keys."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise OpenAIError(
+                f"logit_bias keys must be token ids written as decimal strings, got {key!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        out[int(key)] = bias
+    return out
+
+
+def _structured_outputs(req: SamplingFields) -> dict[str, object] | None:
+    """vLLM's structured_outputs as StructuredOutputSpec fields; its options baton cannot
+    honour are refused by name."""
+    so = req.structured_outputs
+    if so is None:
+        return None
+    extra = sorted(so.model_extra or ())
+    if extra:
         raise OpenAIError(
-            "logit_bias is not supported by baton", param="logit_bias", code="unsupported_parameter"
+            f"structured_outputs.{extra[0]} is not supported by baton: give one of json, regex, "
+            "choice, grammar, json_object",
+            param=f"structured_outputs.{extra[0]}",
+            code="unsupported_parameter",
         )
+    fields: dict[str, object] = {
+        k: v
+        for k, v in (
+            ("json", so.json_schema),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+        )
+        if v is not None
+    }
+    if so.json_object:
+        fields["json_object"] = True
+    return fields
 
 
 def structured_spec(req: SamplingFields) -> tuple[StructuredOutputSpec | None, str | None]:
-    """The one structured-output spec of a request (response_format or a guided_* field)."""
+    """The one structured-output spec of a request (structured_outputs, response_format or a
+    guided_* field)."""
     specs: list[tuple[str, dict[str, object]]] = []
+    fields = _structured_outputs(req)
+    if fields is not None:
+        specs.append(("structured_outputs", fields))
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
         specs.append(("response_format", {"json_object": True}))
@@ -93,16 +135,19 @@ def build_params(
     logprobs: int | None,
     logprobs_param: str = "logprobs",
     tool_spec: StructuredOutputSpec | None = None,
+    prompt_logprobs: int | None = None,
+    prompt_logprobs_param: str = "prompt_logprobs",
 ) -> BuiltParams:
     """SamplingParams for one prompt, checked against the model (baton.validation.check_request).
 
     ``max_tokens=None`` takes the room the prompt leaves in the context. Output streams as deltas.
     ``tool_spec``: the constraint of tool_choice required / a named function (tools.py).
+    ``prompt_logprobs``: the request's, or what echo with logprobs needs (completions).
     """
-    check_unsupported(req)
     names = {
         "max_tokens": max_tokens_param,
         "logprobs": logprobs_param,
+        "prompt_logprobs": prompt_logprobs_param,
         "prompt": prompt_param,
         "prompt_token_ids": prompt_param,
     }
@@ -138,6 +183,10 @@ def build_params(
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=spec,
             output_kind=RequestOutputKind.DELTA,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias(req),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
         checked = checked_request(
             prompt_token_ids,

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from baton import AsyncLLM
 from baton.config import ServerSection
 from baton.frontend.input_processor import InputProcessor
+from baton_openai.chat_template import load_chat_template
 from baton_openai.errors import OpenAIError
 from baton_openai.template_sandbox import (
     SandboxBusy,
@@ -95,6 +96,8 @@ class Preprocessor:
         self.timeout = settings.preprocess_timeout
         self.workers = settings.preprocess_workers
         self.pool = DaemonThreadPool(self.workers, "baton-preprocess")
+        #: server.chat_template (instead of the tokenizer's); None: the tokenizer's
+        self.chat_template = load_chat_template(settings.chat_template)
         self.sandbox: TemplateSandbox | None = None
         if settings.allow_client_chat_template:
             self.sandbox = TemplateSandbox(
@@ -153,7 +156,8 @@ class Preprocessor:
         *,
         deadline: float,
     ) -> list[int]:
-        """The prompt token ids of a chat request (the server's template, or the client's).
+        """The prompt token ids of a chat request (the server's template: server.chat_template
+        or the tokenizer's; or the client's).
 
         ``messages()`` builds the template's messages (on a worker: a request may have many).
         InvalidRequestError (naming its param) for bad messages, variables or template output.
@@ -164,6 +168,7 @@ class Preprocessor:
                 lambda: self.engine.render_chat(
                     messages(),
                     add_generation_prompt=add_generation_prompt,
+                    chat_template=self.chat_template,
                     chat_template_kwargs=template_kwargs,
                 ),
                 deadline=deadline,

@@ -96,6 +96,19 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint. Its other options are refused by
+    name (params.structured_spec): baton has no way to honour them."""
+
+    model_config = STRICT | ConfigDict(extra="allow", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Bounded] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Model):
     """What chat and completion requests share: sampling, stops, structured output, extras."""
 
@@ -112,7 +125,10 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: Annotated[dict[str, float], Bounded] | None = None  # refused when not empty
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Bounded] | None
+    ) = None
+    """Token id (as a string, OpenAI's form) -> a bias in [-100, 100] added to its logit."""
     # vLLM-style extras (openai client: extra_body={...})
     top_k: int | None = Field(None, ge=-1, lt=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -126,6 +142,15 @@ class SamplingFields(_Model):
     scheduling: Annotated[dict[str, Any], Bounded] | None = None
     """baton's extra: what the scheduler policy may read (priority, deadline in seconds after
     arrival, tenant, tags); its fields are checked by baton.validation, naming scheduling.<field>."""
+    allowed_token_ids: Annotated[list[TokenId], Bounded] | None = None
+    """vLLM's: only these tokens may be generated."""
+    bad_words: Annotated[list[str], Bounded] | None = None
+    """vLLM's: words never generated (a word of several tokens: its last token is banned where
+    the others were just generated)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's: each prompt token's logprob and the top k there (not with stream)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's current structured-output field (one of its constraints)."""
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Bounded] | None = None
@@ -261,6 +286,8 @@ def _prompt_error(got: str) -> PydanticCustomError:
 
 class CompletionRequest(SamplingFields):
     prompt: Annotated[Any, PlainValidator(prompt_shape, json_schema_input_type=PromptInput)]
+    max_tokens: int | None = Field(None, ge=0, lt=MAX_INT32)
+    """0 only with echo: the prompt comes back alone (with its logprobs), as vLLM does."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -333,6 +360,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -371,12 +399,26 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class PromptLogprob(BaseModel):
+    """One candidate at one prompt position (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: vLLM's prompt_logprobs: per prompt position, token id (a string in JSON) -> its candidate;
+#: None for the first position.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

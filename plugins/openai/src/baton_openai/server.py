@@ -32,6 +32,7 @@ from baton import AsyncLLM
 from baton.config import BatonConfig
 from baton_openai.address import bind_sockets, is_loopback
 from baton_openai.app import build_app
+from baton_openai.chat_template import load_chat_template
 from baton_openai.connection import protocol_class
 from baton_openai.parsers import ParserRegistry
 
@@ -144,6 +145,7 @@ class OpenAIServer:
         srv = self.config.server
         parsers = ParserRegistry.load()
         parsers.check(srv.tool_call_parser, srv.reasoning_parser)  # before the model loads
+        load_chat_template(srv.chat_template)  # a missing file is refused before it loads too
         sockets = [sock] if sock is not None else bind_sockets(srv.host, srv.port)
         if srv.api_key is None and not is_loopback(srv.host):
             log.warning(
