@@ -40,7 +40,14 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     name: str = "smollm2-135m-instruct"
-    """A built-in alias, a local Hugging Face model folder, or a .gguf file."""
+    """A built-in alias, a local Hugging Face model folder, a .gguf file, or a Hugging Face Hub
+    id (``org/name``: from the local Hub cache, downloaded into it when ``download`` allows)."""
+    revision: str | None = None
+    """The Hub revision (branch, tag or commit) of a Hub id; None: main."""
+    download: bool = True
+    """Download a Hub id missing from the local Hub cache (HF_HUB_CACHE / HF_HOME), with a
+    progress bar. HF_HUB_OFFLINE=1 forbids it too; either way a missing model is an error
+    saying how to get it."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     """Weights and activations. "auto": the checkpoint's dtype; on CPU a bfloat16 / float16
     checkpoint keeps it only where the CPU computes that type natively (bf16: avx512_bf16,

@@ -15,9 +15,9 @@ __all__ = ["ModelInfo", "model_info", "read_model_info"]
 
 def model_info(config: BatonConfig) -> ModelInfo:
     """Resolve the configured model (converting a GGUF once) and read its limits."""
-    from baton.worker.model_loader import resolve_model  # heavy imports stay off the CLI's start-up
+    from baton.worker.model_loader import model_folder  # heavy imports stay off the CLI's start-up
 
-    folder = resolve_model(config.model.name, config.model.cache_dir)
+    folder = model_folder(config)
     return read_model_info(folder, config.model.max_model_len)
 
 

@@ -90,8 +90,15 @@ def alias_gguf(alias: str) -> Path:
     return path
 
 
-def resolve_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """A local Hugging Face folder for ``name``, converting a GGUF file on first use."""
+def resolve_model(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    download: bool = True,
+) -> Path:
+    """A local Hugging Face folder for ``name``, converting a GGUF file on first use; a Hub id
+    (``org/name``) from the local Hub cache, downloaded there when allowed (baton.worker.hub)."""
     if name in ALIASES:
         gguf = alias_gguf(name)
         return convert_gguf_cached(gguf, model_cache_dir(cache_dir) / name)
@@ -112,23 +119,23 @@ def resolve_model(name: str, cache_dir: str | os.PathLike[str] | None = None) ->
         raise ModelLoadError(
             f"model {name!r} is a file but not a .gguf file; give a model folder or a .gguf file"
         )
-    return _from_hub_cache(name)
+    return _from_hub(name, revision, download)
 
 
-def _from_hub_cache(name: str) -> Path:
+def _from_hub(name: str, revision: str | None, download: bool) -> Path:
+    from baton.worker.hub import from_hub, is_repo_id
+
     known = ", ".join(sorted(ALIASES))
     hint = f"use a built-in alias ({known}), a local Hugging Face model folder, or a .gguf file"
-    if name.count("/") != 1:
-        raise ModelLoadError(f"model {name!r} not found: {hint}")
-    try:
-        from huggingface_hub import snapshot_download
+    if not is_repo_id(name):
+        raise ModelLoadError(f"model {name!r} not found: {hint}, or a Hub id (org/name)")
+    return from_hub(name, revision=revision, download=download, hint=hint)
 
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception as e:  # huggingface_hub raises several unrelated types for "not cached"
-        raise ModelLoadError(
-            f"model {name!r} is not in the local Hugging Face cache ({type(e).__name__}); "
-            f"download it first (`huggingface-cli download {name}`), or {hint}"
-        ) from e
+
+def model_folder(cfg: BatonConfig) -> Path:
+    """The local folder of ``cfg``'s model (``model.name`` at ``model.revision``)."""
+    m = cfg.model
+    return resolve_model(m.name, m.cache_dir, revision=m.revision, download=m.download)
 
 
 # --------------------------------------------------------------------------- GGUF conversion
@@ -346,7 +353,7 @@ def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
     """(resolved folder, transformers config) for ``cfg.model.name``."""
     from transformers import AutoConfig
 
-    folder = resolve_model(cfg.model.name, cfg.model.cache_dir)
+    folder = model_folder(cfg)
     try:
         return folder, AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
@@ -415,8 +422,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def tokenizer_path(cfg: BatonConfig) -> Path:
     """The folder the tokenizer loads from: ``model.tokenizer`` when set, else the model's folder."""
     if cfg.model.tokenizer:
-        return resolve_model(cfg.model.tokenizer, cfg.model.cache_dir)
-    return resolve_model(cfg.model.name, cfg.model.cache_dir)
+        return resolve_model(cfg.model.tokenizer, cfg.model.cache_dir, download=cfg.model.download)
+    return model_folder(cfg)
 
 
 def load_tokenizer(cfg: BatonConfig) -> Any:

@@ -136,9 +136,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         from baton.model_info import read_model_info
-        from baton.worker.model_loader import load_model, resolve_model
+        from baton.worker.model_loader import load_model, model_folder
 
-        folder = resolve_model(self.cfg.model.name, self.cfg.model.cache_dir)
+        folder = model_folder(self.cfg)
         self.model_info = read_model_info(folder, self.cfg.model.max_model_len)
         self.pooler.pooling_type = default_pooling_type(
             self.cfg.model.pooling_type, self.model_info
