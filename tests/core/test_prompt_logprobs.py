@@ -12,6 +12,7 @@ import torch
 from baton import LLM, RequestOutput, SamplingParams
 from baton.errors import InvalidRequestError
 from baton.testing.tiny_model import tiny_model
+from baton.worker import model_runner
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -56,7 +57,10 @@ def run(llm: LLM, prompt: list[int], **params: object) -> RequestOutput:
     return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
 
 
-def test_prompt_logprobs_equal_transformers_over_chunks(llm: LLM, path: str) -> None:
+def test_prompt_logprobs_equal_transformers_over_chunks(
+    llm: LLM, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_runner, "PROMPT_SCORE_ROWS", 2)  # each chunk scored in parts
     prompt = prompt_of(23)
     ref = reference(path, prompt)
     out = run(llm, prompt, prompt_logprobs=3)
@@ -137,3 +141,22 @@ def test_runner_scores_a_prompt_again_after_a_preemption_mid_prompt(path: str) -
     want = [float(ref[i, t]) for i, t in enumerate(prompt[1:])]
     assert [lp.logprobs[0] for lp in lps] == pytest.approx(want, abs=TOLERANCE)
     assert all(len(lp.token_ids) == 2 for lp in lps)  # the prompt token and the top 1
+
+
+def test_a_fault_while_scoring_fails_only_that_request(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_runner, "PROMPT_SCORE_ROWS", 0)  # range() refuses a zero step
+    scored, plain = llm.generate(
+        [{"prompt_token_ids": prompt_of(12, seed=9)}, {"prompt_token_ids": prompt_of(8, seed=10)}],
+        [
+            SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1),
+            SamplingParams(temperature=0, max_tokens=3),
+        ],
+        use_tqdm=False,
+    )
+    assert scored.outputs[0].finish_reason == "error" and "ValueError" in (scored.error or "")
+    assert plain.outputs[0].finish_reason == "length" and len(plain.outputs[0].token_ids) == 3
+    monkeypatch.undo()
+    again = run(llm, prompt_of(12, seed=9), prompt_logprobs=1)  # the engine serves on
+    assert again.prompt_logprobs is not None and len(again.prompt_logprobs) == 12

@@ -50,6 +50,9 @@ GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GiB
 #: Fraction of device memory on CUDA when neither kv_cache_memory nor memory_utilization is set.
 CUDA_DEFAULT_UTILIZATION = 0.9
+#: Prompt positions scored per log_softmax (prompt_logprobs): bounds the extra memory a long
+#: prompt chunk takes (rows x vocab floats) beside its logits.
+PROMPT_SCORE_ROWS = 256
 
 
 def describe(error: BaseException) -> str:
@@ -475,16 +478,24 @@ class ModelRunner:
         assert rows is not None
         failed = out.failed or {}
         try:
-            raw = torch.log_softmax(logits.float(), dim=-1)
-            targets = torch.from_numpy(rows.targets).to(raw.device)
+            targets = torch.from_numpy(rows.targets).to(logits.device)
             ks = [k for k, c in zip(rows.num_logprobs, rows.counts, strict=True) for _ in range(c)]
-            scored = Sampler.logprobs(raw, targets, ks)
-        except Exception as e:  # those requests fail; the step's tokens stand
+            scored: list[TokenLogprobs | None] = []
+            for a in range(0, len(ks), PROMPT_SCORE_ROWS):  # a long chunk's float32 copy in parts
+                b = a + PROMPT_SCORE_ROWS
+                raw = torch.log_softmax(logits[a:b].float(), dim=-1)
+                scored += Sampler.logprobs(raw, targets[a:b], ks[a:b])
+        except Exception as e:  # those requests fail; the others' tokens stand
             for rid in rows.req_ids:
                 failed[rid] = describe(e)
                 self._prompt_lps.pop(rid, None)
                 log_contained(rid, "to score its prompt", e)
             out.failed = failed
+            keep = [i for i, rid in enumerate(out.req_ids) if rid not in failed]  # not in req_ids
+            out.req_ids = [out.req_ids[i] for i in keep]
+            out.sampled_token_ids = [out.sampled_token_ids[i] for i in keep]
+            if out.logprobs:
+                out.logprobs = {r: lp for r, lp in out.logprobs.items() if r not in failed}
             return
         at = 0
         for rid, count in zip(rows.req_ids, rows.counts, strict=True):
