@@ -17,6 +17,12 @@ from baton_openai.server import OpenAIServer
 from .conftest import running_server
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<bot>"
+#: renders tools itself (the tokenizer's template does not): chat and /tokenize must both see it
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<tools {{ tools | length }}>{% endif %}<bot>"
+)
+TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
 
 
 def test_a_template_file_replaces_the_tokenizers(model_dir, tmp_path):
@@ -57,3 +63,22 @@ def test_the_serve_flag_sets_the_setting():
     add_serve_arguments(p)
     args = p.parse_args(["--chat-template", "chat.jinja"])
     assert serve_overrides(args)["server.chat_template"] == "chat.jinja"
+
+
+def test_tokenize_renders_with_the_server_template_as_chat_does(model_dir):
+    import httpx
+
+    messages = [{"role": "user", "content": "What time is it?"}]
+    with running_server(model_dir, **{"server.chat_template": TOOLS_TEMPLATE}) as srv:
+        r = srv.client().chat.completions.create(
+            model=srv.model, messages=messages, tools=[TOOL], max_tokens=1
+        )
+        count = httpx.post(
+            f"{srv.url}/tokenize",
+            json={"model": srv.model, "messages": messages, "tools": [TOOL]},
+            timeout=30,
+        ).json()["count"]
+        rendered = "<user>What time is it?\n<tools 1><bot>"  # tools rendered by the template
+        tokenizer = srv.server.engine.tokenizer
+        assert r.usage.prompt_tokens == count
+        assert count == len(tokenizer.encode(rendered, add_special_tokens=False))

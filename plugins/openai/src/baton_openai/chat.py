@@ -88,6 +88,15 @@ def client_chat_template(req: ChatCompletionRequest) -> tuple[str | None, dict[s
     return (given[0][1] if given else None), kwargs
 
 
+def template_in_use(ctx: ServerContext, client_template: str | None) -> Any:
+    """The template a chat renders with: the client's, server.chat_template, or the tokenizer's."""
+    return (
+        client_template
+        or ctx.preprocess.chat_template
+        or getattr(ctx.engine.tokenizer, "chat_template", None)
+    )
+
+
 @router.post(
     "/v1/chat/completions",
     response_model=None,
@@ -114,12 +123,7 @@ async def create_chat_completion(
     reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
     build_messages = lambda: template_messages(req.messages)  # noqa: E731
     if plan is not None:
-        template = (
-            client_template
-            or ctx.preprocess.chat_template
-            or getattr(ctx.engine.tokenizer, "chat_template", None)
-        )
-        if template_renders_tools(template):
+        if template_renders_tools(template_in_use(ctx, client_template)):
             template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
         else:  # the template would drop them: the parser's instructions in the system message
             build_messages = lambda: with_tool_instructions(  # noqa: E731

@@ -125,7 +125,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
 
 async def _chat_ids(req: TokenizeRequest, ctx: ServerContext) -> list[int]:
     """The conversation's token ids, as /v1/chat/completions renders it (tools included)."""
-    from baton_openai.chat import client_chat_template, template_messages
+    from baton_openai.chat import client_chat_template, template_in_use, template_messages
     from baton_openai.tools import plan_tools, template_renders_tools, with_tool_instructions
 
     assert req.messages is not None
@@ -134,8 +134,7 @@ async def _chat_ids(req: TokenizeRequest, ctx: ServerContext) -> list[int]:
     plan = plan_tools(req)  # type: ignore[arg-type]
     build = lambda: template_messages(messages)  # noqa: E731
     if plan is not None:
-        template = client_template or getattr(ctx.engine.tokenizer, "chat_template", None)
-        if template_renders_tools(template):
+        if template_renders_tools(template_in_use(ctx, client_template)):
             template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
         else:
             build = lambda: with_tool_instructions(  # noqa: E731
