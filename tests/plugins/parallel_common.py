@@ -240,3 +240,37 @@ def check_stopped_worker_is_detected(executor) -> None:
             executor.check_health()
     finally:
         os.kill(victim, signal.SIGCONT)
+
+
+def check_prompt_logprobs(model_dir: Path, tokenizer: Any, **parallel: Any) -> None:
+    """prompt_logprobs (scored in chunks on the rank that samples) and allowed_token_ids (the
+    driver's sampler) give what uniproc gives."""
+    prompt_ids = sorted((tokenizer.encode(p) for p in PROMPTS), key=len)[-3:]  # 146 tokens: chunks
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[11, 12]),
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, logit_bias={13: 100.0}),
+    ]
+
+    def run(**overrides: Any) -> list[Any]:
+        with LLM(model=str(model_dir), **{**PARITY_BASE, **overrides}) as llm:
+            return llm.generate(
+                [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+            )
+
+    ref, ours = run(), run(**parallel)
+    for i in (0, 2):  # scored on the rank that samples, every prompt token but the first
+        assert ours[i].prompt_logprobs is not None
+        assert len(ours[i].prompt_logprobs) == len(prompt_ids[i]) > 1
+    for r, o in zip(ref, ours, strict=True):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert (o.prompt_logprobs is None) == (r.prompt_logprobs is None)
+        for a, b in zip(o.prompt_logprobs or (), r.prompt_logprobs or (), strict=True):
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert len(a) == len(b)  # (near-ties may swap which ids are in the top k)
+                got = sorted(lp.logprob for lp in a.values())
+                want = sorted(lp.logprob for lp in b.values())
+                assert got == pytest.approx(want, abs=1e-4)
+    assert set(ours[1].outputs[0].token_ids) <= {11, 12}
+    assert ours[2].outputs[0].token_ids == [13] * 4

@@ -71,8 +71,9 @@ class ModelRunnerHooks:
         return model.shape
 
     def forward(self, run: Callable[[], torch.Tensor], num_tokens: int) -> torch.Tensor:
-        """Run one step's forward (``run()``: logits for the positions that sample) over
-        ``num_tokens`` flattened tokens; wrap it to do work before or after."""
+        """Run one step's forward (``run()``: logits for the positions that sample, then for
+        the prompt positions that prompt_logprobs scores) over ``num_tokens`` flattened tokens;
+        wrap it to do work before or after."""
         return run()
 
     def samples(self) -> bool:

@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 
 from baton.testing.tiny_model import tiny_model
-from tests.plugins.parallel_common import check_cache_dtype_parity, check_parity
+from tests.plugins.parallel_common import (
+    check_cache_dtype_parity,
+    check_parity,
+    check_prompt_logprobs,
+)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases are sharded too
@@ -22,6 +26,12 @@ def test_tp2_matches_uniproc(arch, tokenizer):
 def test_tp2_with_a_bfloat16_cache_matches_uniproc(tokenizer):
     check_cache_dtype_parity(
         tiny_model("llama"), tokenizer, "bfloat16", executor="cuda-tp", tensor_parallel_size=2
+    )
+
+
+def test_tp2_prompt_logprobs_and_token_constraints_match_uniproc(tokenizer):
+    check_prompt_logprobs(
+        tiny_model("llama"), tokenizer, executor="cuda-tp", tensor_parallel_size=2
     )
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 
 from baton.testing.tiny_model import tiny_model
-from tests.plugins.parallel_common import check_cache_dtype_parity, check_parity
+from tests.plugins.parallel_common import (
+    check_cache_dtype_parity,
+    check_parity,
+    check_prompt_logprobs,
+)
 
 
 def test_pp2_matches_uniproc(tokenizer):
@@ -20,6 +24,12 @@ def test_pp2_matches_uniproc(tokenizer):
 def test_pp2_with_a_bfloat16_cache_matches_uniproc(tokenizer):
     check_cache_dtype_parity(
         tiny_model("llama"), tokenizer, "bfloat16", executor="pipeline", pipeline_parallel_size=2
+    )
+
+
+def test_pp2_prompt_logprobs_and_token_constraints_match_uniproc(tokenizer):
+    check_prompt_logprobs(
+        tiny_model("llama"), tokenizer, executor="pipeline", pipeline_parallel_size=2
     )
 
 
