@@ -259,3 +259,27 @@ def test_bad_values_of_the_new_fields_are_400s(server, client):
                 model=server.model, prompt="hi", max_tokens=1, extra_body=extra
             )
         assert info.value.body["param"] == param, info.value.body
+
+
+def test_lm_eval_local_completions_scores_through_its_own_payload_and_parser(server, reference):
+    # lm-evaluation-harness's own code: the body local-completions sends for loglikelihood and
+    # the function that reads the answer (lm_eval.models.openai_completions)
+    api = pytest.importorskip("lm_eval.models.openai_completions").LocalCompletionsAPI
+    context, continuation = token_prompt(9, seed=11), token_prompt(4, seed=12)
+    greedy_ids = list(context)
+    for _ in range(3):  # the model's own greedy continuation: is_greedy must say so
+        greedy_ids.append(int(reference(greedy_ids)[-1].argmax()))
+    requests = [context + continuation, context + continuation[:2], greedy_ids]
+    self = type("Self", (), {"model": server.model})()
+    payload = api._create_payload(self, requests, generate=False)
+    r = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=60)
+    assert r.status_code == 200, r.text
+    ctxlens = [len(context)] * 3
+    scores = api.parse_logprobs(outputs=r.json(), tokens=requests, ctxlens=ctxlens)
+    for ids, (logprob, is_greedy) in zip(requests, scores, strict=True):
+        ref = reference(ids)
+        want = sum(float(ref[i - 1, ids[i]]) for i in range(len(context), len(ids)))
+        assert logprob == pytest.approx(want, abs=10 * TOLERANCE)
+        greedy = all(int(ref[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+        assert is_greedy == greedy
+    assert scores[2][1] is True
