@@ -37,6 +37,11 @@ PARAMS = SamplingParams(
     stop=["\n\n"],
     logprobs=2,
     structured_outputs=StructuredOutputSpec(json={"type": "object"}),
+    prompt_logprobs=1,
+    logit_bias={5: -100.0, 7: 2.5},  # int keys survive msgpack
+    allowed_token_ids=[5, 6, 7],
+    bad_words=["no"],
+    bad_words_token_ids=[[3], [4, 5]],
 )
 
 SAMPLES = [
@@ -63,6 +68,9 @@ SAMPLES = [
                     TokenLogprobs(token_ids=[5, 6], logprobs=[-0.1, -2.0], sampled_rank=1)
                 ],
                 events=[EngineCoreEvent(type=EngineCoreEventType.QUEUED, timestamp=2.0)],
+                new_prompt_logprobs=[
+                    TokenLogprobs(token_ids=[3, 1], logprobs=[-1.5, -0.5], sampled_rank=2)
+                ],
             )
         ],
         scheduler_stats=SchedulerStats(step=3, num_running_reqs=1, kv_cache_usage=0.5),
@@ -93,6 +101,7 @@ SAMPLES = [
         req_ids=["a", "b"],
         sampled_token_ids=[[1], []],
         logprobs={"a": [TokenLogprobs(token_ids=[1], logprobs=[0.0], sampled_rank=1)]},
+        prompt_logprobs={"a": [TokenLogprobs(token_ids=[2], logprobs=[-0.3], sampled_rank=1)]},
     ),
     KVCacheSpec(block_size=16, num_layers=30, num_kv_heads=3, head_size=64, dtype="float32"),
 ]
