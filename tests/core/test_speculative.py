@@ -9,6 +9,7 @@ sampling keeps its distribution.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -181,6 +182,31 @@ def test_seeded_sampling_penalties_min_tokens_and_logprobs_equal_speculation_off
     ]
     off, _ = run_engine(engine_config("none"), prompts, params)
     _ORACLES.append(Oracle({tuple(p): off[f"r{i}"] for i, p in enumerate(prompts)}, 4))
+    on, stats = run_engine(engine_config("oracle"), prompts, params)
+    assert on == off
+    assert stats.spec_num_accepted_tokens > 0
+
+
+def test_token_constraints_equal_speculation_off(oracle_registered):
+    # a verifying row is constrained as decoding would constrain it: a bad word's prefix may
+    # end in the drafts before it, and allowed tokens / biases hold for every draft position
+    prompts = [list(p) for p in PROMPTS]
+    free, _ = run_engine(
+        engine_config("none"), prompts, [SamplingParams(temperature=0.0, max_tokens=24)] * 3
+    )
+    a, b = free["r1"][3:5]  # banned as a word: b may not follow a
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, allowed_token_ids=[11, 12, 13]),
+        SamplingParams(temperature=0.0, max_tokens=24, bad_words_token_ids=[[11], [a, b]]),
+        SamplingParams(temperature=0.0, max_tokens=24, logit_bias={12: 8.0, 13: -100.0}),
+    ]
+    off, _ = run_engine(engine_config("none"), prompts, params)
+    assert set(off["r0"]) <= {11, 12, 13}
+    out = off["r1"]
+    assert (a, b) not in itertools.pairwise(out)  # b only where a is not before it
+    assert out[0] == free["r1"][0]
+    words = {tuple(p): off[f"r{i}"] for i, p in enumerate(prompts)}
+    _ORACLES.append(Oracle(words, 3))
     on, stats = run_engine(engine_config("oracle"), prompts, params)
     assert on == off
     assert stats.spec_num_accepted_tokens > 0
