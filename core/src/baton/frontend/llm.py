@@ -21,6 +21,7 @@ from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
+from baton.metrics.tracing import make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
@@ -48,9 +49,11 @@ class LLM:
         self.config = BatonConfig.load(config, model=model, **overrides)
         # a bad config is refused before the tokenizer and the weights load
         check_config_plugins(self.config, get_registry())
+        #: The request tracer (observability.tracing); None: tracing is off.
+        self.tracer = make_tracer(self.config)
         info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, info)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer=self.tracer)
         self.stat_loggers = StatLoggers(self.config)
         self.engine: EngineCoreClient = make_client(self.config, info=info)
         # the engine's info: its max_model_len may be lowered to what the KV cache holds
@@ -72,16 +75,21 @@ class LLM:
         priority: Sequence[int] | None = None,
         user: str | Sequence[str | None] | None = None,
         scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order.
 
         ``priority``, ``user`` and ``scheduling`` (a ``SchedulingInfo`` or a dict of its
         fields: priority, deadline, tenant, tags) are for the scheduler policy: one for
-        all prompts, or one per prompt.
+        all prompts, or one per prompt. With ``observability.tracing``, each request's span
+        is a child of the trace ``trace_headers`` name (``traceparent``, ``tracestate``),
+        else of the caller's current span, if any.
         """
         prompt_list = _as_prompt_list(prompts)
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        return self._run(tokenized, sampling_params, use_tqdm, priority, user, scheduling)
+        return self._run(
+            tokenized, sampling_params, use_tqdm, priority, user, scheduling, trace_headers
+        )
 
     def chat(
         self,
@@ -184,6 +192,8 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still buffered go out
 
     def __enter__(self) -> LLM:
         return self
@@ -201,6 +211,7 @@ class LLM:
         priority: Sequence[int] | None,
         user: str | Sequence[str | None] | None,
         scheduling: SchedulingArg | Sequence[SchedulingArg],
+        trace_headers: Mapping[str, str] | None = None,
     ) -> list[RequestOutput]:
         check_generation(self.info)
         n = len(tokenized)
@@ -221,7 +232,7 @@ class LLM:
             for (text, ids), p, u, info in zip(tokenized, params, users, infos, strict=True):
                 rid = str(next(self._ids))
                 request_ids.append(rid)
-                added.extend(self._add_request(rid, text, ids, p, u, info))
+                added.extend(self._add_request(rid, text, ids, p, u, info, trace_headers))
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
@@ -235,12 +246,21 @@ class LLM:
         params: SamplingParams,
         user: str | None,
         scheduling: SchedulingInfo,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> list[str]:
         arrival = time.monotonic()
         children = split_request(request_id, params)
         for rid, index, p, parent in children:
             self.output_processor.add_request(
-                rid, prompt, ids, p, arrival, index=index, parent=parent, user=user
+                rid,
+                prompt,
+                ids,
+                p,
+                arrival,
+                index=index,
+                parent=parent,
+                user=user,
+                trace_headers=trace_headers,
             )
             # validated in _run, once per prompt
             req = self.input_processor.process(

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from baton.frontend.detokenizer import IncrementalDetokenizer
 from baton.metrics.stats import FinishedRequestStats, IterationStats, RequestMetrics
+from baton.metrics.tracing import RequestTrace, RequestTracer, pick_trace_headers
 from baton.outputs import (
     CompletionOutput,
     Logprob,
@@ -93,6 +94,8 @@ class RequestState:
     sink: Callable[[Any], None] | None = None
     #: A pooling request: one PoolingRequestOutput when it finishes, no tokens.
     pooling: bool = False
+    #: Its span's parent (``RequestTracer.parent``, taken when it arrived); tracing on only.
+    trace_parent: Any = None
 
 
 @dataclass(slots=True)
@@ -103,9 +106,13 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, log_stats: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, log_stats: bool = True, tracer: RequestTracer | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats
+        #: Told of every request that finishes (a span each); None: tracing is off.
+        self.tracer = tracer
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -123,9 +130,11 @@ class OutputProcessor:
         sink: Callable[[Any], None] | None = None,
         detokenize: bool = True,
         pooling: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         """Track a request; ``pooling``: a pooling request (``params`` are the engine's
-        placeholder), answered by one PoolingRequestOutput."""
+        placeholder), answered by one PoolingRequestOutput; ``trace_headers``: the caller's
+        (traceparent) for its span's parent, when tracing is on."""
         detok = (
             IncrementalDetokenizer(self.tokenizer, params) if detokenize and not pooling else None
         )
@@ -143,6 +152,11 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
             pooling=pooling,
+            trace_parent=(
+                self.tracer.parent(pick_trace_headers(trace_headers))
+                if self.tracer is not None
+                else None
+            ),
         )
         if parent is not None:
             self.parents[parent.request_id] = parent
@@ -170,6 +184,7 @@ class OutputProcessor:
                 state = self.states.pop(eid, None)
                 if state is not None:
                     engine_ids.append(eid)
+                    self._trace(state, FinishReason.ABORT, None, now)
                     if iteration_stats is not None:
                         state.metrics.finished_time = now
                         iteration_stats.finished_requests.append(
@@ -236,6 +251,7 @@ class OutputProcessor:
         finished = finish_reason is not None
         if finished:
             del self.states[out.request_id]
+            self._trace(state, finish_reason, out.error, now)
             if iteration_stats is not None:
                 iteration_stats.finished_requests.append(self._finished_stats(state, finish_reason))
         return self._make_output(state, finish_reason, stop_reason, out, finished)
@@ -255,11 +271,14 @@ class OutputProcessor:
         log.debug("request %s: traceback", rid, exc_info=error)
         if out.finish_reason is None and rid not in to_abort:
             to_abort.append(rid)
-        if self.states.pop(rid, None) is not None and iteration_stats is not None:
-            state.metrics.finished_time = time.monotonic()
-            iteration_stats.finished_requests.append(
-                self._finished_stats(state, FinishReason.ERROR)
-            )
+        if self.states.pop(rid, None) is not None:
+            now = time.monotonic()
+            self._trace(state, FinishReason.ERROR, message, now)
+            if iteration_stats is not None:
+                state.metrics.finished_time = now
+                iteration_stats.finished_requests.append(
+                    self._finished_stats(state, FinishReason.ERROR)
+                )
         if state.pooling:
             return self._pooling_output(state, out, None, message)
         kind = state.params.output_kind
@@ -292,6 +311,7 @@ class OutputProcessor:
         if out.finish_reason is None:
             return None
         del self.states[out.request_id]
+        self._trace(state, out.finish_reason, out.error, now)
         if iteration_stats is not None:
             iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
             iteration_stats.finished_requests.append(self._finished_stats(state, out.finish_reason))
@@ -367,6 +387,51 @@ class OutputProcessor:
             state.detokenizer is not None and state.detokenizer.stop_reason
         ):
             m.finished_time = now
+
+    def fail_unfinished(self, error: BaseException) -> list[RequestState]:
+        """Forget every request (a dead or stopped engine): their states, each traced as failed
+        with ``error``; the caller tells their consumers."""
+        states = list(self.states.values())
+        now = time.monotonic()
+        message = f"{type(error).__name__}: {error}"
+        for state in states:
+            self._trace(state, FinishReason.ERROR, message, now)
+        self.states.clear()
+        self.parents.clear()
+        return states
+
+    def _trace(
+        self, state: RequestState, reason: FinishReason | str, error: str | None, now: float
+    ) -> None:
+        """Tell the tracer (if any) that ``state``'s request finished; a tracer that fails is
+        logged, never the request's failure."""
+        if self.tracer is None:
+            return
+        m, p, parent = state.metrics, state.params, state.parent
+        trace = RequestTrace(
+            request_id=parent.request_id if parent is not None else state.request_id,
+            index=state.index,
+            finish_reason=str(reason),
+            error=error,
+            prompt_tokens=len(state.prompt_token_ids),
+            completion_tokens=m.num_generation_tokens,
+            max_tokens=None if state.pooling else p.max_tokens,
+            temperature=None if state.pooling else p.temperature,
+            top_p=None if state.pooling else p.top_p,
+            n=len(parent.children) if parent is not None else 1,
+            num_preemptions=m.num_preemptions,
+            arrival_time=m.arrival_time,
+            queued_time=m.queued_time,
+            first_scheduled_time=m.first_scheduled_time,
+            first_token_time=m.first_token_time,
+            last_token_time=m.last_token_time,
+            finished_time=m.finished_time if m.finished_time is not None else now,
+            parent=state.trace_parent,
+        )
+        try:
+            self.tracer.finished(trace)
+        except Exception:  # tracing must not fail a finished request
+            log.exception("request %s: the tracer failed", state.request_id)
 
     def _finished_stats(self, state: RequestState, reason: FinishReason) -> FinishedRequestStats:
         m = state.metrics

@@ -192,6 +192,7 @@ async def _generate(
                 ctx.engine.generate(
                     built.checked,  # checked once, by build_params
                     request_id=request_id,
+                    trace_headers=raw.headers,  # traceparent: the span's parent (tracing on)
                 )
             )
         ]

@@ -145,6 +145,7 @@ async def _generate(
                 engine.generate(
                     msgspec.structs.replace(b.checked, prompt=t),  # checked once
                     request_id=f"{request_id}-{i}",
+                    trace_headers=raw.headers,  # traceparent: the span's parent (tracing on)
                 )
             )
             for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))

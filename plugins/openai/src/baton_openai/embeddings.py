@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
@@ -139,7 +139,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response | Em
         request_id = engine_request_id(raw, "embd")
         work = _all(
             [
-                _pool(ctx, ticket, ids, params, f"{request_id}-{i}", req)
+                _pool(ctx, ticket, ids, params, f"{request_id}-{i}", req, raw.headers)
                 for i, ids in enumerate(ids_list)
             ]
         )
@@ -180,8 +180,10 @@ async def _pool(
     params: PoolingParams,
     request_id: str,
     req: EmbeddingRequest,
+    headers: Mapping[str, str],
 ) -> PoolingRequestOutput:
-    """One input's finished pooling output; a BatonError as the 400 / 503 it maps to."""
+    """One input's finished pooling output; a BatonError as the 400 / 503 it maps to.
+    ``headers``: the HTTP request's (its traceparent is the span's parent, tracing on)."""
     stream = ticket.track(
         ctx.engine.encode(
             {"prompt_token_ids": ids},
@@ -189,6 +191,7 @@ async def _pool(
             request_id,
             priority=req.priority,
             user=req.user,
+            trace_headers=headers,
         )
     )
     try:
