@@ -49,6 +49,7 @@ def test_registry_and_config_tables_derive_from_the_record():
         "transport": ("transport", "name"),
         "structured_output": ("structured_output", "backend"),
         "speculator": ("speculative", "method"),
+        "router": ("routing", "router"),
     }
     hooks = {
         name

@@ -170,7 +170,8 @@ class ExecutorSection(_Section):
     pipeline_parallel_size: int = Field(1, gt=0)
     """Stages the model's layers are split across (executor pipeline)."""
     data_parallel_size: int = Field(1, gt=0)
-    """Independent engine cores behind one asyncio frontend (least-loaded routing)."""
+    """Independent engine cores behind one asyncio frontend (AsyncLLM, baton serve), each with
+    the whole model; routing.router picks the engine of each request."""
     num_threads: int | None = Field(None, gt=0)
     """torch intra-op threads per process; None keeps torch's default."""
     cpu_kernels: bool = True
@@ -206,6 +207,14 @@ class SpeculativeSection(_Section):
     adaptive: bool = True
     """Per request: draft one more than was accepted last time (up to num_tokens), and pause
     drafting for a while after repeated verifications that accepted nothing."""
+
+
+class RoutingSection(_Section):
+    router: str = "least-loaded"
+    """With executor.data_parallel_size > 1, which engine core serves each request:
+    least-loaded (fewest requests in flight), round-robin, prefix-aware (requests sharing a
+    prompt prefix go to the engine that has it cached, within a load cap; [routing.prefix-aware]),
+    or an installed plugin's (`baton plugins`)."""
 
 
 class ServerSection(_Section):
@@ -324,6 +333,7 @@ SECTIONS = (
     "transport",
     "structured_output",
     "speculative",
+    "routing",
     "server",
     "observability",
 )
@@ -356,6 +366,7 @@ class BatonConfig(BaseSettings):
     transport: TransportSection = Field(default_factory=TransportSection)
     structured_output: StructuredOutputSection = Field(default_factory=StructuredOutputSection)
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
+    routing: RoutingSection = Field(default_factory=RoutingSection)
     server: ServerSection = Field(default_factory=ServerSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 

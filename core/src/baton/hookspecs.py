@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         CommandFactory,
         ExecutorFactory,
         Register,
+        RouterFactory,
         SchedulerPolicyFactory,
         SpeculatorFactory,
         StatLoggerFactory,
@@ -164,6 +165,21 @@ def register_stat_loggers(register: Register[StatLoggerFactory]) -> None:
 
     Selected by ``observability.stat_loggers`` (a list). Factories are called in
     the frontend process when an LLM / AsyncLLM starts. Built in: ``logging``.
+    """
+
+
+@hookspec
+def register_routers(register: Register[RouterFactory]) -> None:
+    """Register data-parallel routers: which engine core serves each request.
+
+    :param register: ``register(name, factory, settings_model=None)``; ``factory(config,
+        settings)`` returns a ``baton.interfaces.Router``. ``settings`` is the validated
+        ``[routing.<name>]`` sub-table (None without a settings model).
+
+    Called when the plugins load; the factory runs once per frontend client that
+    starts more than one engine core (``executor.data_parallel_size > 1``), in the
+    frontend's process, for the router ``routing.router`` names. Built in:
+    ``least-loaded`` (the default), ``round-robin``, ``prefix-aware``.
     """
 
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         SchedulerStats,
     )
     from baton.request import Request
+    from baton.routing.types import EngineLoad, RouteRequest
     from baton.sampling_params import StructuredOutputSpec
 
 Frame = bytes | bytearray | memoryview
@@ -145,6 +146,27 @@ class Speculator(Protocol):
     def finished(self, request: Request) -> None:
         """``request`` finished (stopped, capped, aborted or failed); forget it. Called once
         for each request that was ever passed to ``propose``."""
+
+
+# --------------------------------------------------------------------------- router
+
+
+@runtime_checkable
+class Router(Protocol):
+    """Picks the engine core for each request when several serve one frontend
+    (``executor.data_parallel_size > 1``).
+
+    Runs in the frontend's client (the asyncio frontend's thread), once per request
+    as it is sent; keep it cheap. ``engines`` lists every engine with its load at
+    that moment (``baton.routing.EngineLoad``: requests in flight from the client's
+    own count, the rest from each engine's latest scheduler stats).
+    """
+
+    def route(self, request: RouteRequest, engines: Sequence[EngineLoad]) -> int:
+        """The ``engine_index`` of one of ``engines`` (never empty) to serve ``request``."""
+
+    def finished(self, request_id: str, engine_index: int) -> None:
+        """A request routed to ``engine_index`` finished (completed, aborted or failed)."""
 
 
 # --------------------------------------------------------------------------- executor

@@ -68,6 +68,12 @@ class SpeculatorFactory(Protocol):
     def __call__(self, config: BatonConfig, settings: Any, /) -> interfaces.Speculator: ...
 
 
+class RouterFactory(Protocol):
+    """``factory(config, settings)``: a router, once per frontend client with several engines."""
+
+    def __call__(self, config: BatonConfig, settings: Any, /) -> interfaces.Router: ...
+
+
 #: What a command's factory returns: ``handler(args) -> exit status or None``.
 CommandHandler = Callable[[argparse.Namespace], int | None]
 
@@ -223,6 +229,16 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             unselected=frozenset({"none"}),
             builtin=("ngram",),
             distributions={"suffix": "baton-plugin-suffix"},
+        ),
+        PluginKind(
+            name="router",
+            hook="register_routers",
+            word="router",
+            factory=RouterFactory,
+            product=interfaces.Router,
+            section="routing",
+            selector="router",
+            builtin=("least-loaded", "round-robin", "prefix-aware"),
         ),
         PluginKind(
             name="command",

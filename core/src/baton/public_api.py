@@ -21,6 +21,8 @@ _SUITES = (
     "ExecutorConformance",
     "TransportConformance",
     "StructuredOutputConformance",
+    "SpeculatorConformance",
+    "RouterConformance",
 )
 
 PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
@@ -52,7 +54,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "register_structured_output_backends",
         "register_stat_loggers",
         "register_speculators",
+        "register_routers",
         "register_commands",
+        "register_benches",
     ),
     "baton.plugin_kinds": (
         "PLUGIN_KINDS",
@@ -64,7 +68,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "StructuredOutputFactory",
         "StatLoggerFactory",
         "SpeculatorFactory",
+        "RouterFactory",
         "CommandFactory",
+        "BenchFactory",
     ),
     "baton.interfaces": (
         "SchedulerPolicy",
@@ -80,6 +86,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "GrammarMatcher",
         "StatLogger",
         "Speculator",
+        "Router",
     ),
     "baton.protocol": ALL,
     "baton.errors": ALL,
@@ -92,6 +99,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "TransportSection",
         "StructuredOutputSection",
         "SpeculativeSection",
+        "RoutingSection",
         "ServerSection",
         "ObservabilitySection",
     ),
@@ -121,6 +129,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "CompletionOutput",
         "Logprob",
         "SampleLogprobs",
+        "PromptLogprobs",
         "PoolingOutput",
         "PoolingRequestOutput",
     ),
@@ -135,6 +144,18 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     # for server and command plugins
     "baton.frontend.input_processor": ("InputProcessor",),
     "baton.cli.main": ("add_engine_arguments", "engine_overrides"),
+    # for benchmark plugins (register_benches)
+    "baton.bench.common": (
+        "CpuMonitor",
+        "Workload",
+        "WorkloadRequest",
+        "load_workload",
+        "default_bench_dir",
+        "percentile",
+        "emit",
+    ),
+    # for router plugins
+    "baton.routing": ("EngineLoad", "RouteRequest"),
     # the transport plugins' toolkit
     "baton.transport.peer": ("PeerWatch", "POLL_SLICE"),
     "baton.transport.sweep": ("sweep_stale",),
@@ -165,6 +186,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.testing.conformance.transport": ("TransportConformance",),
     "baton.testing.conformance.structured_output": ("StructuredOutputConformance",),
     "baton.testing.conformance.speculator": ("SpeculatorConformance", "PROMPTS", "run_engine"),
+    "baton.testing.conformance.router": ("RouterConformance",),
 }
 
 

@@ -29,6 +29,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "--tp", type=int)
     g.add_argument("--pipeline-parallel-size", "--pp", type=int)
     g.add_argument(
+        "--data-parallel-size",
+        "--dp",
+        type=int,
+        help="engine cores, each with the whole model, behind one asyncio frontend (baton serve)",
+    )
+    g.add_argument(
         "--set",
         action="append",
         default=[],
@@ -50,6 +56,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "data_parallel_size",
     )
     overrides: dict[str, Any] = {n: getattr(args, n, None) for n in names}
     # --dtype is the model's: a bare "dtype" is ambiguous since cache.dtype

@@ -107,6 +107,12 @@ def make_client(
     """The client face for this config's transport and the caller's mode."""
     from baton.plugins import get_registry
 
+    if not asyncio_mode and config.executor.data_parallel_size > 1:
+        raise InvalidRequestError(
+            f"executor.data_parallel_size = {config.executor.data_parallel_size} needs the "
+            "asyncio frontend (AsyncLLM, baton serve): the synchronous LLM runs one engine; "
+            "set it to 1 here"
+        )
     entry = get_registry().get("transport", config.transport.name)
     transport = entry.create(config, entry.settings(config))
     if not transport.multiprocess and not asyncio_mode:

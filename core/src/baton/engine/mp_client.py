@@ -350,51 +350,6 @@ class AsyncMPClient(MPClient):
         return await asyncio.wrap_future(self._utility_future(method, args))
 
 
-class DPAsyncMPClient(AsyncMPClient):
-    """Data parallel: several engines, each request routed to the one with the fewest in flight."""
-
-    def __init__(
-        self,
-        config: BatonConfig,
-        transport: Transport,
-        num_engines: int,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        self._owner: dict[str, int] = {}
-        self._load = [0] * num_engines
-        super().__init__(config, transport, num_engines, loop)
-
-    def engine_for(self, request_id: str) -> int:
-        return self._owner.get(request_id, 0)
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        idx = min(range(self.num_engines), key=self._load.__getitem__)
-        self._owner[request.request_id] = idx
-        self._load[idx] += 1
-        try:
-            super().add_request(request)
-        except BaseException:
-            self._release(request.request_id)
-            raise
-
-    def _release(self, request_id: str) -> None:
-        idx = self._owner.pop(request_id, None)
-        if idx is not None:
-            self._load[idx] -= 1
-
-    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        if isinstance(item, EngineCoreOutputs):
-            for out in item.outputs:
-                if out.finish_reason is not None:
-                    self._loop.call_soon_threadsafe(self._release, out.request_id)
-        super()._deliver(item)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        super().abort_requests(request_ids)
-        for rid in request_ids:
-            self._release(rid)
-
-
 def _typed_result(fut: Future[Any], result: Any) -> Any:
     """Utility results travel as plain msgpack; rebuild the method's declared type."""
     type_ = getattr(fut, "result_type", None)
@@ -421,5 +376,7 @@ def make_mp_client(
             )
         return SyncMPClient(config, transport)
     if num_engines > 1:
+        from baton.engine.dp_client import DPAsyncMPClient
+
         return DPAsyncMPClient(config, transport, num_engines, loop)
     return AsyncMPClient(config, transport, 1, loop)

@@ -21,6 +21,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -360,6 +361,13 @@ def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
         raise ModelLoadError(f"cannot read the model config in {folder}: {e}") from e
 
 
+#: One from_pretrained at a time per process: it builds the model under accelerate's
+#: init_empty_weights, which patches torch.nn.Module globally, so two engine cores loading on
+#: threads of one process (data parallel with the in-process transport) would see each other's
+#: meta tensors.
+_FROM_PRETRAINED = threading.Lock()
+
+
 def load_model(
     cfg: BatonConfig,
     device: torch.device,
@@ -382,7 +390,10 @@ def load_model(
     attention.register()
     t0 = time.monotonic()
     try:
-        model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
+        with _FROM_PRETRAINED:
+            model = cls.from_pretrained(
+                folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL
+            )
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
     if prepare is not None:

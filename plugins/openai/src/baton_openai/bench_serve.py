@@ -316,6 +316,7 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
         "max_num_seqs",
         "tensor_parallel_size",
         "pipeline_parallel_size",
+        "data_parallel_size",
     ):
         value = getattr(args, name, None)
         if value is not None:

@@ -5,6 +5,7 @@
 - ``TransportConformance`` (``.transport``): provide a ``transport`` fixture.
 - ``StructuredOutputConformance`` (``.structured_output``): see that module.
 - ``SpeculatorConformance`` (``.speculator``): set ``name`` or override ``make_speculator(config)``.
+- ``RouterConformance`` (``.router``): set ``name`` or override ``make_router(config)``.
 
 Each suite is a plain class of ``test_*`` methods: ``class TestMine(SchedulerPolicyConformance):
 name = "mine"`` collects them all in your test module. Names are imported lazily, so importing
@@ -22,6 +23,7 @@ _SUITES = {
     "TransportConformance": "baton.testing.conformance.transport",
     "StructuredOutputConformance": "baton.testing.conformance.structured_output",
     "SpeculatorConformance": "baton.testing.conformance.speculator",
+    "RouterConformance": "baton.testing.conformance.router",
 }
 
 __all__ = sorted(_SUITES)
