@@ -1,4 +1,5 @@
-"""An in-memory OpenTelemetry exporter behind the process's tracer provider (tests only).
+"""OpenTelemetry for tests: an in-memory exporter behind the process's tracer provider, and
+an OTLP/HTTP receiver on 127.0.0.1.
 
 OpenTelemetry lets a process set its global tracer provider once, so every test module that
 reads spans shares this one; ``span_exporter()`` clears it before handing it out. baton's
@@ -8,7 +9,15 @@ configured (``observability.tracing = true``), as it would in an instrumented ap
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
 from opentelemetry import trace
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -28,3 +37,50 @@ def span_exporter() -> InMemorySpanExporter:
         _EXPORTER = exporter
     _EXPORTER.clear()
     return _EXPORTER
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace receiver on 127.0.0.1 (protobuf POSTs to /v1/traces).
+
+    ``spans()`` lists what arrived as (service name, span) pairs, spans as the protobuf
+    ``Span`` messages of opentelemetry-proto.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[ExportTraceServiceRequest] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.requests.append(ExportTraceServiceRequest.FromString(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if self.path == "/v1/traces" else 404)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> OtlpReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def spans(self) -> list[tuple[str, Any]]:
+        out = []
+        for request in self.requests:
+            for rs in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    out.extend((attrs.get("service.name", ""), s) for s in ss.spans)
+        return out

@@ -8,6 +8,7 @@ the packages, or with tracing off, runs in a fresh interpreter.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,7 @@ from baton.errors import ConfigError
 from baton.metrics.otel import OtelTracer, service_resource, span_exporters
 from baton.metrics.tracing import RequestTrace, make_tracer, pick_trace_headers
 from baton.testing.tiny_model import tiny_model
-from tests.otel_spans import span_exporter
+from tests.otel_spans import OtlpReceiver, span_exporter
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -193,13 +194,15 @@ def test_configured_endpoint_gets_a_provider_of_its_own():
     assert make_tracer(BatonConfig.load()) is None
 
 
-def _run_fresh(script: str) -> dict:
-    """Run ``script`` in a fresh interpreter; it prints one JSON line last."""
+def _run_fresh(script: str, **env: str) -> dict:
+    """Run ``script`` in a fresh interpreter (``env`` added to this one's); it prints one
+    JSON line last."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=240,
+        env={**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -237,3 +240,49 @@ def test_tracing_without_the_packages_is_a_clear_config_error():
     )
     assert "pip install 'baton-core[otel]'" in result["error"]
     assert "observability.tracing" in result["error"]
+
+
+def test_spans_reach_the_otlp_endpoint_in_the_config(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    with OtlpReceiver() as receiver:
+        llm = LLM(
+            model=str(tiny_model("llama")),
+            observability={"otlp_traces_endpoint": receiver.url},
+        )
+        llm.generate(
+            "hi",
+            SamplingParams(max_tokens=3),
+            use_tqdm=False,
+            trace_headers={"traceparent": TRACEPARENT},
+        )
+        llm.shutdown()  # flushes the batch processor: the span is posted before it returns
+        ((service, span),) = receiver.spans()
+    assert (service, span.name) == ("baton", "llm_request")
+    assert span.trace_id.hex() == TRACE_ID
+    attrs = {a.key: a.value for a in span.attributes}
+    assert attrs["gen_ai.usage.completion_tokens"].int_value == 3
+
+
+def test_otel_variables_pick_the_exporter_endpoint_and_service():
+    with OtlpReceiver() as receiver:
+        _run_fresh(
+            """
+            import json
+            from baton import LLM, SamplingParams
+            from baton.testing.tiny_model import tiny_model
+            llm = LLM(model=str(tiny_model("llama")), observability={"tracing": True})
+            llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False)
+            llm.shutdown()
+            print(json.dumps({}))
+            """,
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.url,
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+            OTEL_SERVICE_NAME="svc-from-env",
+        )
+        spans = receiver.spans()
+    assert [(service, span.name) for service, span in spans] == [
+        ("svc-from-env", "llm_request")
+    ] * 2

@@ -4,6 +4,7 @@ process), a child of the HTTP request's ``traceparent``."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 
 import httpx
@@ -11,7 +12,9 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
+from baton.config import BatonConfig
 from baton.frontend.detokenizer import IncrementalDetokenizer
+from baton_openai.cli import add_serve_arguments, serve_overrides
 from tests.otel_spans import span_exporter
 
 from .conftest import ServerThread, running_server, wait_for
@@ -123,6 +126,28 @@ def test_completion_request_joins_the_trace(server, exporter):
     assert span.attributes["gen_ai.request.max_tokens"] == 3
 
 
+def test_embedding_inputs_make_one_span_each(server, exporter):
+    r = httpx.post(
+        f"{server.url}/v1/embeddings",
+        json={"model": server.model, "input": ["red", "green light"]},
+        headers={"traceparent": TRACEPARENT},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    wait_for(lambda: len(_requests(exporter)) == 2, what="two spans")
+    spans = sorted(_requests(exporter), key=lambda s: s.attributes["gen_ai.request.id"])
+    assert [s.attributes["gen_ai.request.id"][-2:] for s in spans] == ["-0", "-1"]
+    for span in spans:
+        assert format(span.context.trace_id, "032x") == TRACE_ID
+        assert span.status.status_code == StatusCode.UNSET
+        assert span.attributes["gen_ai.usage.completion_tokens"] == 0
+        assert span.attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert (
+        sum(s.attributes["gen_ai.usage.prompt_tokens"] for s in spans)
+        == (r.json()["usage"]["prompt_tokens"])
+    )
+
+
 def test_client_that_goes_away_gets_an_error_span(server, exporter):
     stream = server.client().chat.completions.create(
         model=server.model,
@@ -159,3 +184,11 @@ def test_failed_request_gets_an_error_span(server, exporter, monkeypatch):
     assert "injected detokenizer fault" in span.status.description
     assert span.attributes["error.type"] == "UnicodeDecodeError"
     assert span.attributes["gen_ai.response.finish_reasons"] == ("error",)
+
+
+def test_serve_flag_sets_the_otlp_endpoint():
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = p.parse_args(["--otlp-traces-endpoint", "http://127.0.0.1:4317"])
+    config = BatonConfig.load(**serve_overrides(args))
+    assert config.observability.otlp_traces_endpoint == "http://127.0.0.1:4317"

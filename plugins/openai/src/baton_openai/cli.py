@@ -43,6 +43,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="a chat template to use instead of the tokenizer's: a Jinja file's path, or the "
         "template itself (server.chat_template)",
     )
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        help="send an OpenTelemetry span per request to this OTLP endpoint, e.g. "
+        "http://127.0.0.1:4317 (observability.otlp_traces_endpoint; needs baton-core[otel])",
+    )
     add_engine_arguments(p)
 
 
@@ -55,6 +60,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         ("api_key", "server.api_key"),
         ("shutdown_timeout", "server.shutdown_timeout"),
         ("chat_template", "server.chat_template"),
+        ("otlp_traces_endpoint", "observability.otlp_traces_endpoint"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
