@@ -29,8 +29,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 )
 from opentelemetry.trace import StatusCode
 
-from baton import LLM, BatonConfig, SamplingParams
-from baton.errors import ConfigError
+from baton import LLM, AsyncLLM, BatonConfig, SamplingParams
+from baton.errors import ConfigError, EngineShuttingDownError
 from baton.metrics.otel import OtelTracer, service_resource, span_exporters
 from baton.metrics.tracing import RequestTrace, make_tracer, pick_trace_headers
 from baton.testing.tiny_model import tiny_model
@@ -87,6 +87,23 @@ def test_the_callers_current_span_is_the_parent(traced_llm):
     assert (request.name, evaluation.name) == ("llm_request", "evaluation")
     assert request.parent.span_id == job.get_span_context().span_id
     assert request.context.trace_id == job.get_span_context().trace_id
+
+
+async def test_requests_cut_off_by_shutdown_get_error_spans():
+    exporter = span_exporter()
+    llm = await AsyncLLM.create(model=str(tiny_model("llama")), observability={"tracing": True})
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    stream = llm.generate("hi", params, request_id="cut-off")
+    await stream.__anext__()  # running
+    llm.shutdown()
+    with pytest.raises(EngineShuttingDownError):
+        async for _ in stream:
+            pass
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["gen_ai.request.id"] == "cut-off"
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes["error.type"] == "EngineShuttingDownError"
+    assert 0 < span.attributes["gen_ai.usage.completion_tokens"] < 500
 
 
 def _memory_tracer() -> tuple[OtelTracer, InMemorySpanExporter]:

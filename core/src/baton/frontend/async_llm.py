@@ -90,7 +90,12 @@ class AsyncLLM:
             tokenizer = load_tokenizer(cfg, info)
             return make_client(cfg, asyncio_mode=True, loop=loop, info=info), tokenizer
 
-        engine, tokenizer = await loop.run_in_executor(None, start)
+        try:
+            engine, tokenizer = await loop.run_in_executor(None, start)
+        except BaseException:
+            if tracer is not None:
+                tracer.shutdown()
+            raise
         llm = cls(cfg, engine, tokenizer, tracer)
         llm._ensure_handler()
         return llm

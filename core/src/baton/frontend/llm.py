@@ -21,7 +21,7 @@ from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.metrics.stats import IterationStats
-from baton.metrics.tracing import make_tracer
+from baton.metrics.tracing import check_tracing, make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
@@ -49,13 +49,18 @@ class LLM:
         self.config = BatonConfig.load(config, model=model, **overrides)
         # a bad config is refused before the tokenizer and the weights load
         check_config_plugins(self.config, get_registry())
-        #: The request tracer (observability.tracing); None: tracing is off.
-        self.tracer = make_tracer(self.config)
+        check_tracing(self.config)  # tracing asked for without its packages: refused here
         info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, info)
-        self.output_processor = OutputProcessor(self.tokenizer, tracer=self.tracer)
         self.stat_loggers = StatLoggers(self.config)
         self.engine: EngineCoreClient = make_client(self.config, info=info)
+        try:
+            #: The request tracer (observability.tracing); None: tracing is off.
+            self.tracer = make_tracer(self.config)
+        except BaseException:  # a bad OTEL_* variable: the engine must not outlive the error
+            self.engine.shutdown()
+            raise
+        self.output_processor = OutputProcessor(self.tokenizer, tracer=self.tracer)
         # the engine's info: its max_model_len may be lowered to what the KV cache holds
         self.info = self.engine.info
         self.input_processor = InputProcessor(self.tokenizer, self.info)
