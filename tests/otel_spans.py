@@ -18,25 +18,45 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 _EXPORTER: InMemorySpanExporter | None = None
 
 
+class _Gate(SimpleSpanProcessor):
+    """Exports only while a test records, so that the tests after this one (FastAPI makes
+    spans of its own under a global provider) leave nothing behind."""
+
+    open = False
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if _Gate.open:
+            super().on_end(span)
+
+
 def span_exporter() -> InMemorySpanExporter:
-    """The exporter behind the global tracer provider (set on first use), emptied."""
+    """The exporter behind the global tracer provider (set on first use), emptied and
+    recording until ``stop_recording()``."""
     global _EXPORTER
     if _EXPORTER is None:
         exporter = InMemorySpanExporter()
         provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(_Gate(exporter))
         trace.set_tracer_provider(provider)
         assert trace.get_tracer_provider() is provider, "another global tracer provider was set"
         _EXPORTER = exporter
     _EXPORTER.clear()
+    _Gate.open = True
     return _EXPORTER
+
+
+def stop_recording() -> None:
+    """Drop the spans that end from now on, and those recorded."""
+    _Gate.open = False
+    if _EXPORTER is not None:
+        _EXPORTER.clear()
 
 
 class OtlpReceiver:

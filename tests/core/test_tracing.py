@@ -34,10 +34,16 @@ from baton.errors import ConfigError, EngineShuttingDownError
 from baton.metrics.otel import OtelTracer, service_resource, span_exporters
 from baton.metrics.tracing import RequestTrace, make_tracer, pick_trace_headers
 from baton.testing.tiny_model import tiny_model
-from tests.otel_spans import OtlpReceiver, span_exporter
+from tests.otel_spans import OtlpReceiver, span_exporter, stop_recording
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+
+
+@pytest.fixture(autouse=True)
+def _record_only_in_the_test():
+    yield
+    stop_recording()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from baton.config import BatonConfig
 from baton.frontend.detokenizer import IncrementalDetokenizer
 from baton_openai.cli import add_serve_arguments, serve_overrides
-from tests.otel_spans import span_exporter
+from tests.otel_spans import span_exporter, stop_recording
 
 from .conftest import ServerThread, running_server, wait_for
 
@@ -23,6 +23,12 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(autouse=True)
+def _record_only_in_the_test():
+    yield
+    stop_recording()
 
 
 @pytest.fixture(scope="module")
