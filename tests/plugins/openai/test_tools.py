@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from baton_openai.protocol import ChatTool
@@ -155,6 +157,39 @@ def test_named_function_streams_its_arguments(srv, client):
     assert got["calls"][0]["name"] == "forecast"
     assert json.loads(got["calls"][0]["arguments"]) == json.loads(call.function.arguments)
     assert len(got["deltas"]) > 2  # the arguments come in fragments, token by token
+
+
+class Forecast(pydantic.BaseModel):
+    """FORECAST as the openai SDK's pydantic_function_tool writes it (strict)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    unit: Literal["celsius", "fahrenheit"]
+    tomorrow: bool
+
+
+def test_the_sdks_own_helpers_read_the_calls(srv, client):
+    # the SDK, not this file, puts the streamed deltas together and parses the arguments
+    tool = openai.pydantic_function_tool(Forecast, name="forecast")
+    kwargs = dict(
+        model=srv.model,
+        messages=MESSAGES,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    with client.chat.completions.stream(**kwargs) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_completion()
+    assert "tool_calls.function.arguments.delta" in events
+    assert "tool_calls.function.arguments.done" in events
+    (call,) = streamed.choices[0].message.tool_calls
+    assert call.function.name == "forecast" and call.id.startswith("call_")
+    assert isinstance(call.function.parsed_arguments, Forecast)
+    parsed = client.chat.completions.parse(**kwargs)
+    (whole,) = parsed.choices[0].message.tool_calls
+    assert parsed.choices[0].finish_reason == streamed.choices[0].finish_reason == "tool_calls"
+    assert whole.function.parsed_arguments == call.function.parsed_arguments
 
 
 def test_none_hides_the_tools(srv, client):
