@@ -58,6 +58,11 @@ class EngineShuttingDownError(BatonError, RuntimeError):
     """The engine is shutting down and refuses new requests."""
 
 
+class EngineSleepingError(BatonError, RuntimeError):
+    """The engine is asleep (``sleep(level)``: its KV cache is freed) and refuses requests until
+    ``wake_up()``."""
+
+
 class ExecutorError(BatonError, RuntimeError):
     """The executor failed to run a step or to start."""
 

@@ -179,6 +179,11 @@ class Executor(Protocol):
     Life: factory -> ``get_kv_cache_specs`` and ``determine_available_memory``
     (the core sizes the cache) -> ``initialize_kv_cache`` -> ``execute_model``
     each step -> ``shutdown``.
+
+    Optional: ``sleep(level)`` / ``wake_up()`` (see ``Sleepable``); without them the
+    engine's ``sleep`` utility is refused with an ExecutorError naming the executor.
+    ``collective_rpc`` with a method name reaches the workers' ``baton.worker.worker.Worker``
+    methods (``memory_usage`` answers the engine's ``get_memory_usage``).
     """
 
     #: > 1 makes the core use step_with_batch_queue (pipeline parallel).
@@ -247,6 +252,8 @@ class ModelRunner(Protocol):
     (+ ``sample_tokens``) each step. The runner keeps each request's state between
     steps from the SchedulerOutputs alone (new, cached, finished, preempted requests).
     baton's own is ``baton.runner.StockRunner()``; hooks change it for parallel ranks.
+
+    Optional: ``sleep(level)`` / ``wake_up()`` (see ``Sleepable``); the stock runner has them.
     """
 
     #: The loaded model's limits; set by ``load_model``.
@@ -274,6 +281,26 @@ class ModelRunner(Protocol):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step whose ``execute_model`` returned None, applying the bitmask."""
+
+
+@runtime_checkable
+class Sleepable(Protocol):
+    """The optional methods of an ``Executor`` or a ``ModelRunner`` that free memory on demand
+    (the engine's ``sleep`` / ``wake_up`` utility calls, vLLM's sleep mode).
+
+    The engine calls ``sleep`` only with no request in flight and after forgetting its prefix
+    cache, and refuses requests until ``wake_up`` returns. An executor passes the calls to
+    every worker's runner (the stock executors do, through ``baton.worker.worker.Worker``).
+    """
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache's storage (level 1: keep the weights, in host memory when they were
+        on a GPU); level 2 frees the weights too. ``level`` is 1 or 2."""
+
+    def wake_up(self) -> None:
+        """Bring back what ``sleep`` freed: the weights (after level 2: loaded from the model
+        folder, prepared as at start) and an empty KV cache of the same size; greedy outputs
+        are then those before the sleep. A no-op when awake."""
 
 
 @runtime_checkable

@@ -301,3 +301,20 @@ class ModelCapabilities(msgspec.Struct, **_STRUCT):
     supports_prefix_caching: bool = True
     #: Why a capability is off (logged when the core turns the matching setting off); "" if none.
     reason: str = ""
+
+
+class WorkerMemory(msgspec.Struct, **_STRUCT):
+    """What one worker holds, measured from its live tensors and its process (``get_memory_usage``)."""
+
+    rank: int
+    pid: int
+    #: The worker process's resident set size (the engine process for the uniproc executor).
+    rss_bytes: int
+    #: Bytes of the storages behind the runner's KV-cache tensors (0 while asleep).
+    kv_cache_bytes: int
+    #: Bytes of the storages behind the model's parameters and buffers (0 once dropped).
+    weights_bytes: int
+    #: Where the weights are: a torch device string ("cpu", "cuda:0"); "" when dropped.
+    weights_device: str = ""
+    #: CUDA bytes the caching allocator holds on this worker's device (0 on CPU).
+    device_reserved_bytes: int = 0

@@ -78,6 +78,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "Executor",
         "ModelRunner",
         "RunnerFactory",
+        "Sleepable",
         "Transport",
         "ClientChannel",
         "EngineChannel",

@@ -21,7 +21,7 @@ from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import ConfigError, InvalidRequestError
+from baton.errors import ConfigError, EngineSleepingError, ExecutorError, InvalidRequestError
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
 from baton.plugins import Registry, get_registry
@@ -34,6 +34,7 @@ from baton.protocol import (
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    WorkerMemory,
 )
 from baton.request import Request, RequestStatus
 from baton.sched.scheduler import Scheduler
@@ -114,6 +115,8 @@ class EngineCore:
         #: Seconds, for the step times fed to the scheduler (a test may replace it).
         self.step_clock = time.perf_counter
         self.aborts_to_report: list[EngineCoreOutput] = []
+        #: 0 while awake; the level of the last ``sleep`` until ``wake_up``.
+        self.sleep_level = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -179,6 +182,11 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Admit a request. Raises InvalidRequestError; the engine keeps serving the others."""
         rid = request.request_id
+        if self.sleep_level:
+            raise EngineSleepingError(
+                f"the engine is asleep (level {self.sleep_level}, its KV cache freed) and refuses "
+                f"request {rid!r}: call wake_up() (POST /wake_up on the server) first"
+            )
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use; ids must be unique")
         # the frontend's check again: a client may send EngineCoreRequests without a frontend
@@ -323,6 +331,53 @@ class EngineCore:
         """Forget the prefix cache; see Scheduler.reset_prefix_cache (``reset_running`` preempts)."""
         return self.scheduler.reset_prefix_cache(reset_running)
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1: the weights stay in host memory) or the weights too
+        (level 2: reloaded from the model folder by ``wake_up``); refused while requests are
+        in flight. The prefix cache is forgotten (its blocks are gone); until ``wake_up``,
+        new requests are refused with EngineSleepingError. Sleeping again at the same level
+        does nothing."""
+        check_sleep_level(level)
+        if self.sleep_level:
+            if level == self.sleep_level:
+                return
+            raise InvalidRequestError(
+                f"the engine is already asleep at level {self.sleep_level}; call wake_up() "
+                f"before sleeping at level {level}",
+                param="level",
+            )
+        if self.has_work():
+            n = self.scheduler.get_num_unfinished_requests()
+            raise InvalidRequestError(
+                f"cannot sleep with {n} request(s) in flight: wait for them to finish or abort "
+                "them, then call sleep() again"
+            )
+        sleep = getattr(self.executor, "sleep", None)
+        if not callable(sleep) or not callable(getattr(self.executor, "wake_up", None)):
+            raise ExecutorError(
+                f"executor {type(self.executor).__name__} has no sleep()/wake_up() "
+                "(baton.interfaces.Sleepable): it cannot free its memory; use uniproc, cuda-tp "
+                "or pipeline"
+            )
+        if not self.scheduler.reset_prefix_cache():
+            raise ExecutorError("the prefix cache could not be reset with no request in flight")
+        sleep(level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights back and the KV cache allocated again (empty); a no-op awake."""
+        if not self.sleep_level:
+            return
+        self.executor.wake_up()  # type: ignore[attr-defined]
+        self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def get_memory_usage(self) -> list[WorkerMemory]:
+        """Each worker's memory, measured there: RSS, KV-cache and weight storages."""
+        return list(self.executor.collective_rpc("memory_usage"))
+
     def get_stats(self) -> SchedulerStats:
         """A snapshot: counters (prefix-cache queries/hits, preemptions) are totals since start."""
         return self.scheduler.make_stats(delta=False)
@@ -352,7 +407,21 @@ UTILITY_METHODS: dict[str, Any] = {
     "get_model_info": ModelInfo,
     "get_num_blocks": int,
     "list_requests": list[str],
+    "sleep": None,
+    "wake_up": None,
+    "is_sleeping": bool,
+    "get_memory_usage": list[WorkerMemory],
 }
+
+
+def check_sleep_level(level: object) -> None:
+    """Refuse a sleep level other than 1 or 2 (InvalidRequestError with ``param`` "level")."""
+    if type(level) is not int or level not in (1, 2):
+        raise InvalidRequestError(
+            f"sleep level {level!r}: use 1 (free the KV cache, keep the weights in host "
+            "memory) or 2 (free the weights too)",
+            param="level",
+        )
 
 
 def _then(future: Future[Any], fn: Any) -> Future[Any]:

@@ -248,6 +248,21 @@ class MultiprocExecutor:
         )
         return future if non_block else future.result()
 
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache (level 1) and its weights too (level 2)."""
+        timeout = self.settings.startup_timeout
+        if not all(self.collective_rpc("can_sleep", timeout=timeout)):
+            raise ExecutorError(
+                f"executor {self.name!r}: its runner ({self.runner!r}) has no sleep()/wake_up() "
+                "(baton.interfaces.Sleepable): it cannot free its memory; use "
+                "baton.runner.StockRunner or implement them"
+            )
+        self.collective_rpc("sleep", (level,), timeout=timeout)
+
+    def wake_up(self) -> None:
+        """Every rank loads its weights (its shard) and allocates its KV cache again."""
+        self.collective_rpc("wake_up", timeout=self.settings.startup_timeout)
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._group().register_failure_callback(callback)
 

@@ -129,6 +129,20 @@ class UniprocExecutor:
 
         return [self._call(fn, *args, timeout=timeout, **(kwargs or {}))]
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2): ``Worker.sleep``."""
+        if not self.worker.can_sleep():
+            runner = type(self.worker.model_runner).__name__
+            raise ExecutorError(
+                f"runner {runner} has no sleep()/wake_up() (baton.interfaces.Sleepable): it "
+                "cannot free its memory; use baton.runner.StockRunner or implement them"
+            )
+        self._call(self.worker.sleep, level)
+
+    def wake_up(self) -> None:
+        """Load the weights and allocate the KV cache again: ``Worker.wake_up``."""
+        self._call(self.worker.wake_up)
+
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._latch.register(callback)
 

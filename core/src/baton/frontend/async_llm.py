@@ -12,6 +12,7 @@ from typing import Any
 
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.core import check_sleep_level
 from baton.engine.plugin_check import check_config_plugins
 from baton.errors import (
     EngineDeadError,
@@ -30,6 +31,7 @@ from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
 from baton.pooling_params import PoolingParams, check_generation
+from baton.protocol import WorkerMemory
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 from baton.validation import CheckedRequest
@@ -376,6 +378,22 @@ class AsyncLLM:
     async def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """As ``LLM.reset_prefix_cache``."""
         return await self.engine.call_utility_async("reset_prefix_cache", reset_running)
+
+    async def sleep(self, level: int = 1) -> None:
+        """As ``LLM.sleep``: free the KV cache (level 1) or the weights too (level 2)."""
+        check_sleep_level(level)
+        await self.engine.call_utility_async("sleep", level)
+
+    async def wake_up(self) -> None:
+        """As ``LLM.wake_up``."""
+        await self.engine.call_utility_async("wake_up")
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.engine.call_utility_async("is_sleeping"))
+
+    async def get_memory_usage(self) -> list[WorkerMemory]:
+        """As ``LLM.get_memory_usage``."""
+        return list(await self.engine.call_utility_async("get_memory_usage"))
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

@@ -13,8 +13,9 @@ from tqdm.auto import tqdm
 
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.core import check_sleep_level
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import InvalidRequestError
+from baton.errors import EngineSleepingError, InvalidRequestError
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
@@ -26,6 +27,7 @@ from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
 from baton.pooling_params import PoolingParams, check_generation
+from baton.protocol import WorkerMemory
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -65,6 +67,8 @@ class LLM:
         self.info = self.engine.info
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self._ids = itertools.count()
+        #: The level this LLM put its engine to sleep at (0: awake).
+        self._asleep = 0
 
     # ------------------------------------------------------------------ API
 
@@ -140,6 +144,7 @@ class LLM:
         ``model.pooling_normalize``. ``outputs.data`` is the vector (``outputs.embedding``
         as floats). The other arguments are as in ``generate``.
         """
+        self._check_awake()
         tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
         n = len(tokenized)
         given = _per_prompt(pooling_params, n, "pooling_params")
@@ -195,6 +200,34 @@ class LLM:
     def get_stats(self) -> Any:
         return self.engine.call_utility("get_stats")
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's KV cache (level 1: the weights stay in host memory) or its weights
+        too (level 2: reloaded from the model folder on ``wake_up``). Refused while requests
+        are in flight; the prefix cache is forgotten; requests are refused until ``wake_up``."""
+        check_sleep_level(level)
+        self.engine.call_utility("sleep", level)
+        self._asleep = level
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (and load the weights after level 2); outputs are as before."""
+        self.engine.call_utility("wake_up")
+        self._asleep = 0
+
+    def _check_awake(self) -> None:
+        """Refuse a batch while asleep, before anything reaches the engine (which refuses too)."""
+        if self._asleep:
+            raise EngineSleepingError(
+                f"the engine is asleep (level {self._asleep}, its KV cache freed): call "
+                "LLM.wake_up() before generating"
+            )
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.call_utility("is_sleeping"))
+
+    def get_memory_usage(self) -> list[WorkerMemory]:
+        """Each worker's memory, measured in its process: RSS, KV-cache and weight storages."""
+        return list(self.engine.call_utility("get_memory_usage"))
+
     def shutdown(self) -> None:
         self.engine.shutdown()
         if self.tracer is not None:
@@ -218,6 +251,7 @@ class LLM:
         scheduling: SchedulingArg | Sequence[SchedulingArg],
         trace_headers: Mapping[str, str] | None = None,
     ) -> list[RequestOutput]:
+        self._check_awake()
         check_generation(self.info)
         n = len(tokenized)
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")

@@ -87,6 +87,10 @@ class FastDecode:
     _k: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
     _v: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
 
+    def forget_caches(self) -> None:
+        """Drop the views of the KV caches (they are being freed: the runner sleeps)."""
+        self._caches, self._k, self._v = None, [], []
+
     @staticmethod
     def applies(inputs: StepInputs) -> bool:
         """Whether ``inputs`` is a decode-only step in one decode group through the kernels."""

@@ -39,6 +39,7 @@ from baton.worker.fast_decode import FastDecode, build_fast_decode
 from baton.worker.headless import head_kwargs, is_bidirectional
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache_dtype import kv_cache_dtype
+from baton.worker.memory import release_device_memory, release_host_memory
 from baton.worker.pooler import Pooler
 from baton.worker.sampler import Sampler, apply_bitmask
 from baton.worker.step_inputs import StepInputBuilder, StepInputs, sampling_metadata
@@ -414,6 +415,46 @@ class ModelRunner:
                 **{META_KWARG: meta},
             )
         log.debug("warm-up took %.2f s", time.monotonic() - t0)
+
+    # ------------------------------------------------------------------ sleep
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache's storage; level 1 keeps the weights in host memory (moved off a
+        GPU), level 2 drops them too (``wake_up`` loads them from the model folder again).
+
+        The engine calls it only with no request in flight; what the cache held is gone.
+        """
+        if level not in (1, 2):
+            raise ExecutorError(f"sleep level {level!r}: must be 1 or 2")
+        if not self.kv_caches:
+            raise ExecutorError("sleep before initialize_kv_cache, or while already asleep")
+        self._pending = None
+        self._kv_config = KVCacheConfig(num_blocks=self.num_blocks, block_size=self.block_size)
+        self.kv_caches = []
+        self.inputs.set_kv_caches([], None)
+        if self.fast_decode is not None:
+            self.fast_decode.forget_caches()
+        if level == 2:
+            self.model = self.fast_decode = None
+        elif self.device.type != "cpu":
+            self.model.to("cpu")
+        release_host_memory()
+        release_device_memory(self.device)
+        self._sleep_level = level
+        log.info("asleep (level %d): KV cache%s freed", level, " and weights" if level == 2 else "")
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: load or move the weights back, allocate the KV cache again, warm up."""
+        level = getattr(self, "_sleep_level", 0)
+        if not level:
+            return
+        if level == 2:
+            self.load_model()  # the weights as the model folder has them, prepared as at start
+        elif self.device.type != "cpu":
+            self.model.to(self.device)
+        self.initialize_kv_cache(self._kv_config)
+        self._sleep_level = 0
+        log.info("awake (was asleep at level %d)", level)
 
     # ------------------------------------------------------------------ steps
 

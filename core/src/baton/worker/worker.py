@@ -8,7 +8,7 @@ parallel rank, or any class implementing ``baton.interfaces.ModelRunner``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,7 +22,9 @@ from baton.protocol import (
     ModelInfo,
     ModelRunnerOutput,
     SchedulerOutput,
+    WorkerMemory,
 )
+from baton.worker.memory import measure
 from baton.worker.model_runner import ModelRunner as StockModelRunner
 
 if TYPE_CHECKING:
@@ -132,6 +134,34 @@ class Worker:
     def get_model_capabilities(self) -> ModelCapabilities:
         """What the loaded model allows (chunked prefill, prefix caching)."""
         return self._runner().get_model_capabilities()
+
+    def sleep(self, level: int) -> None:
+        """Free the runner's KV cache (level 1) and its weights too (level 2); see ``wake_up``."""
+        self._sleepable("sleep").sleep(level)
+
+    def wake_up(self) -> None:
+        """Load the weights and allocate the KV cache again after ``sleep``."""
+        self._sleepable("wake_up").wake_up()
+
+    def can_sleep(self) -> bool:
+        """Whether the runner implements ``sleep`` and ``wake_up`` (``baton.interfaces.Sleepable``)."""
+        runner = self._runner()
+        return callable(getattr(runner, "sleep", None)) and callable(
+            getattr(runner, "wake_up", None)
+        )
+
+    def _sleepable(self, method: str) -> Any:
+        runner = self._runner()
+        if not self.can_sleep():
+            raise ExecutorError(
+                f"runner {type(runner).__name__} has no {method}() (baton.interfaces.Sleepable): "
+                "it cannot free its memory; use baton.runner.StockRunner or implement sleep/wake_up"
+            )
+        return runner
+
+    def memory_usage(self) -> WorkerMemory:
+        """This worker's memory: its process's RSS, the KV cache's and the weights' storages."""
+        return measure(self.rank, self.device, self.model_runner)
 
     def check_health(self) -> None:
         """Nothing to probe in-process; a dead device raises on the next step."""

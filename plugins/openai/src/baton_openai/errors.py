@@ -21,6 +21,7 @@ from baton.errors import (
     ContextLengthError,
     EngineDeadError,
     EngineShuttingDownError,
+    EngineSleepingError,
     InvalidRequestError,
     StructuredOutputError,
 )
@@ -79,6 +80,8 @@ def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None
     message = str(e)
     if isinstance(e, EngineDeadError | EngineShuttingDownError):
         return OpenAIError(message, 503, code="engine_unavailable")
+    if isinstance(e, EngineSleepingError):
+        return OpenAIError(message, 503, code="engine_sleeping")
     if isinstance(e, StructuredOutputError):
         return OpenAIError(message, 400, param="response_format", code="invalid_value")
     if isinstance(e, InvalidRequestError):
