@@ -315,6 +315,11 @@ class ObservabilitySection(_Section):
     """Send the spans by OTLP to this endpoint (vLLM's ``--otlp-traces-endpoint``, e.g.
     ``http://127.0.0.1:4317``); setting it turns tracing on, with baton's own exporter whatever
     OTEL_TRACES_EXPORTER and the OTEL_* endpoint variables say. None: see ``tracing``."""
+    profile_dir: str | None = None
+    """Folder for the torch profiler's traces (vLLM's ``VLLM_TORCH_PROFILER_DIR``):
+    ``start_profile()`` / ``stop_profile()`` (LLM, AsyncLLM; the server's ``POST /start_profile``
+    and ``POST /stop_profile``, which exist only when it is set) write one chrome trace (JSON) per
+    worker process there. None: profiling is refused."""
 
     @pydantic.field_validator("log_level", mode="before")
     @classmethod

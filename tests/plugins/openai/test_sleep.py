@@ -1,6 +1,10 @@
-"""vLLM's dev endpoints POST /sleep, POST /wake_up, GET /is_sleeping, behind the API key."""
+"""vLLM's dev endpoints POST /sleep, POST /wake_up, GET /is_sleeping, and POST /start_profile,
+POST /stop_profile (with observability.profile_dir), behind the API key."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import httpx
 
@@ -42,3 +46,29 @@ def test_sleep_wake_and_is_sleeping(model_dir):
         again = complete(url)
         assert again.status_code == 200
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_profile_endpoints_write_traces_when_the_folder_is_set(model_dir, tmp_path):
+    with running_server(
+        model_dir,
+        max_model_len=256,
+        kv_cache_memory=4 << 20,
+        server={"api_key": "s3cret"},
+        observability={"profile_dir": str(tmp_path)},
+    ) as srv:
+        assert httpx.post(f"{srv.url}/start_profile").status_code == 401
+        assert httpx.post(f"{srv.url}/start_profile", headers=KEY).status_code == 200
+        assert complete(srv.url).status_code == 200
+        stopped = httpx.post(f"{srv.url}/stop_profile", headers=KEY)
+        assert stopped.status_code == 200
+        (trace,) = stopped.json()["traces"]
+        events = json.loads(Path(trace).read_text())["traceEvents"]
+        assert Path(trace).parent == tmp_path and "aten::embedding" in {e["name"] for e in events}
+        again = httpx.post(f"{srv.url}/stop_profile", headers=KEY)
+        assert again.status_code == 400 and "not profiling" in again.json()["error"]["message"]
+
+
+def test_no_profile_endpoints_without_the_folder(model_dir):
+    with running_server(model_dir, max_model_len=256, kv_cache_memory=4 << 20) as srv:
+        assert httpx.post(f"{srv.url}/start_profile").status_code == 404
+        assert httpx.post(f"{srv.url}/stop_profile").status_code == 404

@@ -117,6 +117,8 @@ class EngineCore:
         self.aborts_to_report: list[EngineCoreOutput] = []
         #: 0 while awake; the level of the last ``sleep`` until ``wake_up``.
         self.sleep_level = 0
+        #: Whether the workers' torch profilers run (start_profile .. stop_profile).
+        self.profiling = False
 
     # ------------------------------------------------------------------ start-up
 
@@ -378,6 +380,23 @@ class EngineCore:
         """Each worker's memory, measured there: RSS, KV-cache and weight storages."""
         return list(self.executor.collective_rpc("memory_usage"))
 
+    def start_profile(self) -> None:
+        """Start the torch profiler in every worker; traces go to ``observability.profile_dir``."""
+        from baton.worker.profiler import profile_dir
+
+        profile_dir(self.config.observability.profile_dir)  # unset: refused here, by name
+        if self.profiling:
+            raise InvalidRequestError("the engine is already profiling: call stop_profile() first")
+        self.executor.collective_rpc("start_profile")
+        self.profiling = True
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling; each worker's chrome trace (a JSON file), one path per worker."""
+        if not self.profiling:
+            raise InvalidRequestError("the engine is not profiling: call start_profile() first")
+        self.profiling = False
+        return list(self.executor.collective_rpc("stop_profile"))
+
     def get_stats(self) -> SchedulerStats:
         """A snapshot: counters (prefix-cache queries/hits, preemptions) are totals since start."""
         return self.scheduler.make_stats(delta=False)
@@ -411,6 +430,8 @@ UTILITY_METHODS: dict[str, Any] = {
     "wake_up": None,
     "is_sleeping": bool,
     "get_memory_usage": list[WorkerMemory],
+    "start_profile": None,
+    "stop_profile": list[str],
 }
 
 

@@ -391,6 +391,14 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return bool(await self.engine.call_utility_async("is_sleeping"))
 
+    async def start_profile(self) -> None:
+        """As ``LLM.start_profile``."""
+        await self.engine.call_utility_async("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        """As ``LLM.stop_profile``: the traces written, one per worker process."""
+        return list(await self.engine.call_utility_async("stop_profile"))
+
     async def get_memory_usage(self) -> list[WorkerMemory]:
         """As ``LLM.get_memory_usage``."""
         return list(await self.engine.call_utility_async("get_memory_usage"))

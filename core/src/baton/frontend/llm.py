@@ -224,6 +224,15 @@ class LLM:
     def is_sleeping(self) -> bool:
         return bool(self.engine.call_utility("is_sleeping"))
 
+    def start_profile(self) -> None:
+        """Start the torch profiler in every worker (``observability.profile_dir`` must be set)."""
+        self.engine.call_utility("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; the chrome traces written (JSON files in ``observability.profile_dir``),
+        one per worker process."""
+        return list(self.engine.call_utility("stop_profile"))
+
     def get_memory_usage(self) -> list[WorkerMemory]:
         """Each worker's memory, measured in its process: RSS, KV-cache and weight storages."""
         return list(self.engine.call_utility("get_memory_usage"))

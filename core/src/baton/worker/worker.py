@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from baton.config import BatonConfig
-from baton.errors import ExecutorError
+from baton.errors import ExecutorError, InvalidRequestError
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -26,6 +26,7 @@ from baton.protocol import (
 )
 from baton.worker.memory import measure
 from baton.worker.model_runner import ModelRunner as StockModelRunner
+from baton.worker.profiler import WorkerProfiler, profile_dir
 
 if TYPE_CHECKING:
     from baton.interfaces import ModelRunner, RunnerFactory
@@ -88,6 +89,7 @@ class Worker:
         self.rank = rank
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self._profiler: WorkerProfiler | None = None
 
     def init_device(self) -> None:
         self.device = select_device(self.cfg.executor.device)
@@ -158,6 +160,21 @@ class Worker:
                 "it cannot free its memory; use baton.runner.StockRunner or implement sleep/wake_up"
             )
         return runner
+
+    def start_profile(self) -> None:
+        """Start the torch profiler in this worker (``observability.profile_dir`` must be set)."""
+        if self._profiler is None:
+            folder = profile_dir(self.cfg.observability.profile_dir)
+            self._profiler = WorkerProfiler(folder, self.rank, self.device)
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop the profiler and write its chrome trace; the file's path."""
+        if self._profiler is None or not self._profiler.running:
+            raise InvalidRequestError(
+                f"worker {self.rank} is not profiling: call start_profile() first"
+            )
+        return self._profiler.stop()
 
     def memory_usage(self) -> WorkerMemory:
         """This worker's memory: its process's RSS, the KV cache's and the weights' storages."""

@@ -1,5 +1,6 @@
-"""The FastAPI app: /v1 routes and the dev endpoints /sleep, /wake_up, /is_sleeping (behind the
-optional API key), /health, /metrics, /version.
+"""The FastAPI app: /v1 routes and the dev endpoints /sleep, /wake_up, /is_sleeping (and
+/start_profile, /stop_profile with observability.profile_dir) behind the optional API key;
+/health, /metrics, /version.
 
 Around the routes, outermost first: CORS (when server.cors_origins is set),
 RequestIdMiddleware (X-Request-Id in and out), UnhandledErrors (an unexpected
@@ -21,6 +22,7 @@ from baton_openai.chat import router as chat_router
 from baton_openai.completions import router as completions_router
 from baton_openai.context import ServerContext, check_api_key
 from baton_openai.cors import install_cors
+from baton_openai.dev import profile_router
 from baton_openai.dev import router as dev_router
 from baton_openai.embeddings import router as embeddings_router
 from baton_openai.errors import install_error_handlers
@@ -127,5 +129,7 @@ def build_app(
         dev_router,
     ):
         app.include_router(router, dependencies=auth)
+    if cfg.observability.profile_dir:
+        app.include_router(profile_router, dependencies=auth)
     app.include_router(ops_router)
     return app
