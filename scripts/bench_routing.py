@@ -42,6 +42,8 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 async def run(router: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"model": args.model} if args.model else {}
+    if args.kv_cache_memory:
+        overrides["kv_cache_memory"] = args.kv_cache_memory
     llm = await AsyncLLM.create(
         data_parallel_size=args.dp,
         transport=args.transport,
@@ -95,6 +97,11 @@ def main() -> int:
     ap.add_argument("--transport", default="zmq")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     ap.add_argument("--model", help="default: the config's model (smollm2-135m-instruct)")
+    ap.add_argument(
+        "--kv-cache-memory",
+        help="each engine's KV cache (cache.kv_cache_memory, e.g. 300MiB): smaller than every "
+        "tenant's prefix together, it tells routers that keep a tenant on one engine apart",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -108,6 +115,7 @@ def main() -> int:
         "tenants": args.tenants,
         "prefix_tokens": args.prefix,
         "dp": args.dp,
+        "kv_cache_memory": args.kv_cache_memory,
         "same_outputs": len({r["outputs_sha256_16"] for r in results}) == 1,
         "results": results,
     }

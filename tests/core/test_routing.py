@@ -199,3 +199,51 @@ def test_the_synchronous_llm_refuses_data_parallel():
 
     with pytest.raises(InvalidRequestError, match=r"data_parallel_size = 2 needs the asyncio"):
         LLM(model=str(tiny_model("llama")), max_model_len=64, data_parallel_size=2)
+
+
+@pytest.mark.parametrize("policy", ["fail-requests", "fail-server"])
+def test_one_engine_dying(policy):
+    """Engine processes over zmq; engine 1 is killed mid-generation. fail-requests: its request
+    fails, engine 0's finishes and new requests go to engine 0; fail-server: everything fails."""
+    import os
+    import signal
+
+    from baton.errors import EngineDeadError
+
+    async def go() -> None:
+        llm = await AsyncLLM.create(
+            model=str(tiny_model("llama")),
+            max_model_len=400,
+            data_parallel_size=2,
+            transport="zmq",
+            routing={"router": "round-robin", "on_engine_death": policy},
+        )
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+            first_token = asyncio.Event()
+
+            async def one(rid: str) -> int:
+                n = 0
+                async for o in llm.generate({"prompt_token_ids": [1, 2, 3]}, params, rid):
+                    n = len(o.outputs[0].token_ids)
+                    first_token.set()
+                return n
+
+            a = asyncio.create_task(one("a"))  # round-robin: engine 0
+            b = asyncio.create_task(one("b"))  # engine 1
+            await first_token.wait()
+            os.kill(llm.engine.resources.procs[1].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+            got_a, got_b = await asyncio.gather(a, b, return_exceptions=True)
+            assert isinstance(got_b, EngineDeadError), got_b
+            if policy == "fail-requests":
+                assert "engine 1" in str(got_b)
+                assert got_a == 300 and not llm.errored
+                loads = llm.engine.engine_loads()  # type: ignore[attr-defined]
+                assert [e.engine_index for e in loads] == [0] and loads[0].num_in_flight == 0
+                assert await one("c") == 300  # the live engine serves on
+            else:
+                assert isinstance(got_a, EngineDeadError) and llm.errored
+        finally:
+            llm.shutdown()
+
+    asyncio.run(go())

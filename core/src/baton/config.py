@@ -215,6 +215,11 @@ class RoutingSection(_Section):
     least-loaded (fewest requests in flight), round-robin, prefix-aware (requests sharing a
     prompt prefix go to the engine that has it cached, within a load cap; [routing.prefix-aware]),
     or an installed plugin's (`baton plugins`)."""
+    on_engine_death: Literal["fail-server", "fail-requests"] = "fail-server"
+    """With data_parallel_size > 1, when one engine core dies: fail-server (every request fails
+    and the frontend reports the engine dead, as with one engine) or fail-requests (that engine's
+    requests fail with an EngineDeadError, the others go on and new requests go to the engines
+    still alive; the frontend dies with the last one)."""
 
 
 class ServerSection(_Section):

@@ -308,7 +308,8 @@ class EngineCoreProc:
         log.error(
             "engine %d died: %s", self.engine_index, "".join(traceback.format_exception(error))
         )
-        self.output_queue.put([ENGINE_CORE_DEAD, message])
+        # the third frame names the engine: a data-parallel client may fail its requests only
+        self.output_queue.put([ENGINE_CORE_DEAD, message, str(self.engine_index).encode()])
 
     def _close(self) -> None:
         self.output_queue.put(_STOP)

@@ -12,14 +12,27 @@ latest scheduler stats; all of it is touched on the client's event loop only
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any
 
 from baton.config import BatonConfig
 from baton.engine.mp_client import AsyncMPClient
 from baton.errors import EngineDeadError, PluginError
 from baton.interfaces import Router, Transport
 from baton.plugins import get_registry
-from baton.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from baton.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from baton.routing.types import EngineLoad, RouteRequest
+
+log = logging.getLogger(__name__)
 
 
 class DPAsyncMPClient(AsyncMPClient):
@@ -44,9 +57,9 @@ class DPAsyncMPClient(AsyncMPClient):
         super().__init__(config, transport, num_engines, loop)
 
     def engine_loads(self) -> list[EngineLoad]:
-        """Every engine's load as the router sees it now."""
+        """The load of every engine still alive, as the router sees it now."""
         loads = []
-        for i in range(self.num_engines):
+        for i in self.live_engines():
             st = self._stats[i]
             loads.append(
                 EngineLoad(
@@ -61,6 +74,9 @@ class DPAsyncMPClient(AsyncMPClient):
             )
         return loads
 
+    def live_engines(self) -> list[int]:
+        return [i for i in range(self.num_engines) if i not in self._gone]
+
     def engine_for(self, request_id: str) -> int:
         return self._owner.get(request_id, 0)
 
@@ -73,12 +89,14 @@ class DPAsyncMPClient(AsyncMPClient):
             priority=request.priority,
             block_size=self.config.cache.block_size,
         )
-        idx = self.router.route(route, self.engine_loads())
-        if type(idx) is not int or not 0 <= idx < self.num_engines:
+        self._check_alive()
+        engines = self.engine_loads()
+        idx = self.router.route(route, engines)
+        if type(idx) is not int or idx not in {e.engine_index for e in engines}:
             raise PluginError(
                 f"router {self._router_name!r} returned engine {idx!r} for request "
                 f"{request.request_id!r}: it must return the engine_index of one of the "
-                f"{self.num_engines} engines (0..{self.num_engines - 1})"
+                f"engines it was given ({', '.join(str(e.engine_index) for e in engines)})"
             )
         self._owner[request.request_id] = idx
         self._in_flight[idx] += 1
@@ -116,9 +134,74 @@ class DPAsyncMPClient(AsyncMPClient):
         super()._deliver(item)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        super().abort_requests(request_ids)
+        # requests of a dead engine, or finished ones, have no engine to tell
+        live = [r for r in request_ids if self._owner.get(r, -1) not in self._gone | {-1}]
+        super().abort_requests(live)
         for rid in request_ids:
             self._release(rid)
+
+    def _utility_future(
+        self, method: str, args: tuple[Any, ...], engine_index: int = 0
+    ) -> Future[Any]:
+        live = self.live_engines()
+        if engine_index in self._gone and live:
+            engine_index = live[0]  # the first engine alive answers for the client
+        return super()._utility_future(method, args, engine_index)
+
+    # ------------------------------------------------------------------ one engine's death
+
+    def _engine_died(self, index: int | None, message: str) -> bool:
+        policy = self.config.routing.on_engine_death
+        if policy == "fail-server" or index is None or not 0 <= index < self.num_engines:
+            return super()._engine_died(index, message)
+        if not self.live_engines():
+            return super()._engine_died(index, f"every engine died; the last: {message}")
+        log.error(
+            "engine %d died (%s): its requests fail; engines %s go on (routing.on_engine_death "
+            "= fail-requests)",
+            index,
+            message,
+            self.live_engines(),
+        )
+        # a RuntimeError means the loop is closed: nobody is listening any more
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._fail_engine, index, message)
+        return True
+
+    def _transport_failed(self, error: BaseException) -> bool:
+        forget = getattr(self.resources.channel, "forget_engine", None)
+        if self.config.routing.on_engine_death != "fail-requests" or forget is None:
+            return super()._transport_failed(error)
+        # the channel saw an engine exit: find which (a forkserver child's exit code can lag
+        # its pidfd by a moment), handle its death, and have the channel forget it
+        deadline = time.monotonic() + 2.0
+        while True:
+            dead = [i for i, p in enumerate(self.resources.procs) if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if not dead or not self._check_engines():
+            return super()._transport_failed(error) if self.dead_error is None else False
+        for i in dead:
+            forget(i)
+        return True
+
+    def _fail_engine(self, index: int, message: str) -> None:
+        """On the loop: every request engine ``index`` held ends with an error."""
+        rids = [rid for rid, owner in self._owner.items() if owner == index]
+        error = f"EngineDeadError: engine {index} died: {message}"
+        outs = EngineCoreOutputs(
+            engine_index=index,
+            outputs=[
+                EngineCoreOutput(
+                    request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error
+                )
+                for rid in rids
+            ],
+        )
+        self._note(outs)
+        if rids:
+            self._outputs_async.put_nowait(outs)
 
 
 __all__ = ["DPAsyncMPClient"]

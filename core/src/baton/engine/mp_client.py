@@ -99,6 +99,8 @@ class MPClient(EngineCoreClient):
         self._send_lock = threading.Lock()
         self._call_ids = itertools.count()
         self._pending: dict[int, Future[Any]] = {}
+        #: engines known dead (their death already handled)
+        self._gone: set[int] = set()
         try:
             self._start(config, transport)
         except BaseException:
@@ -184,21 +186,23 @@ class MPClient(EngineCoreClient):
             try:
                 frames = res.channel.recv(timeout=0.1)
             except BatonError as e:
-                if not res.closing.is_set():
-                    self._mark_dead(f"the transport failed: {e}")
-                return
+                if res.closing.is_set() or not self._transport_failed(e):
+                    return
+                continue
             now = time.monotonic()
             if frames is None or now >= next_check:
                 next_check = now + LIVENESS_INTERVAL_S
-                dead = self._dead_engine()
-                if dead and not res.closing.is_set():
-                    self._mark_dead(f"{dead} without notice")
+                if not res.closing.is_set() and not self._check_engines():
                     return
             if frames is None:
                 continue
             if len(frames[0]) == len(ENGINE_CORE_DEAD) and bytes(frames[0]) == ENGINE_CORE_DEAD:
-                self._mark_dead(_dead_message(frames))
-                return
+                index = _dead_index(frames)
+                if index is not None:
+                    self._gone.add(index)
+                if not self._engine_died(index, _dead_message(frames)):
+                    return
+                continue
             try:
                 outputs = decoder.decode(frames)
             except ProtocolError as e:
@@ -214,6 +218,34 @@ class MPClient(EngineCoreClient):
                         fut.set_exception(error_from_message(u.failure_message))
             if outputs.outputs or outputs.scheduler_stats is not None:
                 self._deliver(outputs)
+
+    def _check_engines(self) -> bool:
+        """Notice engines whose process or thread ended without a word; False when the whole
+        client is dead (the output thread stops)."""
+        for i, p in enumerate(self.resources.procs):
+            if i in self._gone or p.is_alive():
+                continue
+            self._gone.add(i)
+            code = getattr(p, "exitcode", None)
+            what = f"pid {p.pid}" if getattr(p, "pid", None) else "thread"
+            message = f"engine {i} ({what}) exited" + (
+                f" with code {code}" if code is not None else ""
+            )
+            if not self._engine_died(i, f"{message} without notice"):
+                return False
+        return True
+
+    def _transport_failed(self, error: BaseException) -> bool:
+        """The channel's recv raised (an engine exited, or the channel broke); True when the
+        client goes on (a data-parallel client that lost one engine may)."""
+        self._mark_dead(f"the transport failed: {error}")
+        return False
+
+    def _engine_died(self, index: int | None, message: str) -> bool:
+        """Engine ``index`` (None: unknown) died; True when the client goes on without it.
+        One engine's death is the client's: a data-parallel client may say otherwise."""
+        self._mark_dead(message)
+        return False
 
     def _mark_dead(self, message: str) -> None:
         err = EngineDeadError(f"the engine core died: {message}")
@@ -358,6 +390,14 @@ def _typed_result(fut: Future[Any], result: Any) -> Any:
 
 def _dead_message(frames: list[Any]) -> str:
     return bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else "no reason given"
+
+
+def _dead_index(frames: list[Any]) -> int | None:
+    """The engine a DEAD message names (its third frame), if it names one."""
+    try:
+        return int(bytes(frames[2])) if len(frames) > 2 else None
+    except ValueError:
+        return None
 
 
 def make_mp_client(

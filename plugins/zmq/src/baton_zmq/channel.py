@@ -83,6 +83,7 @@ class Channel:
         # pidfd (or a negative key where there are no pidfds) -> watch
         self._watches: dict[int, PeerWatch] = {}
         self._gone: str | None = None  # why recv must raise once nothing is pending
+        self._exited: dict[int, str] = {}  # watch key -> its peer's exit, for every exited peer
         self._grace_until = 0.0
         self._recv_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -126,9 +127,21 @@ class Channel:
         watch = self._watches[key]
         if key >= 0:
             self._poller.unregister(key)
+        self._exited[key] = str(watch.error())
         if self._gone is None:
-            self._gone = str(watch.error())
+            self._gone = self._exited[key]
             self._grace_until = time.monotonic() + _DEATH_GRACE
+
+    def _unwatch(self, key: int) -> None:
+        """Stop watching one peer: its exit no longer makes recv raise."""
+        watch = self._watches.pop(key, None)
+        if watch is None:
+            return
+        if key >= 0 and key not in self._exited:
+            self._poller.unregister(key)
+        watch.close()
+        self._exited.pop(key, None)
+        self._gone = next(iter(self._exited.values()), None)
 
     def _recv(self, timeout: float | None) -> list[Frame] | None:
         """Wait on the input socket, the wake pipe and the peers' pidfds; the caller holds the recv lock."""

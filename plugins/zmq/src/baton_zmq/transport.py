@@ -70,6 +70,8 @@ class ZmqClientChannel(Channel):
         self.num_engines = num_engines
         self._routable: set[int] = set()
         self._hellos: set[int] = set()
+        self._engine_keys: dict[int, int] = {}  # engine index -> its watch's key
+        self._forgotten: set[int] = set()  # engines forget_engine dropped
         self._identities = [_IDENTITY.pack(i) for i in range(num_engines)]
         self._in = self._socket(zmq.ROUTER)
         # an unroutable send raises instead of vanishing
@@ -102,9 +104,23 @@ class ZmqClientChannel(Channel):
         with self._send_lock:
             if self._closed:
                 raise TransportError("zmq client channel is closed")
+            if engine_index in self._forgotten:
+                raise TransportError(
+                    f"engine {engine_index} exited (the frontend went on without it)"
+                )
             if engine_index not in self._routable:
                 self._await_engine(engine_index)
             self._send(self._in, frames, f"engine {engine_index}", self._identities[engine_index])
+
+    def forget_engine(self, engine_index: int) -> None:
+        """The frontend goes on without engine ``engine_index`` (it died): its exit no longer
+        makes ``recv`` raise, and sends to it raise TransportError. What it sent before it died
+        may still arrive."""
+        with self._recv_lock, self._send_lock:
+            self._forgotten.add(engine_index)
+            key = self._engine_keys.pop(engine_index, None)
+            if key is not None:
+                self._unwatch(key)
 
     def _await_engine(self, engine_index: int) -> None:
         """Read DEALER hellos on the ROUTER until ``engine_index`` can be routed to."""
@@ -144,7 +160,9 @@ class ZmqClientChannel(Channel):
         if index in self._hellos:
             return
         self._hellos.add(index)
-        self._watch(PeerWatch(pid, f"engine {index}"))
+        watch = PeerWatch(pid, f"engine {index}")
+        self._watch(watch)
+        self._engine_keys[index] = next(k for k, w in self._watches.items() if w is watch)
         if len(self._hellos) == self.num_engines:
             self._unlink("out")
 
