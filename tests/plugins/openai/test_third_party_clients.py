@@ -145,20 +145,25 @@ def tiny_serve(tiny_dir: Path) -> Iterator[BatonServe]:
         serve.stop()
 
 
-def completions_args(serve: BatonServe, model: str, tokenizer: Path) -> dict[str, Any]:
+def completions_args(
+    serve: BatonServe, model: str, tokenizer: Path, tokenized_requests: bool = True
+) -> dict[str, Any]:
+    """local-completions' arguments: the tokenizer lm-eval splits context and continuation
+    with, and whether it sends token ids (True) or texts that baton tokenizes (False)."""
     return {
         "model": model,
         "base_url": f"{serve.url}/v1/completions",
         "tokenizer": str(tokenizer),
         "tokenizer_backend": "huggingface",
-        "tokenized_requests": True,
+        "tokenized_requests": tokenized_requests,
         "num_concurrent": 2,
         "max_retries": 1,
     }
 
 
+@pytest.mark.parametrize("tokenized_requests", [True, False], ids=["token-ids", "texts"])
 def test_lm_eval_local_completions_scores_choices_as_transformers(
-    monkeypatch, tmp_path, tiny_serve, tiny_dir
+    monkeypatch, tmp_path, tiny_serve, tiny_dir, tokenized_requests
 ):
     pytest.importorskip("lm_eval")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -167,7 +172,7 @@ def test_lm_eval_local_completions_scores_choices_as_transformers(
         monkeypatch,
         tmp_path,
         "local-completions",
-        completions_args(tiny_serve, "tiny", tiny_dir),
+        completions_args(tiny_serve, "tiny", tiny_dir, tokenized_requests),
         "baton_mc",
         batch_size=8,
     )
