@@ -157,6 +157,8 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     ),
     # for router plugins
     "baton.routing": ("EngineLoad", "RouteRequest"),
+    # collective_rpc's targets: the Worker allow-list and registered names
+    "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
     # the transport plugins' toolkit
     "baton.transport.peer": ("PeerWatch", "POLL_SLICE"),
     "baton.transport.sweep": ("sweep_stale",),

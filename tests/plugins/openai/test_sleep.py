@@ -72,3 +72,9 @@ def test_no_profile_endpoints_without_the_folder(model_dir):
     with running_server(model_dir, max_model_len=256, kv_cache_memory=4 << 20) as srv:
         assert httpx.post(f"{srv.url}/start_profile").status_code == 404
         assert httpx.post(f"{srv.url}/stop_profile").status_code == 404
+
+
+def test_collective_rpc_is_not_served_over_http(server):
+    for method in ("post", "get"):
+        r = httpx.request(method, f"{server.url}/collective_rpc", json={"method": "memory_usage"})
+        assert r.status_code == 404

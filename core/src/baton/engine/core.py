@@ -21,7 +21,13 @@ from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import ConfigError, EngineSleepingError, ExecutorError, InvalidRequestError
+from baton.errors import (
+    ConfigError,
+    EngineSleepingError,
+    ExecutorError,
+    InvalidRequestError,
+    error_from_message,
+)
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
 from baton.plugins import Registry, get_registry
@@ -397,6 +403,39 @@ class EngineCore:
         self.profiling = False
         return list(self.executor.collective_rpc("stop_profile"))
 
+    def collective_rpc(
+        self,
+        method: str,
+        args: list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker (``baton.rpc``: the Worker allow-list or a registered
+        name); one result per worker, in rank order, as msgpack builtins (a struct becomes the
+        list of its fields), the same whichever transport carries them. A target that raises
+        fails this call with its error and rank; the engine goes on."""
+        from baton.rpc import run_worker_rpc
+
+        if not isinstance(method, str):
+            raise InvalidRequestError(
+                f"collective_rpc method {method!r}: give a name (a str)", param="method"
+            )
+        outcomes = self.executor.collective_rpc(
+            run_worker_rpc, (method, tuple(args or ()), dict(kwargs or {})), timeout=timeout
+        )
+        for rank, (ok, value) in enumerate(outcomes):
+            if not ok:
+                kind, _, text = str(value).partition(": ")
+                raise error_from_message(f"{kind}: worker {rank}: {text}")
+        try:
+            return [msgspec.to_builtins(value) for _, value in outcomes]
+        except TypeError as e:
+            raise InvalidRequestError(
+                f"collective_rpc {method!r} returned a value that cannot reach the client ({e}): "
+                "return numbers, strings, lists, dicts or msgspec structs",
+                param="method",
+            ) from None
+
     def get_stats(self) -> SchedulerStats:
         """A snapshot: counters (prefix-cache queries/hits, preemptions) are totals since start."""
         return self.scheduler.make_stats(delta=False)
@@ -432,6 +471,7 @@ UTILITY_METHODS: dict[str, Any] = {
     "get_memory_usage": list[WorkerMemory],
     "start_profile": None,
     "stop_profile": list[str],
+    "collective_rpc": list[Any],
 }
 
 

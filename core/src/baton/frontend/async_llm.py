@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from baton.config import BatonConfig
@@ -390,6 +390,20 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return bool(await self.engine.call_utility_async("is_sleeping"))
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """As ``LLM.collective_rpc``."""
+        return list(
+            await self.engine.call_utility_async(
+                "collective_rpc", method, list(args), dict(kwargs or {}), timeout
+            )
+        )
 
     async def start_profile(self) -> None:
         """As ``LLM.start_profile``."""

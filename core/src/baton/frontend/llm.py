@@ -224,6 +224,22 @@ class LLM:
     def is_sleeping(self) -> bool:
         return bool(self.engine.call_utility("is_sleeping"))
 
+    def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker; one result per worker, in rank order. Only a
+        Worker method on ``baton.rpc.WORKER_RPC_METHODS`` or a name registered with
+        ``baton.rpc.register_worker_rpc`` is callable; results arrive as msgpack builtins."""
+        return list(
+            self.engine.call_utility(
+                "collective_rpc", method, list(args), dict(kwargs or {}), timeout
+            )
+        )
+
     def start_profile(self) -> None:
         """Start the torch profiler in every worker (``observability.profile_dir`` must be set)."""
         self.engine.call_utility("start_profile")
