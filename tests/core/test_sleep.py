@@ -147,3 +147,30 @@ def test_an_executor_without_sleep_is_refused_by_name():
     with pytest.raises(ExecutorError, match="executor FakeExecutor has no sleep"):
         core.sleep(1)
     assert not core.is_sleeping()
+
+
+def test_data_parallel_refuses_the_calls_that_would_reach_one_engine():
+    import asyncio
+
+    from baton import AsyncLLM
+
+    async def main() -> None:
+        llm = await AsyncLLM.create(
+            model=str(tiny_model("llama")),
+            device="cpu",
+            num_threads=1,
+            max_model_len=512,
+            kv_cache_memory=4 << 20,
+            data_parallel_size=2,
+        )
+        try:
+            for call in (llm.sleep(1), llm.wake_up(), llm.start_profile(), llm.stop_profile()):
+                with pytest.raises(InvalidRequestError, match="data_parallel_size = 2"):
+                    await call
+            with pytest.raises(InvalidRequestError, match="one engine of 2"):
+                await llm.collective_rpc("memory_usage")
+            assert not await llm.is_sleeping()
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())

@@ -7,11 +7,12 @@ from baton.testing.tiny_model import tiny_model
 from tests.core.test_sleep import prompts, tokens
 
 
-def test_both_ranks_sleep_at_each_level_and_wake_with_the_same_tokens():
+def check_ranks_sleep_and_wake(**parallel) -> None:
+    """Both ranks free their KV cache (and at level 2 their weights) and bring them back; the
+    greedy tokens after each wake are those before."""
     with LLM(
         model=str(tiny_model("llama")),
-        executor="cuda-tp",
-        tensor_parallel_size=2,
+        **parallel,
         device="cpu",
         num_threads=1,
         max_model_len=1024,
@@ -33,3 +34,7 @@ def test_both_ranks_sleep_at_each_level_and_wake_with_the_same_tokens():
                 (m.kv_cache_bytes, m.weights_bytes) for m in mem
             ]
             assert tokens(llm, batch) == before, f"tokens changed after sleep({level})"
+
+
+def test_both_ranks_sleep_at_each_level_and_wake_with_the_same_tokens():
+    check_ranks_sleep_and_wake(executor="cuda-tp", tensor_parallel_size=2)

@@ -379,13 +379,25 @@ class AsyncLLM:
         """As ``LLM.reset_prefix_cache``."""
         return await self.engine.call_utility_async("reset_prefix_cache", reset_running)
 
+    def _one_engine(self, call: str) -> None:
+        """Refuse a utility call that must reach every engine while the client has several
+        (data parallel sends utility calls to one engine)."""
+        n = self.config.executor.data_parallel_size
+        if n > 1:
+            raise InvalidRequestError(
+                f"{call}() with executor.data_parallel_size = {n} would reach one engine of "
+                f"{n}: not supported yet; run it with data_parallel_size = 1"
+            )
+
     async def sleep(self, level: int = 1) -> None:
         """As ``LLM.sleep``: free the KV cache (level 1) or the weights too (level 2)."""
         check_sleep_level(level)
+        self._one_engine("sleep")
         await self.engine.call_utility_async("sleep", level)
 
     async def wake_up(self) -> None:
         """As ``LLM.wake_up``."""
+        self._one_engine("wake_up")
         await self.engine.call_utility_async("wake_up")
 
     async def is_sleeping(self) -> bool:
@@ -399,6 +411,7 @@ class AsyncLLM:
         timeout: float | None = None,
     ) -> list[Any]:
         """As ``LLM.collective_rpc``."""
+        self._one_engine("collective_rpc")
         return list(
             await self.engine.call_utility_async(
                 "collective_rpc", method, list(args), dict(kwargs or {}), timeout
@@ -407,10 +420,12 @@ class AsyncLLM:
 
     async def start_profile(self) -> None:
         """As ``LLM.start_profile``."""
+        self._one_engine("start_profile")
         await self.engine.call_utility_async("start_profile")
 
     async def stop_profile(self) -> list[str]:
         """As ``LLM.stop_profile``: the traces written, one per worker process."""
+        self._one_engine("stop_profile")
         return list(await self.engine.call_utility_async("stop_profile"))
 
     async def get_memory_usage(self) -> list[WorkerMemory]:
