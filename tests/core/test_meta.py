@@ -106,7 +106,7 @@ def test_hooks_md_example_runs(name):
     assert len(entries) == 1, f"the {name} example registered {len(entries)} {kind} names"
     entry = entries[0]
     config = BatonConfig.load()
-    if kind == "command":
+    if kind in ("command", "bench"):
         handler = entry.create(argparse.ArgumentParser())
         assert callable(handler)
         return
@@ -117,6 +117,7 @@ def test_hooks_md_example_runs(name):
         "executor": interfaces.Executor,
         "transport": interfaces.Transport,
         "speculator": interfaces.Speculator,
+        "router": interfaces.Router,
     }.get(kind)
     if protocol is not None:
         assert isinstance(product, protocol)

@@ -247,3 +247,30 @@ def test_one_engine_dying(policy):
             llm.shutdown()
 
     asyncio.run(go())
+
+
+class LastEngine:
+    """A third party's router: every request to the highest engine index."""
+
+    BATON_PLUGIN_API = 1
+
+    class Router:
+        def route(self, request: RouteRequest, engines: list[EngineLoad]) -> int:
+            return max(e.engine_index for e in engines)
+
+        def finished(self, request_id: str, engine_index: int) -> None:
+            pass
+
+    @hookimpl
+    def register_routers(self, register: Any) -> None:
+        register("last-engine", lambda config, settings: LastEngine.Router())
+
+
+def test_hook_register_routers():
+    get_plugins().register(LastEngine(), "last-engine-router", "baton-contrib-last", "0.1")
+    try:
+        prompts = [list(range(100, 140)), list(range(200, 240)), *[list(range(100, 140))] * 4]
+        _, loads = run_dp("last-engine", prompts)
+        assert loads[0].prefix_cache_queries == 0 and loads[1].prefix_cache_queries > 0
+    finally:
+        get_plugins().unregister("last-engine-router")

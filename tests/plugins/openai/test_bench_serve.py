@@ -155,7 +155,7 @@ class EchoBench:
         register("echo", self.factory)
 
 
-def test_plugins_add_benchmarks(capsys):
+def test_hook_register_benches(capsys):
     get_plugins().register(EchoBench(), "echo-bench", "baton-contrib-echo", "0.1")
     try:
         names = {e.name: e.distribution for e in get_registry().of_kind("bench")}
