@@ -144,7 +144,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.metrics.stats": ("IterationStats",),
     # for server and command plugins
     "baton.frontend.input_processor": ("InputProcessor",),
-    "baton.cli.main": ("add_engine_arguments", "engine_overrides"),
+    "baton.cli.main": ("add_engine_arguments", "engine_overrides", "ENGINE_FLAGS"),
     # for benchmark plugins (register_benches)
     "baton.bench.common": (
         "CpuMonitor",

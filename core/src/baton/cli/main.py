@@ -15,6 +15,22 @@ from baton.errors import BatonError
 LOG_LEVEL_ENV = "BATON_LOG_LEVEL"
 
 
+#: The named engine flags add_engine_arguments adds (argparse dests; besides --set).
+ENGINE_FLAGS = (
+    "model",
+    "dtype",
+    "max_model_len",
+    "transport",
+    "executor",
+    "device",
+    "policy",
+    "max_num_seqs",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The config overrides every engine-running command accepts (strongest source)."""
     g = parser.add_argument_group("engine (overrides the config file and BATON_* variables)")
@@ -45,20 +61,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The overrides for BatonConfig.load from add_engine_arguments' flags."""
-    names = (
-        "model",
-        "dtype",
-        "max_model_len",
-        "transport",
-        "executor",
-        "device",
-        "policy",
-        "max_num_seqs",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "data_parallel_size",
-    )
-    overrides: dict[str, Any] = {n: getattr(args, n, None) for n in names}
+    overrides: dict[str, Any] = {n: getattr(args, n, None) for n in ENGINE_FLAGS}
     # --dtype is the model's: a bare "dtype" is ambiguous since cache.dtype
     overrides["model.dtype"] = overrides.pop("dtype")
     for item in getattr(args, "set", None) or ():

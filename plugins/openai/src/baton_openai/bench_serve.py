@@ -39,7 +39,7 @@ from baton.bench.common import (
     load_workload,
     percentile,
 )
-from baton.cli.main import add_engine_arguments
+from baton.cli.main import ENGINE_FLAGS, add_engine_arguments
 from baton.errors import BatonError
 
 #: Seconds ``baton serve`` may take to say where it listens (a cold model conversion included).
@@ -305,19 +305,7 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     if getattr(args, "config", None):
         argv += ["--config", args.config]
-    for name in (
-        "model",
-        "dtype",
-        "max_model_len",
-        "transport",
-        "executor",
-        "device",
-        "policy",
-        "max_num_seqs",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "data_parallel_size",
-    ):
+    for name in ENGINE_FLAGS:
         value = getattr(args, name, None)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
