@@ -180,6 +180,26 @@ class ExecutorSection(_Section):
     fast_decode: bool = True
     """Run decode-only steps of Llama-block models (Llama, Qwen2, Mistral without sliding window)
     through one native call for the whole layer stack (needs cpu_kernels; CPU, float32)."""
+    expert_parallel: bool = False
+    """With data_parallel_size N > 1 and a mixture-of-experts model (Mixtral, Qwen2/3-MoE, OLMoE):
+    each engine core holds E/N of every MoE layer's E experts and the layers dispatch tokens to
+    them across the engines (gloo on CPU, NCCL on CUDA), which then step together in waves
+    (docs/architecture.md, Data parallel). vLLM's --enable-expert-parallel. Ignored (a warning)
+    for a dense model; needs E divisible by N, tensor/pipeline_parallel_size 1."""
+    data_parallel_master_port: int = Field(0, ge=0, le=65535)
+    """With expert_parallel: the 127.0.0.1 TCP port where the engine cores meet to build their
+    process groups (a torch TCPStore the frontend serves); 0: a free port."""
+    data_parallel_rank: int = Field(0, ge=0)
+    """Which engine core of the data-parallel group this is: set by the frontend for each engine
+    it starts (leave it at 0)."""
+    dp_wave_check_steps: int = Field(32, ge=1, le=100_000)
+    """With expert_parallel: every this many steps of a wave the engine cores all-reduce whether
+    any has unfinished requests, and stop together when none has; once a check finds one of them
+    idle (running dummy batches), they check every step until the wave ends."""
+    collective_timeout_s: float = Field(300.0, gt=0, le=86_400, allow_inf_nan=False)
+    """With expert_parallel: how long an engine core waits in one collective (an MoE layer's
+    dispatch, a wave check) for the others before it fails (an engine that dies fails them at
+    once); also the most one engine's step may take while the others wait."""
 
 
 class TransportSection(_Section):

@@ -152,6 +152,19 @@ class EngineCoreOutputs(msgspec.Struct, **_STRUCT):
     utility_output: UtilityOutput | None = None
     #: Requests that finished without a final token output (e.g. aborted by the engine).
     finished_requests: list[str] | None = None
+    #: Data-parallel waves (expert parallel): engine 0 says that wave N ended on every engine.
+    wave_complete: int | None = None
+    #: An idle engine got a request and started wave N: the frontend starts it on the others.
+    start_wave: int | None = None
+
+
+class DPWaveStart(msgspec.Struct, **_STRUCT):
+    """START_DP_WAVE's body: engines still idle in a wave before ``wave`` step from now on
+    (dummy batches while they have no request); a start for a wave an engine already
+    finished is stale and ignored. ``exclude_engine`` is the engine that started it itself."""
+
+    wave: int
+    exclude_engine: int = -1
 
 
 # --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from baton.plugins import get_registry
 from baton.process_exit import exit_now
 from baton.protocol import (
     ENGINE_CORE_DEAD,
+    DPWaveStart,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -80,6 +81,7 @@ class EngineCoreProc:
             RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             RequestType.ABORT: MsgpackDecoder(list[str]),
             RequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+            RequestType.START_DP_WAVE: MsgpackDecoder(DPWaveStart),
         }
         parent = os.getppid()
         while not self.closing.is_set():
@@ -209,6 +211,8 @@ class EngineCoreProc:
             self._utility(payload)
         elif rtype is RequestType.EXECUTOR_FAILED:
             raise payload if isinstance(payload, BaseException) else ExecutorError(str(payload))
+        elif rtype is RequestType.START_DP_WAVE:  # only engines stepping in waves use it
+            log.warning("engine %d: ignored START_DP_WAVE (no expert parallel)", self.engine_index)
 
     def _add(self, req: EngineCoreRequest) -> None:
         error: str | None = None
@@ -352,6 +356,11 @@ def run_engine_core(
                 "plugins in one environment"
             )
         core = EngineCore(config, registry=registry, engine_index=engine_index)
+        try:
+            proc = _proc_class(core)(core, channel, engine_index, shutdown_event)
+        except BaseException:
+            core.shutdown()
+            raise
     except BaseException as e:
         log.error("engine %d failed to start: %s", engine_index, e)
         channel.send(
@@ -362,7 +371,6 @@ def run_engine_core(
         if in_thread:
             return
         raise SystemExit(1) from e
-    proc = EngineCoreProc(core, channel, engine_index, shutdown_event)
     if not in_thread:
         signal.signal(signal.SIGTERM, proc.request_shutdown)
         signal.signal(signal.SIGINT, proc.request_shutdown)
@@ -373,3 +381,14 @@ def run_engine_core(
         code = 1
     if not in_thread:  # the loop has stopped and the channel is closed
         exit_now(code)
+
+
+def _proc_class(core: EngineCore) -> type[EngineCoreProc]:
+    """The loop this engine needs: waves when its experts are shared with the other engines."""
+    from baton.parallel.expert import expert_parallel_size
+
+    if expert_parallel_size(core.config) > 1:
+        from baton.engine.dp_core_proc import DPEngineCoreProc
+
+        return DPEngineCoreProc
+    return EngineCoreProc

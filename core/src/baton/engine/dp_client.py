@@ -22,12 +22,15 @@ from baton.config import BatonConfig
 from baton.engine.mp_client import AsyncMPClient
 from baton.errors import EngineDeadError, PluginError
 from baton.interfaces import Router, Transport
+from baton.parallel.expert import expert_parallel_size
 from baton.plugins import get_registry
 from baton.protocol import (
+    DPWaveStart,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    RequestType,
     SchedulerStats,
 )
 from baton.routing.types import EngineLoad, RouteRequest
@@ -54,7 +57,21 @@ class DPAsyncMPClient(AsyncMPClient):
         #: prompt tokens looked up in each engine's prefix cache so far, and found cached
         self._prefix_queries = [0] * num_engines
         self._prefix_hits = [0] * num_engines
+        #: With expert parallel the engines step in waves (engine/dp_core_proc.py): the store
+        #: they meet at, and what this client knows of the waves; None: independent engines.
+        self._store: Any = None
+        self.waves: Waves | None = None
+        if expert_parallel_size(config) > 1:
+            self._store = _serve_store(config.executor.data_parallel_master_port)
+            self.waves = Waves()
         super().__init__(config, transport, num_engines, loop)
+
+    def _engine_config(self, index: int) -> BatonConfig:
+        update: dict[str, Any] = {"data_parallel_rank": index}
+        if self._store is not None:
+            update["data_parallel_master_port"] = self._store.port
+        executor = self.config.executor.model_copy(update=update)
+        return self.config.model_copy(update={"executor": executor})
 
     def engine_loads(self) -> list[EngineLoad]:
         """The load of every engine still alive, as the router sees it now."""
@@ -101,6 +118,10 @@ class DPAsyncMPClient(AsyncMPClient):
         self._owner[request.request_id] = idx
         self._in_flight[idx] += 1
         try:
+            if self.waves is not None and not self.waves.running:
+                # the engines are idle: start the next wave on the others, this one joins it
+                # with the request
+                self._start_wave(self.waves.start(), exclude=idx)
             super().add_request(request)
         except BaseException:
             self._release(request.request_id)
@@ -119,6 +140,11 @@ class DPAsyncMPClient(AsyncMPClient):
                 self._release(out.request_id)
         for rid in item.finished_requests or ():
             self._release(rid)
+        if self.waves is not None:
+            if item.wave_complete is not None:
+                self.waves.completed(item.wave_complete)
+            if item.start_wave is not None and self.waves.started_by_engine(item.start_wave):
+                self._start_wave(item.start_wave, exclude=item.engine_index)
         st = item.scheduler_stats
         if st is not None and 0 <= item.engine_index < self.num_engines:
             self._stats[item.engine_index] = st
@@ -131,7 +157,20 @@ class DPAsyncMPClient(AsyncMPClient):
                 self._loop.call_soon_threadsafe(self._note, item)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 return
+            if not item.outputs and item.scheduler_stats is None:
+                return  # a wave message: for this client only
         super()._deliver(item)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._store = None  # the engines are gone: stop serving their store
+
+    def _start_wave(self, wave: int, exclude: int) -> None:
+        """START_DP_WAVE to every live engine but ``exclude`` (which started it itself)."""
+        start = DPWaveStart(wave=wave, exclude_engine=exclude)
+        for i in self.live_engines():
+            if i != exclude:
+                self._send(RequestType.START_DP_WAVE, start, i)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         # requests of a dead engine, or finished ones, have no engine to tell
@@ -152,6 +191,10 @@ class DPAsyncMPClient(AsyncMPClient):
 
     def _engine_died(self, index: int | None, message: str) -> bool:
         policy = self.config.routing.on_engine_death
+        if self.waves is not None:  # the others' MoE layers wait for it: the group is dead
+            return super()._engine_died(
+                index, f"{message} (its experts are gone: expert-parallel engines fail together)"
+            )
         if policy == "fail-server" or index is None or not 0 <= index < self.num_engines:
             return super()._engine_died(index, message)
         if not self.live_engines():
@@ -170,7 +213,8 @@ class DPAsyncMPClient(AsyncMPClient):
 
     def _transport_failed(self, error: BaseException) -> bool:
         forget = getattr(self.resources.channel, "forget_engine", None)
-        if self.config.routing.on_engine_death != "fail-requests" or forget is None:
+        fail_one = self.config.routing.on_engine_death == "fail-requests" and self.waves is None
+        if not fail_one or forget is None:
             return super()._transport_failed(error)
         # the channel saw an engine exit: find which (a forkserver child's exit code can lag
         # its pidfd by a moment), handle its death, and have the channel forget it
@@ -204,4 +248,44 @@ class DPAsyncMPClient(AsyncMPClient):
             self._outputs_async.put_nowait(outs)
 
 
-__all__ = ["DPAsyncMPClient"]
+class Waves:
+    """What the frontend knows of the engines' waves (touched on the client's loop only).
+
+    ``current`` is the wave the engines are in (running) or start next (idle). An engine's
+    ``wave_complete`` for the current wave makes them idle; a ``start_wave`` from an engine
+    that got a request while idle starts its wave, unless that wave is running or over.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.running = False
+        self.completed_waves = 0
+
+    def start(self) -> int:
+        """A request arrives while the engines are idle: the wave to start."""
+        self.running = True
+        return self.current
+
+    def completed(self, wave: int) -> None:
+        if wave >= self.current:  # else stale: a later wave has started since
+            self.current = wave + 1
+            self.running = False
+            self.completed_waves += 1
+
+    def started_by_engine(self, wave: int) -> bool:
+        """An engine started ``wave``; True when the others must be told."""
+        if wave > self.current or (wave == self.current and not self.running):
+            self.current = wave
+            self.running = True
+            return True
+        return False
+
+
+def _serve_store(port: int) -> Any:
+    """The TCPStore on 127.0.0.1 the engines build their process groups over (0: a free port)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+
+__all__ = ["DPAsyncMPClient", "Waves"]

@@ -117,14 +117,14 @@ class MPClient(EngineCoreClient):
             if transport.multiprocess:
                 p: Any = processes.start(
                     run_engine_core,
-                    (config, channel.address, i, fingerprint),
+                    (self._engine_config(i), channel.address, i, fingerprint),
                     name=f"baton-engine-{i}",
                 )
             else:
                 p = threading.Thread(
                     target=run_engine_core,
                     kwargs=dict(
-                        config=config,
+                        config=self._engine_config(i),
                         address=channel.address,
                         engine_index=i,
                         in_thread=True,
@@ -141,6 +141,10 @@ class MPClient(EngineCoreClient):
             target=self._output_loop, name="baton-client-output", daemon=True
         )
         res.reader.start()
+
+    def _engine_config(self, index: int) -> BatonConfig:
+        """The config engine ``index`` starts with (a data-parallel client sets its rank)."""
+        return self.config
 
     def _wait_ready(self, channel: ClientChannel) -> list[EngineReady]:
         decoder = MsgpackDecoder(EngineReady)
@@ -216,7 +220,12 @@ class MPClient(EngineCoreClient):
                         fut.set_result(_typed_result(fut, u.result))
                     else:
                         fut.set_exception(error_from_message(u.failure_message))
-            if outputs.outputs or outputs.scheduler_stats is not None:
+            if (
+                outputs.outputs
+                or outputs.scheduler_stats is not None
+                or outputs.wave_complete is not None
+                or outputs.start_wave is not None
+            ):
                 self._deliver(outputs)
 
     def _check_engines(self) -> bool:

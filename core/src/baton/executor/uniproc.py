@@ -50,6 +50,10 @@ class UniprocExecutor:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-uniproc")
         self.worker = Worker(config)
         try:
+            from baton.parallel.expert import expert_parallel_runner, expert_parallel_size
+
+            if expert_parallel_size(config) > 1:  # this engine's experts only (issue 18)
+                self.worker.runner_cls = expert_parallel_runner
             # on the step thread: torch's thread settings and inference state are per thread
             self._call(self._init_worker)
         except BaseException:
@@ -110,6 +114,22 @@ class UniprocExecutor:
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         future = self._submit(self.worker.sample_tokens, grammar_output)
         return future if non_block else future.result()
+
+    def execute_dummy_batch(self) -> None:
+        """A forward of one token that no request owns (written to the null KV block): an
+        expert-parallel engine with nothing to run keeps its collectives in step with the
+        others'."""
+        self._call(self._dummy_batch)
+
+    def _dummy_batch(self) -> None:
+        runner = self.worker.model_runner
+        dummy = getattr(runner, "execute_dummy_batch", None)
+        if not callable(dummy):
+            raise ExecutorError(
+                f"runner {type(runner).__name__} has no execute_dummy_batch(): it cannot run in "
+                "an expert-parallel group; use baton's stock runner"
+            )
+        dummy()
 
     def collective_rpc(
         self,

@@ -37,7 +37,18 @@ def text_config(hf_config: Any) -> Any:
 
 def tp_plan(hf_config: Any) -> dict[str, str]:
     """The model's base-model tp plan; ConfigError when it has none or uses a style we do not apply."""
+    from baton.parallel.expert import num_experts
+
     text = text_config(hf_config)
+    experts = num_experts(text)
+    if experts:
+        raise ConfigError(
+            f"executor.tensor_parallel_size > 1: {getattr(text, 'model_type', '?')!r} is a "
+            f"mixture-of-experts model ({experts} experts per layer), whose experts baton's tensor "
+            "parallel does not shard; run it with tensor_parallel_size = 1, or over "
+            "data_parallel_size engines with executor.expert_parallel = true (each holds its share "
+            "of the experts)"
+        )
     plan = getattr(text, "base_model_tp_plan", None) or {}
     if not plan:
         raise ConfigError(

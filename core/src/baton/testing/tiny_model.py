@@ -8,6 +8,7 @@ with a model that is fast and still a real transformers architecture.
 
 ``tiny_model(arch, **overrides)`` is the cached form for tests: each distinct
 model is built once per process, in a temporary folder removed at exit.
+``MOE_ARCHS`` are mixture-of-experts models (4 experts per layer, 2 per token).
 ``tiny_model("bert")`` is an encoder (a BertModel checkpoint, no LM head): it
 serves pooling requests (embeddings) only.
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3")
+#: mixture-of-experts models: 4 experts per layer, 2 per token (expert parallel's tests)
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 #: base models without an LM head (saved as their AutoModel class): embeddings only
 ENCODER_ARCHS = ("bert",)
 VOCAB_SIZE = 49152
@@ -58,6 +61,18 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=None),
     "gemma": dict(hidden_act="gelu_pytorch_tanh"),
     "phi3": dict(original_max_position_embeddings=2048),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+    ),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1
+    ),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -79,8 +94,8 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
 
     if arch in ENCODER_ARCHS:
         return AutoConfig.for_model(arch, **{**_ENCODER, **overrides})
-    if arch not in ARCHS:
-        known = ", ".join((*ARCHS, *ENCODER_ARCHS))
+    if arch not in ARCHS + MOE_ARCHS:
+        known = ", ".join((*ARCHS, *MOE_ARCHS, *ENCODER_ARCHS))
         raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {known}")
     kwargs = {**_COMMON, **_PER_ARCH[arch], **overrides}
     return AutoConfig.for_model(arch, **kwargs)

@@ -416,6 +416,25 @@ class ModelRunner:
             )
         log.debug("warm-up took %.2f s", time.monotonic() - t0)
 
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """A forward of one token no request owns, written to slot 0 of the null block (never a
+        request's): an expert-parallel engine with nothing to run takes part in the MoE layers'
+        collectives of the others' step (engine/dp_core_proc.py). The persistent batch is untouched."""
+        if not self.kv_caches:
+            raise ExecutorError("execute_dummy_batch before initialize_kv_cache")
+        slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            self.kv_caches, slot, self.block_size, [], [PrefillSeq(0, 1, 0, None)], 1
+        )
+        self.model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+            position_ids=slot[None],
+            **head_kwargs(self.model, slot, 1, self.headless),
+            use_cache=False,
+            **{META_KWARG: meta},
+        )
+
     # ------------------------------------------------------------------ sleep
 
     def sleep(self, level: int) -> None:
