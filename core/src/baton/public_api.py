@@ -181,7 +181,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.parallel.sharding": ALL,
     # the testing kit
     "baton.testing": ("FakeExecutor", "FakeExecutorSettings", "register_fake_executor"),
-    "baton.testing.tiny_model": ("tiny_model", "make_tiny_model"),
+    "baton.testing.tiny_model": ("tiny_model", "make_tiny_model", "MOE_ARCHS"),
     "baton.testing.sched_harness": ALL,
     "baton.testing.conformance": _SUITES,
     "baton.testing.conformance.scheduler_policy": ("SchedulerPolicyConformance",),
