@@ -2,12 +2,15 @@
 """Data-parallel routing on a multi-tenant workload: prefix-cache hit rate per router.
 
     .venv/bin/python scripts/bench_routing.py [--tenants 8] [--per-tenant 16] [--prefix 512]
-        [--routers least-loaded,prefix-aware] [--dp 2] [--model M] [--json]
+        [--routers least-loaded,prefix-aware] [--dp 2] [--model M] [--kv-cache-memory 120MiB]
+        [--max-concurrency 4] [--json]
 
 The workload: ``--tenants`` system prompts of ``--prefix`` random tokens each (seeded),
 ``--per-tenant`` requests per tenant (its prompt, then ``--suffix`` tokens of its own),
-``--max-tokens`` greedy tokens each, all sent at once in a shuffled order to ``AsyncLLM``
-with ``executor.data_parallel_size = --dp`` (engine processes over zmq), once per router.
+``--max-tokens`` greedy tokens each, sent in a shuffled order to ``AsyncLLM`` with
+``executor.data_parallel_size = --dp`` (engine processes over zmq), once per router: all at
+once, or with ``--max-concurrency N`` at most N in flight (a client pool: each request is
+routed when the one before it finishes, as traffic that keeps coming rather than one burst).
 Reports each router's prefix-cache hit rate (prompt tokens found cached over prompt tokens
 looked up, summed over the engines' scheduler stats), each engine's share, output tokens/s,
 the output digest (the same for every router: routing changes no token) and the ratio of the
@@ -54,10 +57,13 @@ async def run(router: str, prompts: list[list[int]], args: argparse.Namespace) -
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
+        slots = asyncio.Semaphore(args.max_concurrency or len(prompts))
+
         async def one(i: int, p: list[int]) -> list[int]:
             out: list[int] = []
-            async for o in llm.generate({"prompt_token_ids": p}, params, f"r{i}"):
-                out = list(o.outputs[0].token_ids)
+            async with slots:
+                async for o in llm.generate({"prompt_token_ids": p}, params, f"r{i}"):
+                    out = list(o.outputs[0].token_ids)
             return out
 
         with CpuMonitor() as cpu:
@@ -102,6 +108,11 @@ def main() -> int:
         help="each engine's KV cache (cache.kv_cache_memory, e.g. 300MiB): smaller than every "
         "tenant's prefix together, it tells routers that keep a tenant on one engine apart",
     )
+    ap.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="requests in flight at most (default: all at once)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -116,6 +127,7 @@ def main() -> int:
         "prefix_tokens": args.prefix,
         "dp": args.dp,
         "kv_cache_memory": args.kv_cache_memory,
+        "max_concurrency": args.max_concurrency,
         "same_outputs": len({r["outputs_sha256_16"] for r in results}) == 1,
         "results": results,
     }

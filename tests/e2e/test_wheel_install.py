@@ -54,9 +54,11 @@ def test_wheels_install_in_a_fresh_venv_and_generate_with_zmq_and_cuda_tp(tmp_pa
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)
     py = venv / "bin" / "python"
-    # the torch build this checkout tests with (make setup's TORCH), then the wheels
-    run(py, "-m", "pip", "install", "-q", f"torch=={importlib.metadata.version('torch')}")
-    run(py, "-m", "pip", "install", "-q", *(built[name] for name in INSTALLED))
+    # the torch build this checkout tests with (make setup's TORCH), then the wheels; no .pyc
+    # byte-compiling at install: torch and transformers hold thousands of modules
+    pip = (py, "-m", "pip", "install", "-q", "--no-compile")
+    run(*pip, f"torch=={importlib.metadata.version('torch')}")
+    run(*pip, *(built[name] for name in INSTALLED))
 
     where = run(py, "-c", "import baton, baton_zmq, baton_cuda_tp; print(baton.__file__)")
     assert str(venv) in where, f"baton imported from {where.strip()}, not the new environment"
