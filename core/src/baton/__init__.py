@@ -24,6 +24,7 @@ _LAZY = {
     "PoolingRequestOutput": "baton.outputs",
     "BatonConfig": "baton.config",
     "EngineCore": "baton.engine.core",
+    "LoRARequest": "baton.lora.request",
 }
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from baton.engine.core import EngineCore
     from baton.frontend.async_llm import AsyncLLM
     from baton.frontend.llm import LLM
+    from baton.lora.request import LoRARequest
     from baton.outputs import (
         CompletionOutput,
         Logprob,
@@ -56,6 +58,7 @@ __all__ = [
     "BatonConfig",
     "CompletionOutput",
     "EngineCore",
+    "LoRARequest",
     "Logprob",
     "PoolingOutput",
     "PoolingParams",

@@ -1,4 +1,4 @@
-"""baton's configuration: one pydantic-settings model, nine sections.
+"""baton's configuration: one pydantic-settings model, eleven sections.
 
 Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
 ``BATON_<SECTION>__<FIELD>`` environment variables, a TOML or YAML file (given
@@ -229,6 +229,36 @@ class SpeculativeSection(_Section):
     drafting for a while after repeated verifications that accepted nothing."""
 
 
+class LoRASection(_Section):
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) on top
+    of the model: requests name one (``lora_request``, or an adapter's name as the server's
+    ``model``), several adapters and the base model share a batch (vLLM's --enable-lora). Needs
+    tensor_parallel_size = pipeline_parallel_size = 1; steps with an adapter run transformers'
+    modules (not fast_decode's native layer stack)."""
+    max_loras: int = Field(1, gt=0, le=64)
+    """Most adapters in one batch: slots of stacked factors in device memory, each
+    max_lora_rank wide in every adapted layer; a waiting request whose adapter would make one
+    more among the running requests waits (vLLM's --max-loras)."""
+    max_lora_rank: int = Field(16, gt=0, le=512)
+    """The highest adapter rank accepted; every slot is this wide, so a larger value costs memory
+    and time on every step with an adapter (vLLM's --max-lora-rank)."""
+    max_cpu_loras: int | None = Field(None, gt=0)
+    """Adapters kept loaded in host memory (add_lora, or named by a request); past it the least
+    recently used one that no request is using and that is not pinned (pin_lora) is dropped, and
+    read again from its folder when a request names it. None: max_loras (vLLM's
+    --max-cpu-loras); at least max_loras."""
+
+    @pydantic.model_validator(mode="after")
+    def _cpu_loras_hold_a_batch(self) -> LoRASection:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} < max_loras={self.max_loras}: the adapters "
+                "kept in host memory must hold a batch's; raise max_cpu_loras or leave it unset"
+            )
+        return self
+
+
 class RoutingSection(_Section):
     router: str = "least-loaded"
     """With executor.data_parallel_size > 1, which engine core serves each request:
@@ -297,6 +327,15 @@ class ServerSection(_Section):
     e.g. ["https://app.example.com"], or ["*"] for any; empty: no CORS headers."""
     log_format: Literal["text", "json"] = "text"
     """`baton serve`'s log lines: text, or json (one JSON object a line, with the request id)."""
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    """LoRA adapters `baton serve` offers from the start, name -> PEFT folder (vLLM's
+    --lora-modules name=path): each name is a model in /v1/models (its parent the served model)
+    that a request's `model` selects. Needs lora.enable_lora."""
+    allow_runtime_lora_updating: bool = False
+    """Mount POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter
+    {lora_name} (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; here also
+    BATON_SERVER__ALLOW_RUNTIME_LORA_UPDATING=true): anyone who can reach the API can then make
+    the server read any folder it can see."""
     chat_template: str | None = None
     """A chat template `baton serve` uses instead of the tokenizer's (vLLM's --chat-template):
     a Jinja file's path, or the template itself (text with `{`, `}` or a newline); a path that
@@ -364,6 +403,7 @@ SECTIONS = (
     "structured_output",
     "speculative",
     "routing",
+    "lora",
     "server",
     "observability",
 )
@@ -397,6 +437,7 @@ class BatonConfig(BaseSettings):
     structured_output: StructuredOutputSection = Field(default_factory=StructuredOutputSection)
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     routing: RoutingSection = Field(default_factory=RoutingSection)
+    lora: LoRASection = Field(default_factory=LoRASection)
     server: ServerSection = Field(default_factory=ServerSection)
     observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 
@@ -427,6 +468,28 @@ class BatonConfig(BaseSettings):
                 "shards are not quantized in this version; use tensor_parallel_size = 1 (a "
                 "pipeline's stages are quantized) or model.quantization = 'none'"
             )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _lora_without_model_parallel(self) -> BatonConfig:
+        if not self.lora.enable_lora:
+            if self.server.lora_modules:
+                raise ValueError(
+                    f"server.lora_modules ({', '.join(self.server.lora_modules)}) needs "
+                    "lora.enable_lora = true (--enable-lora)"
+                )
+            return self
+        ex = self.executor
+        for name, size in (
+            ("tensor_parallel_size", ex.tensor_parallel_size),
+            ("pipeline_parallel_size", ex.pipeline_parallel_size),
+        ):
+            if size > 1:
+                raise ValueError(
+                    f"lora.enable_lora with executor.{name}={size}: LoRA adapters run on one "
+                    f"rank holding the whole model in this version; set {name} = 1 (data "
+                    "parallel engines each serve adapters) or lora.enable_lora = false"
+                )
         return self
 
     # ------------------------------------------------------------------ build

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from baton.lora.request import LoRARequest
 from baton.pooling_params import PoolingParams
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
@@ -64,6 +65,9 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):
     #: Set for a pooling request (embeddings): its prompt's hidden states are pooled after
     #: its last prompt chunk instead of sampled, and it finishes there.
     pooling_params: PoolingParams | None = None
+    #: The LoRA adapter the request runs with (``lora.enable_lora``); None: the base model.
+    #: Its id is mixed into the prefix-cache block hashes.
+    lora_request: LoRARequest | None = None
 
 
 class UtilityRequest(msgspec.Struct, **_STRUCT):
@@ -184,6 +188,8 @@ class NewRequestData(msgspec.Struct, **_STRUCT):
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     #: Set for a pooling request: the runner pools its prompt's hidden states, never samples it.
     pooling_params: PoolingParams | None = None
+    #: The LoRA adapter its tokens run with (the runner reads it if it has not yet); None: none.
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_STRUCT):

@@ -37,6 +37,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "PoolingOutput",
         "PoolingParams",
         "PoolingRequestOutput",
+        "LoRARequest",
         "RequestOutput",
         "RequestOutputKind",
         "SamplingParams",
@@ -101,6 +102,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "StructuredOutputSection",
         "SpeculativeSection",
         "RoutingSection",
+        "LoRASection",
         "ServerSection",
         "ObservabilitySection",
     ),
@@ -125,6 +127,16 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "MAX_DEADLINE_S",
     ),
     "baton.request": ("Request", "RequestStatus"),
+    # LoRA adapters: the request's adapter, PEFT folders read without peft
+    "baton.lora": ("LoRARequest", "as_lora_request", "check_lora_request"),
+    "baton.lora.request": ("LoRARequest", "as_lora_request", "check_lora_request"),
+    "baton.lora.adapter": (
+        "AdapterConfig",
+        "AdapterWeights",
+        "TARGET_MODULES",
+        "load_adapter",
+        "read_adapter_config",
+    ),
     "baton.outputs": (
         "RequestOutput",
         "CompletionOutput",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from baton.lora.request import LoRARequest
 from baton.pooling_params import PoolingParams
 from baton.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from baton.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ class Request:
         "error",
         "events",
         "grammar",
+        "lora_key",
+        "lora_request",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -91,6 +94,7 @@ class Request:
         max_model_len: int | None = None,
         scheduling: SchedulingInfo | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -135,6 +139,10 @@ class Request:
         self.skip_reading_prefix_cache = (
             pooling_params is not None and pooling_params.needs_all_tokens
         )
+        #: The LoRA adapter it runs with (None: the base model), and the key of its KV in the
+        #: prefix cache: the adapter's id and the engine's registration of it (EngineCore sets it).
+        self.lora_request = lora_request
+        self.lora_key: str | None = None if lora_request is None else str(lora_request.lora_int_id)
 
     @classmethod
     def from_engine_core_request(
@@ -153,7 +161,13 @@ class Request:
             max_model_len,
             req.scheduling,
             req.pooling_params,
+            req.lora_request,
         )
+
+    @property
+    def lora_id(self) -> int:
+        """The LoRA adapter's id (0: none)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,10 @@ ENGINE_FLAGS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "data_parallel_size",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
@@ -49,6 +53,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--dp",
         type=int,
         help="engine cores, each with the whole model, behind one asyncio frontend (baton serve)",
+    )
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (PEFT folders) on top of the model (lora.enable_lora)",
+    )
+    g.add_argument("--max-loras", type=int, help="most LoRA adapters in one batch (lora.max_loras)")
+    g.add_argument(
+        "--max-lora-rank", type=int, help="the highest LoRA rank accepted (lora.max_lora_rank)"
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="LoRA adapters kept loaded in host memory (lora.max_cpu_loras)",
     )
     g.add_argument(
         "--set",

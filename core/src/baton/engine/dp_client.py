@@ -105,6 +105,7 @@ class DPAsyncMPClient(AsyncMPClient):
             user=request.user,
             priority=request.priority,
             block_size=self.config.cache.block_size,
+            lora_int_id=request.lora_request.lora_int_id if request.lora_request else 0,
         )
         self._check_alive()
         engines = self.engine_loads()

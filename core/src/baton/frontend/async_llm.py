@@ -25,6 +25,7 @@ from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
+from baton.lora.request import LoRARequest, check_lora_request
 from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import RequestTracer, make_tracer
 from baton.model_info import model_info
@@ -122,6 +123,7 @@ class AsyncLLM:
         user: str | None = None,
         scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative, delta or final only per params.output_kind).
 
@@ -134,11 +136,14 @@ class AsyncLLM:
 
         ``prompt`` may be a ``baton.validation.CheckedRequest`` (``checked_request``: a
         server that checked the request itself): it carries its parameters (give none of
-        the others but ``request_id``) and is not checked again for this engine's model.
+        the others but ``request_id``, ``trace_headers`` and ``lora_request``) and is not
+        checked again for this engine's model. ``lora_request`` (``lora.enable_lora``): the
+        ``baton.lora.LoRARequest`` adapter the request runs with; None: the base model.
         """
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         check_generation(self.info)
+        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
         if isinstance(prompt, CheckedRequest):
             checked = self._checked(prompt, sampling_params, priority, user, scheduling)
         else:
@@ -194,6 +199,7 @@ class AsyncLLM:
                     arrival_time=arrival,
                     user=user,
                     cache_salt=checked.cache_salt,
+                    lora_request=lora,
                 )
                 await self.engine.add_request_async(req)
             while True:
@@ -219,14 +225,16 @@ class AsyncLLM:
         user: str | None = None,
         scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Pool one prompt's final hidden states (vLLM's ``AsyncLLM.encode``): yields one
         PoolingRequestOutput, when the request finishes. It runs in the engine's steps with
         the generation requests; None fields of ``pooling_params`` take the config's
         ``model.pooling_type`` / ``model.pooling_normalize``. Cancelling aborts it;
-        ``trace_headers`` as in ``generate``."""
+        ``trace_headers`` and ``lora_request`` as in ``generate``."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
+        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
         text, ids = self.input_processor.tokenize(prompt)
         params, merged = check_pooling_prompt(
             self.input_processor,
@@ -266,6 +274,7 @@ class AsyncLLM:
                     scheduling=merged,
                     arrival_time=arrival,
                     user=user,
+                    lora_request=lora,
                 )
             )
             item = await queue.get()
@@ -427,6 +436,27 @@ class AsyncLLM:
         """As ``LLM.stop_profile``: the traces written, one per worker process."""
         self._one_engine("stop_profile")
         return list(await self.engine.call_utility_async("stop_profile"))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """As ``LLM.add_lora``."""
+        self._one_engine("add_lora")
+        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
+        return bool(await self.engine.call_utility_async("add_lora", lora))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """As ``LLM.remove_lora``."""
+        self._one_engine("remove_lora")
+        return bool(await self.engine.call_utility_async("remove_lora", lora_id))
+
+    async def list_loras(self) -> list[int]:
+        """As ``LLM.list_loras``."""
+        self._one_engine("list_loras")
+        return list(await self.engine.call_utility_async("list_loras"))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """As ``LLM.pin_lora``."""
+        self._one_engine("pin_lora")
+        return bool(await self.engine.call_utility_async("pin_lora", lora_id))
 
     async def get_memory_usage(self) -> list[WorkerMemory]:
         """As ``LLM.get_memory_usage``."""

@@ -8,6 +8,7 @@ from typing import Any, TypeAlias
 
 from baton.errors import ContextLengthError, InvalidRequestError
 from baton.frontend.bad_words import bad_words_token_ids
+from baton.lora.request import LoRARequest
 from baton.model_info import ModelInfo
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, show_value
@@ -226,6 +227,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         user: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """Build the request for the engine core from one ``validate`` accepted (and the
         SchedulingInfo it returned); it is not checked again here (the engine core checks
@@ -251,6 +253,7 @@ class InputProcessor:
             scheduling=None
             if scheduling == SchedulingInfo(priority=scheduling.priority)
             else scheduling,
+            lora_request=lora_request,
         )
 
     def validate(

@@ -21,6 +21,7 @@ from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
+from baton.lora.request import LoRARequest, check_lora_request
 from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import check_tracing, make_tracer
 from baton.model_info import model_info
@@ -85,6 +86,7 @@ class LLM:
         user: str | Sequence[str | None] | None = None,
         scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs in prompt order.
 
@@ -92,12 +94,21 @@ class LLM:
         fields: priority, deadline, tenant, tags) are for the scheduler policy: one for
         all prompts, or one per prompt. With ``observability.tracing``, each request's span
         is a child of the trace ``trace_headers`` name (``traceparent``, ``tracestate``),
-        else of the caller's current span, if any.
+        else of the caller's current span, if any. ``lora_request`` (``lora.enable_lora``):
+        the ``baton.lora.LoRARequest`` adapter to run with, one for all prompts or one (or
+        None: the base model) per prompt.
         """
         prompt_list = _as_prompt_list(prompts)
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
         return self._run(
-            tokenized, sampling_params, use_tqdm, priority, user, scheduling, trace_headers
+            tokenized,
+            sampling_params,
+            use_tqdm,
+            priority,
+            user,
+            scheduling,
+            trace_headers,
+            lora_request,
         )
 
     def chat(
@@ -108,9 +119,10 @@ class LLM:
         use_tqdm: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several; ``scheduling`` as in
-        ``generate``."""
+        """Answer one conversation (a list of messages) or several; ``scheduling`` and
+        ``lora_request`` as in ``generate``."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidRequestError(
                 "chat() got no messages: give a conversation (a list of {'role', 'content'} "
@@ -125,7 +137,9 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
             )
             tokenized.append((self.tokenizer.decode(ids), ids))
-        return self._run(tokenized, sampling_params, use_tqdm, None, None, scheduling)
+        return self._run(
+            tokenized, sampling_params, use_tqdm, None, None, scheduling, None, lora_request
+        )
 
     def encode(
         self,
@@ -136,6 +150,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         user: str | Sequence[str | None] | None = None,
         scheduling: SchedulingArg | Sequence[SchedulingArg] = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pool each prompt's final hidden states into one vector; outputs in prompt order.
 
@@ -151,6 +166,7 @@ class LLM:
         prios = _per_prompt(priority if priority is not None else 0, n, "priority")
         users = _per_prompt(user, n, "user")
         scheds = _per_prompt(scheduling, n, "scheduling")
+        loras = self._loras(lora_request, n)
         # check everything before anything reaches the engine
         checked = [
             check_pooling_prompt(
@@ -160,7 +176,9 @@ class LLM:
         ]
         request_ids: list[str] = []
         try:
-            for (text, ids), u, (params, info) in zip(tokenized, users, checked, strict=True):
+            for (text, ids), u, (params, info), lora in zip(
+                tokenized, users, checked, loras, strict=True
+            ):
                 rid = str(next(self._ids))
                 request_ids.append(rid)
                 arrival = time.monotonic()
@@ -176,6 +194,7 @@ class LLM:
                         scheduling=info,
                         arrival_time=arrival,
                         user=u,
+                        lora_request=lora,
                     )
                 )
             return self._run_engine(request_ids, use_tqdm, "Pooling")
@@ -249,6 +268,30 @@ class LLM:
         one per worker process."""
         return list(self.engine.call_utility("stop_profile"))
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter into the engine ahead of its requests (read and checked against
+        the model: a bad folder fails here); False if it is loaded already."""
+        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
+        return bool(self.engine.call_utility("add_lora", lora))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop a loaded adapter (refused while a request uses it); False if it was not loaded."""
+        return bool(self.engine.call_utility("remove_lora", lora_id))
+
+    def list_loras(self) -> list[int]:
+        """The ids of the loaded adapters."""
+        return list(self.engine.call_utility("list_loras"))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep a loaded adapter loaded (never dropped to make room, lora.max_cpu_loras)."""
+        return bool(self.engine.call_utility("pin_lora", lora_id))
+
+    def _loras(self, lora_request: Any, n: int) -> list[LoRARequest | None]:
+        return [
+            check_lora_request(x, self.config.lora.enable_lora)
+            for x in _per_prompt(lora_request, n, "lora_request")
+        ]
+
     def get_memory_usage(self) -> list[WorkerMemory]:
         """Each worker's memory, measured in its process: RSS, KV-cache and weight storages."""
         return list(self.engine.call_utility("get_memory_usage"))
@@ -275,10 +318,12 @@ class LLM:
         user: str | Sequence[str | None] | None,
         scheduling: SchedulingArg | Sequence[SchedulingArg],
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         self._check_awake()
         check_generation(self.info)
         n = len(tokenized)
+        loras = self._loras(lora_request, n)
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
         users = _per_prompt(user, n, "user")
@@ -293,10 +338,12 @@ class LLM:
         ]
         added: list[str] = []
         try:
-            for (text, ids), p, u, info in zip(tokenized, params, users, infos, strict=True):
+            for (text, ids), p, u, info, lora in zip(
+                tokenized, params, users, infos, loras, strict=True
+            ):
                 rid = str(next(self._ids))
                 request_ids.append(rid)
-                added.extend(self._add_request(rid, text, ids, p, u, info, trace_headers))
+                added.extend(self._add_request(rid, text, ids, p, u, info, trace_headers, lora))
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
@@ -311,6 +358,7 @@ class LLM:
         user: str | None,
         scheduling: SchedulingInfo,
         trace_headers: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         arrival = time.monotonic()
         children = split_request(request_id, params)
@@ -328,7 +376,13 @@ class LLM:
             )
             # validated in _run, once per prompt
             req = self.input_processor.process(
-                rid, ids, p, scheduling=scheduling, arrival_time=arrival, user=user
+                rid,
+                ids,
+                p,
+                scheduling=scheduling,
+                arrival_time=arrival,
+                user=user,
+                lora_request=lora_request,
             )
             self.engine.add_request(req)
         return [c[0] for c in children]

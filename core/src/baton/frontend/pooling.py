@@ -9,6 +9,7 @@ import msgspec
 
 from baton.config import ModelSection
 from baton.frontend.input_processor import InputProcessor
+from baton.lora.request import LoRARequest
 from baton.pooling_params import (
     PoolingParams,
     check_pooling,
@@ -54,6 +55,7 @@ def pooling_engine_request(
     scheduling: SchedulingInfo,
     arrival_time: float,
     user: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> EngineCoreRequest:
     """The EngineCoreRequest of a checked pooling prompt."""
     req = processor.process(
@@ -63,5 +65,6 @@ def pooling_engine_request(
         scheduling=scheduling,
         arrival_time=arrival_time,
         user=user,
+        lora_request=lora_request,
     )
     return msgspec.structs.replace(req, pooling_params=params)

@@ -1,9 +1,10 @@
 """Chained block hashes for prefix caching.
 
 A full block's hash covers its parent's hash, its own token ids and any extra
-keys that change the KV it holds (``Request.cache_salt``): two blocks with the
-same tokens after different prefixes never share a hash, and requests with
-different salts never share KV. Hashes are 16-byte blake2b digests over a
+keys that change the KV it holds (``Request.cache_salt``, and the LoRA adapter the
+request runs with: its id and the engine's registration of that id, ``Request.lora_key``):
+two blocks with the same tokens after different prefixes never share a hash, and
+requests with different salts or adapters never share KV. Hashes are 16-byte blake2b digests over a
 compact encoding (``array('q').tobytes()``), stable across processes and runs
 (unlike Python's ``hash()``).
 
@@ -37,11 +38,15 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = 
     return h.digest()
 
 
-def root_hash(cache_salt: str | None) -> BlockHash:
-    """The parent of a request's first block; the salt (if any) goes in here and so into every block."""
-    if cache_salt is None:
+def root_hash(cache_salt: str | None, lora_key: str | None = None) -> BlockHash:
+    """The parent of a request's first block; the salt and the LoRA adapter's key (if any) go in
+    here and so into every block."""
+    if cache_salt is None and lora_key is None:
         return ROOT_HASH
-    return hash_block(ROOT_HASH, (), b"salt:" + cache_salt.encode())
+    extra = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    if lora_key is not None:
+        extra += b"\x00lora:" + lora_key.encode()
+    return hash_block(ROOT_HASH, (), extra)
 
 
 def update_block_hashes(request: Request, block_size: int) -> None:
@@ -52,7 +57,7 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     num_full = len(tokens) // block_size
     if n >= num_full:
         return
-    parent = hashes[-1] if n else root_hash(request.cache_salt)
+    parent = hashes[-1] if n else root_hash(request.cache_salt, request.lora_key)
     for i in range(n, num_full):
         start = i * block_size
         parent = hash_block(parent, tokens[start : start + block_size])

@@ -43,7 +43,10 @@ def prefix_hashes(request: RouteRequest, max_blocks: int) -> list[bytes]:
     """Chained hashes of the prompt's first full blocks: hash i covers blocks 0..i."""
     bs = request.block_size
     n = min(max_blocks, len(request.prompt_token_ids) // bs)
-    h = hashlib.blake2b((request.cache_salt or "").encode(), digest_size=16).digest()
+    seed = (request.cache_salt or "").encode()
+    if request.lora_int_id:  # the engines' prefix cache keeps adapters apart too
+        seed += b"\x00lora:%d" % request.lora_int_id
+    h = hashlib.blake2b(seed, digest_size=16).digest()
     out = []
     for i in range(n):
         block = request.prompt_token_ids[i * bs : (i + 1) * bs]

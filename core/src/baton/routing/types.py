@@ -16,6 +16,8 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     #: The engines' KV block size (prefix caching shares whole blocks of this many tokens).
     block_size: int = 16
+    #: The LoRA adapter's id (LoRARequest.lora_int_id; 0: none): it is in the block hashes too.
+    lora_int_id: int = 0
 
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):

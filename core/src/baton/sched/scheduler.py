@@ -175,6 +175,9 @@ class Scheduler:
             else None
         )
         self.enable_caching = config.cache.enable_prefix_caching
+        #: Most distinct LoRA adapters among running requests (lora.max_loras; None: LoRA off):
+        #: a waiting request with another adapter waits until one of them has no request left.
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.max_model_len = (
             max_model_len if max_model_len is not None else config.model.max_model_len
         )
@@ -512,6 +515,7 @@ class Scheduler:
             if max_partial is not None
             else 0
         )
+        loras: set[int] | None = None  # the running requests' adapters, once one is asked about
         while (
             budget > 0
             and prefill > 0
@@ -522,6 +526,12 @@ class Scheduler:
             if req is None:
                 break
             rid = req.request_id
+            lora_id = req.lora_id
+            if lora_id and self.max_loras is not None:
+                if loras is None:
+                    loras = {r.lora_id for r in running if r.status == _RUNNING} - {0}
+                if lora_id not in loras and len(loras) >= self.max_loras:
+                    break  # its adapter would be one too many in a batch: it waits its turn
             hits, num_hit = kv.get_computed_blocks(req)
             tokens = req.all_token_ids
             ntok = len(tokens)
@@ -560,8 +570,11 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     output_token_ids=tokens[req.num_prompt_tokens :],
                     pooling_params=req.pooling_params,
+                    lora_request=req.lora_request,
                 )
             )
+            if lora_id and loras is not None:
+                loras.add(lora_id)
             self._num_sent[rid] = ntok
             num_scheduled[rid] = n
             budget -= n

@@ -12,8 +12,10 @@ up to the kernels' row limits in one parallel region), else the head with its mo
 It applies to models whose layers are exactly the Llama block: LlamaForCausalLM,
 Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM, without sliding windows,
 float32 on CPU with baton's kernels, linears that are nn.Linear /
-SmallBatchLinear / QuantLinear, and no hooks on any module (LoRA and other
-wrappers change the modules and are refused). ``build_fast_decode`` returns None,
+SmallBatchLinear / QuantLinear, and no hooks on any module (other wrappers change
+the modules and are refused). baton's own LoRA layers (``worker/lora.py``) wrap the
+linears after this path is built from their weights; the runner sends a step with
+any adapter through transformers' modules instead. ``build_fast_decode`` returns None,
 with a debug log of the reason, for anything else; transformers' code then runs
 every step, as it always does for prefill and mixed steps.
 """

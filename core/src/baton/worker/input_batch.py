@@ -63,6 +63,8 @@ class InputBatch:
         #: rows with logit_bias, allowed_token_ids or bad words (their params in ``constraints``)
         self.constrained = np.zeros(n, dtype=bool)
         self.constraints: list[SamplingParams | None] = [None] * n
+        #: the LoRA adapter id of each row (0: none; LoRARequest.lora_int_id)
+        self.lora_id = np.zeros(n, dtype=np.int64)
 
     @property
     def num_reqs(self) -> int:
@@ -100,6 +102,8 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._append_blocks(row, req.block_ids, req.req_id)
         self._set_sampling(row, req.sampling_params, eos_token_ids)
+        lora = getattr(req, "lora_request", None)
+        self.lora_id[row] = lora.lora_int_id if lora is not None else 0
         self.req_ids.append(req.req_id)
         self.req_id_to_index[req.req_id] = row
         return row
@@ -227,6 +231,7 @@ class InputBatch:
             self.min_tokens,
             self.num_prompt_logprobs,
             self.constrained,
+            self.lora_id,
         ):
             arr[dst] = arr[src]
         self.min_tokens_stop_ids[dst] = self.min_tokens_stop_ids[src]

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from baton.config import BatonConfig
-from baton.errors import ExecutorError
+from baton.errors import ExecutorError, InvalidRequestError
+from baton.lora.request import LoRARequest
 from baton.pooling_params import default_pooling_type
 from baton.protocol import (
     GrammarOutput,
@@ -39,6 +40,7 @@ from baton.worker.fast_decode import FastDecode, build_fast_decode
 from baton.worker.headless import head_kwargs, is_bidirectional
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache_dtype import kv_cache_dtype
+from baton.worker.lora import LoRAModel
 from baton.worker.memory import release_device_memory, release_host_memory
 from baton.worker.pooler import Pooler
 from baton.worker.sampler import Sampler, apply_bitmask
@@ -132,6 +134,8 @@ class ModelRunner:
         self.num_blocks = 0
         self._pending: PendingStep | None = None
         self.fast_decode: FastDecode | None = None
+        #: The adapted layers and the adapters read (lora.enable_lora); None: LoRA off.
+        self.lora: LoRAModel | None = None
         self.pooler = Pooler("last", cfg.model.pooling_normalize)  # the model's own: load_model
         #: prompt logprobs of requests whose prompt is still being computed (chunked prefill)
         self._prompt_lps: dict[str, list[TokenLogprobs]] = {}
@@ -178,6 +182,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._cpu_linears()
         self.fast_decode = self._fast_decode()
+        self.lora = self._lora()  # after fast_decode: it took the layers' weights as they are
         self.inputs = StepInputBuilder(
             self.input_batch, self.max_num_tokens, self.device, kernels=self.kernels
         )
@@ -246,6 +251,42 @@ class ModelRunner:
         if fast is not None:
             log.info("decode-only steps run the layer stack in one native call (fast_decode)")
         return fast
+
+    def _lora(self) -> LoRAModel | None:
+        """The adaptable layers wrapped (lora.enable_lora), the adapters read before kept (a
+        reload after sleep level 2)."""
+        lora_cfg = self.cfg.lora
+        if not lora_cfg.enable_lora:
+            return None
+        lora = LoRAModel(
+            self.model, self.device, self.dtype, lora_cfg.max_loras, lora_cfg.max_lora_rank
+        )
+        if self.lora is not None:
+            lora.adapters, lora.requests = self.lora.adapters, self.lora.requests
+        return lora
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into host memory (checked against the model); False if it was there."""
+        return self._lora_model().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; False if it was not loaded."""
+        return self._lora_model().remove(lora_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters in host memory."""
+        return self._lora_model().list() if self.lora is not None else []
+
+    def _lora_model(self) -> LoRAModel:
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA adapters are off: start the engine with lora.enable_lora = true "
+                "(--enable-lora, LLM(enable_lora=True))",
+                param="lora_request",
+            )
+        return self.lora
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Change the loaded model (still on CPU) before it moves to the device: the hooks'
@@ -453,6 +494,8 @@ class ModelRunner:
         self.inputs.set_kv_caches([], None)
         if self.fast_decode is not None:
             self.fast_decode.forget_caches()
+        if self.lora is not None:
+            self.lora.release()  # the slots; adapters stay in host memory
         if level == 2:
             self.model = self.fast_decode = None
         elif self.device.type != "cpu":
@@ -604,6 +647,10 @@ class ModelRunner:
         for req in so.scheduled_new_reqs:
             batch.remove_request(req.req_id)  # a resumed request replaces any stale row
             try:
+                if req.lora_request is not None and (
+                    self.lora is None or req.lora_request.lora_int_id not in self.lora.adapters
+                ):
+                    self.add_lora(req.lora_request)  # not read yet here (or dropped since)
                 batch.add_request(req, self.eos_token_ids)
             except BatchContractError:
                 raise
@@ -637,9 +684,20 @@ class ModelRunner:
         return self.hooks.forward(lambda: self._forward(inputs), int(inputs.input_ids.shape[0]))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        lora = self.lora
+        if lora is not None:
+            lora.prepare(inputs.lora_ids)
+            try:
+                return self._forward_model(inputs, lora.active)
+            finally:
+                lora.end_step()
+        return self._forward_model(inputs, False)
+
+    def _forward_model(self, inputs: StepInputs, adapters: bool) -> torch.Tensor:
         fast = self.fast_decode
         if (
             fast is not None
+            and not adapters  # its native stack has no LoRA: steps with adapters run the modules
             and inputs.prompt_rows is None
             and not self.pooler.capturing  # its native stack skips the hook that pools
             and fast.applies(inputs)

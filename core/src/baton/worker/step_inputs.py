@@ -67,6 +67,8 @@ class StepInputs:
     drafts: dict[str, list[int]] | None = None
     #: prompt tokens scored this step; their logits rows follow the sampling rows
     prompt_rows: PromptRows | None = None
+    #: [T] the LoRA adapter id of each token (0: none); None when no token has one
+    lora_ids: np.ndarray | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -183,6 +185,7 @@ class StepInputBuilder:
         positions = self._pos_np[:total]
         np.add(np.repeat(start_o - q_start, q_o), self._arange[:total], out=positions)
         token_rows = rows_o[tok_req]
+        lora_ids = b.lora_id[token_rows] if b.lora_id[rows].any() else None
         np.take(
             b.token_ids.reshape(-1),
             token_rows * b.max_model_len + positions,
@@ -233,6 +236,7 @@ class StepInputBuilder:
             drafts=spec or None,
             rows_share_context=len(seg_req) > len(dec),
             prompt_rows=prompt_rows[0] if prompt_rows is not None else None,
+            lora_ids=lora_ids,
         )
 
     def _prompt_rows(

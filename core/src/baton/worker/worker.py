@@ -176,6 +176,27 @@ class Worker:
             )
         return self._profiler.stop()
 
+    def add_lora(self, lora_request: Any) -> bool:
+        """Read a LoRA adapter into the runner's host memory; False if it was there already."""
+        return bool(self._lora_runner("add_lora").add_lora(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a LoRA adapter in the runner; False if it was not loaded."""
+        return bool(self._lora_runner("remove_lora").remove_lora(lora_id))
+
+    def list_loras(self) -> list[int]:
+        """The ids of the LoRA adapters the runner holds."""
+        return list(self._lora_runner("list_loras").list_loras())
+
+    def _lora_runner(self, method: str) -> Any:
+        runner = self._runner()
+        if not callable(getattr(runner, method, None)):
+            raise ExecutorError(
+                f"runner {type(runner).__name__} has no {method}(): it cannot serve LoRA "
+                "adapters; use baton's stock runner or set lora.enable_lora = false"
+            )
+        return runner
+
     def memory_usage(self) -> WorkerMemory:
         """This worker's memory: its process's RSS, the KV cache's and the weights' storages."""
         return measure(self.rank, self.device, self.model_runner)

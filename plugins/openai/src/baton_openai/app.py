@@ -1,5 +1,6 @@
 """The FastAPI app: /v1 routes and the dev endpoints /sleep, /wake_up, /is_sleeping (and
-/start_profile, /stop_profile with observability.profile_dir) behind the optional API key;
+/start_profile, /stop_profile with observability.profile_dir; /v1/load_lora_adapter,
+/v1/unload_lora_adapter with server.allow_runtime_lora_updating) behind the optional API key;
 /health, /metrics, /version.
 
 Around the routes, outermost first: CORS (when server.cors_origins is set),
@@ -28,6 +29,8 @@ from baton_openai.embeddings import router as embeddings_router
 from baton_openai.errors import install_error_handlers
 from baton_openai.health import EngineHealth
 from baton_openai.limits import RequestLimits
+from baton_openai.lora import LoRARegistry
+from baton_openai.lora import router as lora_router
 from baton_openai.openapi import error_responses, install_openapi
 from baton_openai.parsers import ParserRegistry
 from baton_openai.preprocess import Preprocessor
@@ -49,7 +52,16 @@ async def list_models(raw: Request) -> ModelList:
     card = ModelCard(
         id=ctx.model_name, root=ctx.engine.config.model.name, max_model_len=ctx.max_model_len
     )
-    return ModelList(data=[card])
+    adapters = [
+        ModelCard(
+            id=lora.lora_name,
+            root=lora.lora_path,
+            parent=ctx.model_name,
+            max_model_len=ctx.max_model_len,
+        )
+        for lora in (ctx.loras.by_name.values() if ctx.loras is not None else ())
+    ]
+    return ModelList(data=[card, *adapters])
 
 
 @ops_router.get(
@@ -95,9 +107,15 @@ def build_app(
     parsers = parsers or ParserRegistry.load()
     app = FastAPI(title="baton", version=__version__, docs_url=None, redoc_url=None)
     metrics = find_prometheus_logger(engine)
+    model_name = srv.served_model_name or cfg.model.name
+    loras = None
+    if cfg.lora.enable_lora:
+        loras = LoRARegistry(model_name, cfg.lora.max_lora_rank)
+        for name, path in srv.lora_modules.items():  # checked here; read by the engine in run()
+            loras.add(loras.make(name, path))
     app.state.baton = ServerContext(
         engine=engine,
-        model_name=srv.served_model_name or cfg.model.name,
+        model_name=model_name,
         max_model_len=engine.info.max_model_len,
         preprocess=Preprocessor(engine, srv),
         api_key=srv.api_key,
@@ -108,6 +126,7 @@ def build_app(
             srv.max_queued_requests,
             on_reject=(lambda: metrics.count_rejected("queue_full")) if metrics else None,
         ),
+        loras=loras,
     )
     app.state.health = EngineHealth(engine, HEALTH_TIMEOUT_S)
     install_error_handlers(app)
@@ -131,5 +150,7 @@ def build_app(
         app.include_router(router, dependencies=auth)
     if cfg.observability.profile_dir:
         app.include_router(profile_router, dependencies=auth)
+    if cfg.lora.enable_lora and srv.allow_runtime_lora_updating:
+        app.include_router(lora_router, dependencies=auth)
     app.include_router(ops_router)
     return app

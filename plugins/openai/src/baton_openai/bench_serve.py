@@ -307,7 +307,9 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--config", args.config]
     for name in ENGINE_FLAGS:
         value = getattr(args, name, None)
-        if value is not None:
+        if value is True:  # a switch (--enable-lora)
+            argv.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     for item in getattr(args, "set", None) or ():
         argv += ["--set", item]

@@ -193,6 +193,7 @@ async def _generate(
                     built.checked,  # checked once, by build_params
                     request_id=request_id,
                     trace_headers=raw.headers,  # traceparent: the span's parent (tracing on)
+                    lora_request=ctx.lora_for(req),
                 )
             )
         ]
@@ -202,12 +203,12 @@ async def _generate(
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
         if done is DISCONNECTED:
             return Response(status_code=499)
-        return _response(request_id, ctx.model_name, acc, top, reader)
+        return _response(request_id, ctx.answering_model(req), acc, top, reader)
     first = await cancel_on_disconnect(raw, first_output(stream, built))
     if first is DISCONNECTED:
         return Response(status_code=499)
     return SSEResponse(
-        _chunks(request_id, ctx.model_name, req, stream, first, acc, built, top, reader)
+        _chunks(request_id, ctx.answering_model(req), req, stream, first, acc, built, top, reader)
     )
 
 

@@ -48,7 +48,34 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="send an OpenTelemetry span per request to this OTLP endpoint, e.g. "
         "http://127.0.0.1:4317 (observability.otlp_traces_endpoint; needs baton-core[otel])",
     )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters served as model names from the start (server.lora_modules; needs "
+        "--enable-lora)",
+    )
     add_engine_arguments(p)
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """--lora-modules' type: ``name=path`` (vLLM's form; its JSON form too)."""
+    text = value.strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            obj = json.loads(text)
+            return str(obj["name"]), str(obj["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f'{value!r}: give name=path or {{"name": ..., "path": ...}}'
+            ) from None
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{value!r}: give name=path, e.g. sql=/adapters/sql")
+    return name.strip(), path.strip()
 
 
 def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,6 +92,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
+    if getattr(args, "lora_modules", None):
+        overrides["server.lora_modules"] = dict(args.lora_modules)
     return overrides
 
 

@@ -146,6 +146,7 @@ async def _generate(
                     msgspec.structs.replace(b.checked, prompt=t),  # checked once
                     request_id=f"{request_id}-{i}",
                     trace_headers=raw.headers,  # traceparent: the span's parent (tracing on)
+                    lora_request=ctx.lora_for(req),
                 )
             )
             for i, (t, ids, b) in enumerate(zip(texts, ids_list, built_list, strict=True))
@@ -158,11 +159,13 @@ async def _generate(
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
         if done is DISCONNECTED:
             return Response(status_code=499)
-        return _response(request_id, ctx.model_name, req, acc, echo)
+        return _response(request_id, ctx.answering_model(req), req, acc, echo)
     first = await cancel_on_disconnect(raw, first_output(stream, built))
     if first is DISCONNECTED:
         return Response(status_code=499)
-    return SSEResponse(_chunks(request_id, ctx.model_name, req, stream, first, acc, built, echo))
+    return SSEResponse(
+        _chunks(request_id, ctx.answering_model(req), req, stream, first, acc, built, echo)
+    )
 
 
 @dataclass

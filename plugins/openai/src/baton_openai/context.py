@@ -5,16 +5,20 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 
 from baton import AsyncLLM
+from baton.lora.request import LoRARequest
 from baton_openai.admission import QueueGate
 from baton_openai.errors import OpenAIError
 from baton_openai.parser_types import ReasoningParser, ToolParser
 from baton_openai.preprocess import Preprocessor
 from baton_openai.tool_parsers import HermesToolParser
+
+if TYPE_CHECKING:
+    from baton_openai.lora import LoRARegistry
 
 log = logging.getLogger("baton_openai")
 
@@ -43,27 +47,48 @@ class ServerContext:
     tool_parser: ToolParser = field(default_factory=HermesToolParser)
     #: Splits reasoning out of answers (server.reasoning_parser); None: answers left whole.
     reasoning_parser: ReasoningParser | None = None
+    #: LoRA adapters by model name (server.lora_modules, /v1/load_lora_adapter); None: none.
+    loras: LoRARegistry | None = None
 
     @classmethod
     def of(cls, request: Request) -> ServerContext:
         return request.app.state.baton  # type: ignore[no-any-return]
 
-    def check_request(self, req: RouteRequest) -> None:
-        """The checks before any work: the engine is alive and the model is ours."""
+    def check_request(self, req: RouteRequest) -> LoRARequest | None:
+        """The checks before any work: the engine is alive and the model is ours. Returns the
+        LoRA adapter the request's ``model`` names (None: the served model)."""
         if self.engine.errored:
             raise OpenAIError(
                 f"the engine is dead: {self.engine.dead_error}", 503, code="engine_unavailable"
             )
+        lora = None
         if req.model is not None and req.model != self.model_name:
-            raise OpenAIError(
-                f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+            lora = self.loras.get(req.model) if self.loras is not None else None
+            if lora is None:
+                adapters = sorted(self.loras.by_name) if self.loras is not None else []
+                also = f" or the LoRA adapters {', '.join(adapters)}" if adapters else ""
+                raise OpenAIError(
+                    f"The model `{req.model}` does not exist; this server serves "
+                    f"{self.model_name!r}{also}",
+                    404,
+                    param="model",
+                    code="model_not_found",
+                )
         ignored = req.ignored_fields()
         if ignored:
             log.warning("ignoring unsupported request fields: %s", ", ".join(ignored))
+        return lora
+
+    def answering_model(self, req: RouteRequest) -> str:
+        """The model name a response carries: the adapter's when the request named one."""
+        lora = self.lora_for(req)
+        return lora.lora_name if lora is not None else self.model_name
+
+    def lora_for(self, req: RouteRequest) -> LoRARequest | None:
+        """The LoRA adapter a checked request's ``model`` names (None: the served model)."""
+        if req.model is None or req.model == self.model_name or self.loras is None:
+            return None
+        return self.loras.get(req.model)
 
 
 async def check_api_key(request: Request) -> None:

@@ -155,7 +155,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response | Em
     tokens = sum(len(ids) for ids in ids_list)
     return EmbeddingResponse(
         id=request_id,
-        model=ctx.model_name,
+        model=ctx.answering_model(req),
         data=data,
         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
@@ -192,6 +192,7 @@ async def _pool(
             priority=req.priority,
             user=req.user,
             trace_headers=headers,
+            lora_request=ctx.lora_for(req),
         )
     )
     try:

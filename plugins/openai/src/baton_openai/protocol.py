@@ -436,6 +436,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "baton"
     root: str | None = None
+    #: A LoRA adapter's base model (None for the served model itself).
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -122,6 +122,21 @@ class _Uvicorn(uvicorn.Server):
             self._on_started()
 
 
+def check_lora_modules(config: BatonConfig) -> None:
+    """server.lora_modules' folders hold adapters the engine accepts (ConfigError naming one)."""
+    from baton.errors import ConfigError, InvalidRequestError
+    from baton.lora.adapter import read_adapter_config
+
+    name = config.server.served_model_name or config.model.name
+    for lora_name, path in config.server.lora_modules.items():
+        if lora_name == name:
+            raise ConfigError(f"server.lora_modules: {lora_name!r} is the served model's name")
+        try:
+            read_adapter_config(path, config.lora.max_lora_rank)
+        except InvalidRequestError as e:
+            raise ConfigError(f"server.lora_modules {lora_name!r}: {e}") from None
+
+
 class OpenAIServer:
     """``await OpenAIServer(config).run()`` serves until shutdown and returns the exit code."""
 
@@ -146,6 +161,7 @@ class OpenAIServer:
         parsers = ParserRegistry.load()
         parsers.check(srv.tool_call_parser, srv.reasoning_parser)  # before the model loads
         load_chat_template(srv.chat_template)  # a missing file is refused before it loads too
+        check_lora_modules(self.config)  # a bad adapter folder too
         sockets = [sock] if sock is not None else bind_sockets(srv.host, srv.port)
         if srv.api_key is None and not is_loopback(srv.host):
             log.warning(
@@ -165,6 +181,7 @@ class OpenAIServer:
         app = None
         try:
             app = build_app(engine, self.config, parsers)
+            await self._load_loras(app.state.baton)
             # The model, torch and the app are ~500k objects that live as long as the server;
             # a full garbage collection walks them all (0.3 s here, the event loop stopped),
             # triggered by any request that allocates many objects. Frozen, they are skipped.
@@ -194,6 +211,17 @@ class OpenAIServer:
                     log.exception("stopping the preprocessing workers failed")
             engine.shutdown()
         return 1 if self.engine_died or engine.errored else 0
+
+    async def _load_loras(self, ctx: Any) -> None:
+        """server.lora_modules' adapters read by the engine before the first request (one
+        engine; a bad one stops the start-up here)."""
+        from baton_openai.lora import load_into_engine
+
+        if ctx.loras is None:
+            return
+        for lora in ctx.loras.by_name.values():
+            await load_into_engine(ctx, lora)
+            log.info("LoRA adapter %r served from %s", lora.lora_name, lora.lora_path)
 
     def _on_started(self) -> None:
         assert self.uvicorn is not None

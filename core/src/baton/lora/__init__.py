@@ -1,0 +1,9 @@
+"""LoRA adapters: ``LoRARequest`` names one for a request; ``baton.lora.adapter`` reads PEFT folders.
+
+``LLM(model=..., enable_lora=True).generate(prompts, params, lora_request=LoRARequest("sql", 1,
+"/path/to/adapter"))``; see docs/architecture.md (LoRA adapters).
+"""
+
+from baton.lora.request import LoRARequest, as_lora_request, check_lora_request
+
+__all__ = ["LoRARequest", "as_lora_request", "check_lora_request"]
