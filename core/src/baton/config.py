@@ -75,6 +75,12 @@ class ModelSection(_Section):
     groups of 32 (Q8_0 / Q4_1 blocks) applied at load to every plain linear layer, the LM head
     and the embedding (not with tensor_parallel_size > 1). Quantized layers compute in float32:
     "int8" and "int4" need dtype float32 (or "auto" on CPU)."""
+    load_format: Literal["auto", "sharded_state"] = "auto"
+    """How the weights load. "auto": the model folder's full checkpoint, sharded at load for
+    tensor / pipeline parallelism. "sharded_state": a folder written by
+    ``LLM.save_sharded_state(path)``, each rank reading its own already sharded file
+    (``model-rank-{rank}-part-{part}.safetensors``); the engine's tensor_parallel_size and
+    pipeline_parallel_size must be those it was saved with (else a ConfigError)."""
     activation_quantization: Literal["none", "int8"] = "none"
     """Inputs of the quantized layers (model.quantization) in decode-sized steps (up to 16
     rows). "none": float32, exact weight-only quantization. "int8": quantized to int8 per 32

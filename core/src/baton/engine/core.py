@@ -73,6 +73,8 @@ class EngineCore:
         check_config_plugins(
             config, self.registry, skip=frozenset({"executor"}) if executor else frozenset()
         )
+        if executor is None and config.model.load_format == "sharded_state":
+            _check_sharded_folder(config)  # a wrong layout named here, not inside an executor
         if executor is None:
             entry = self.registry.get("executor", config.executor.backend)
             settings = entry.settings(config)
@@ -415,6 +417,49 @@ class EngineCore:
         self.profiling = False
         return list(self.executor.collective_rpc("stop_profile"))
 
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """Every worker writes its already sharded weights into ``path``; the model folder's
+        config and tokenizer files and a marker of the layout follow (``baton.worker.sharded_state``).
+        Load it back with ``model.load_format = "sharded_state"`` at the same TP size."""
+        from pathlib import Path
+
+        from baton.worker.model_loader import model_folder
+        from baton.worker.sharded_state import write_folder_files
+
+        ex, m = self.config.executor, self.config.model
+        if not isinstance(path, str) or not path:
+            raise InvalidRequestError(
+                f"save_sharded_state path {path!r}: give a folder", param="path"
+            )
+        if ex.pipeline_parallel_size > 1:
+            raise InvalidRequestError(
+                f"save_sharded_state with pipeline_parallel_size={ex.pipeline_parallel_size}: "
+                "not supported yet; save from an engine with pipeline_parallel_size = 1"
+            )
+        if self.config.lora.enable_lora:
+            raise InvalidRequestError(
+                "save_sharded_state with lora.enable_lora = true: the LoRA wrappers do not load "
+                "back as plain weights; start the engine without LoRA to save"
+            )
+        if self.sleep_level:
+            raise InvalidRequestError("the engine is asleep: call wake_up() before saving")
+        source = model_folder(self.config)
+        dest = Path(path).expanduser().resolve()
+        if dest == source.resolve():
+            raise InvalidRequestError(
+                f"save_sharded_state path {path!r} is the model's own folder: pick another"
+            )
+        outcomes = self.executor.collective_rpc(
+            "save_sharded_state", (str(dest), pattern, max_size)
+        )
+        if not all(isinstance(o, list) for o in outcomes):
+            raise ExecutorError(f"save_sharded_state: a worker answered {outcomes!r}")
+        write_folder_files(
+            source, dest, ex.tensor_parallel_size, ex.pipeline_parallel_size, m.dtype
+        )
+
     def collective_rpc(
         self,
         method: str,
@@ -605,11 +650,21 @@ UTILITY_METHODS: dict[str, Any] = {
     "start_profile": None,
     "stop_profile": list[str],
     "collective_rpc": list[Any],
+    "save_sharded_state": None,
     "add_lora": bool,
     "remove_lora": bool,
     "list_loras": list[int],
     "pin_lora": bool,
 }
+
+
+def _check_sharded_folder(config: BatonConfig) -> None:
+    """ConfigError unless the model folder is a sharded state of the engine's TP x PP layout."""
+    from baton.worker.model_loader import model_folder
+    from baton.worker.sharded_state import check_marker
+
+    ex = config.executor
+    check_marker(model_folder(config), ex.tensor_parallel_size, ex.pipeline_parallel_size)
 
 
 def check_sleep_level(level: object) -> None:

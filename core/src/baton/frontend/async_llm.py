@@ -427,6 +427,13 @@ class AsyncLLM:
             )
         )
 
+    async def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """As ``LLM.save_sharded_state``."""
+        self._one_engine("save_sharded_state")
+        await self.engine.call_utility_async("save_sharded_state", str(path), pattern, max_size)
+
     async def start_profile(self) -> None:
         """As ``LLM.start_profile``."""
         self._one_engine("start_profile")

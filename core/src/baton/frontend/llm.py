@@ -259,6 +259,15 @@ class LLM:
             )
         )
 
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """Save every worker's already sharded weights into folder ``path`` (files
+        ``model-rank-{rank}-part-{part}.safetensors`` or ``pattern``; a new part past
+        ``max_size`` bytes), with the model's config and tokenizer; load it with
+        ``LLM(model=path, load_format="sharded_state")`` at the same tensor_parallel_size."""
+        self.engine.call_utility("save_sharded_state", str(path), pattern, max_size)
+
     def start_profile(self) -> None:
         """Start the torch profiler in every worker (``observability.profile_dir`` must be set)."""
         self.engine.call_utility("start_profile")

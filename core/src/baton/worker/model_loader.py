@@ -389,6 +389,13 @@ def load_model(
     dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device, cfg.model.quantization)
     attention.register()
     t0 = time.monotonic()
+    if cfg.model.load_format == "sharded_state":
+        model = _load_sharded(cfg, folder, hf_config, cls, dtype, prepare)
+        model.to(device)
+        model.eval()
+        model.requires_grad_(False)
+        log.info("loaded %s's sharded state on %s in %.1f s", folder, device, time.monotonic() - t0)
+        return model
     try:
         with _FROM_PRETRAINED:
             model = cls.from_pretrained(
@@ -413,6 +420,43 @@ def load_model(
         device,
         time.monotonic() - t0,
     )
+    return model
+
+
+def _load_sharded(
+    cfg: BatonConfig,
+    folder: Path,
+    hf_config: Any,
+    cls: Any,
+    dtype: torch.dtype,
+    prepare: Callable[[torch.nn.Module], None] | None,
+) -> torch.nn.Module:
+    """The model built on meta from its config, prepared (sharded) as at save, then filled with
+    this rank's tensors from ``folder`` (``baton.worker.sharded_state``); no full weights read."""
+    import torch
+
+    from baton.errors import ConfigError
+    from baton.worker import attention
+    from baton.worker.sharded_state import check_marker, load_sharded_state
+
+    ex = cfg.executor
+    tp, pp = ex.tensor_parallel_size, ex.pipeline_parallel_size
+    check_marker(folder, tp, pp)
+    if cfg.model.quantization in ("int8", "int4"):
+        raise ConfigError(
+            f"model.quantization={cfg.model.quantization!r} with load_format='sharded_state': "
+            "a sharded state holds float weights as saved; use quantization 'auto' or 'none'"
+        )
+    rank = 0
+    if tp * pp > 1:
+        from baton.parallel.context import get_parallel_context
+
+        rank = get_parallel_context().rank
+    with torch.device("meta"):
+        model = cls._from_config(hf_config, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
+    if prepare is not None:
+        prepare(model)
+    load_sharded_state(model, folder, rank)
     return model
 
 

@@ -176,6 +176,30 @@ class Worker:
             )
         return self._profiler.stop()
 
+    def save_sharded_state(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> list[str]:
+        """Write this rank's model, as sharded, into ``path`` (``baton.worker.sharded_state``);
+        the file names written. Refused for quantized layers and LoRA wrappers."""
+        from baton.worker.sharded_state import save_sharded_state
+
+        runner = self._runner()
+        model = getattr(runner, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise ExecutorError(
+                f"runner {type(runner).__name__} holds no model (asleep at level 2, or not a "
+                "torch runner): wake it up, or use baton's stock runner"
+            )
+        for name, module in model.named_modules():
+            kind = type(module).__module__
+            if kind.startswith(("baton.quant", "baton.lora")):
+                raise InvalidRequestError(
+                    f"cannot save a sharded state with {type(module).__name__} at {name!r}: "
+                    "quantized layers and LoRA wrappers do not load back as plain weights; "
+                    "start the engine with model.quantization='none' and lora.enable_lora=false"
+                )
+        return save_sharded_state(model, path, self.rank, pattern, max_size)
+
     def add_lora(self, lora_request: Any) -> bool:
         """Read a LoRA adapter into the runner's host memory; False if it was there already."""
         return bool(self._lora_runner("add_lora").add_lora(lora_request))
