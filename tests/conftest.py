@@ -14,6 +14,32 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+#: Test files (or folders) that time the system under test (a deadline after a kill or a hang,
+#: /health latency while a step runs, shutdown within its timeout, a check's cost) or watch the
+#: whole machine (Ray's daemons): marked ``serial``. `make test` runs every other test in two
+#: pytest-xdist workers, then these alone, so a neighbour's load cannot push them past a limit.
+SERIAL = (
+    "tests/core/test_expert_parallel.py",
+    "tests/core/test_validation.py",
+    "tests/core/test_worker_group.py",
+    "tests/e2e/test_containment.py",
+    "tests/e2e/test_engine_process.py",
+    "tests/plugins/cuda_tp/test_failures.py",
+    "tests/plugins/openai/test_hardening.py",
+    "tests/plugins/openai/test_large_bodies.py",
+    "tests/plugins/openai/test_lifecycle.py",
+    "tests/plugins/openai/test_limits.py",
+    "tests/plugins/openai/test_shutdown.py",
+    "tests/plugins/pipeline/test_failures.py",
+    "tests/plugins/ray/",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

@@ -29,10 +29,19 @@ def greedy_reference(
 
 
 def _shm_segments() -> set[str]:
+    """baton's /dev/shm segments, except those of a live frontend outside this process's tree
+    (another pytest-xdist worker's: a segment's name starts ``baton_<frontend pid>_``)."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("baton")}
+        names = {n for n in os.listdir("/dev/shm") if n.startswith("baton")}
     except FileNotFoundError:
         return set()
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+
+    def foreign(name: str) -> bool:
+        pid = name.split("_")[1] if name.count("_") >= 2 else ""
+        return pid.isdigit() and int(pid) not in ours and psutil.pid_exists(int(pid))
+
+    return {n for n in names if not foreign(n)}
 
 
 def _children() -> list[psutil.Process]:
