@@ -15,8 +15,15 @@ workers' own timings (``MultiprocExecutor.parallel_stats``):
 Throughput here is a by-product; ``baton bench throughput`` gives the official
 figures. The machine is shared: each run reports others_cpu_frac.
 
+``--backend ray`` runs the parallel configs on the ``ray`` executor (baton-plugin-ray)
+instead of the local ones, each on a local Ray instance it starts (loopback only), with
+the same per-rank timings; ``--backend both`` runs each config on both, alternating,
+so the two see the same machine. ``step_ms_median`` is the engine's own step time
+(EngineCore.step_fn, wall clock): the overhead of an executor is the difference.
+
     .venv/bin/python scripts/bench_parallel.py [--workload W] [--repeats 3] [--transports shm,zmq] [--json]
-    .venv/bin/python scripts/bench_parallel.py --round-trip 2000 [--transports shm,zmq]
+    .venv/bin/python scripts/bench_parallel.py --backend both --configs tp3 --transports shm
+    .venv/bin/python scripts/bench_parallel.py --round-trip 2000 [--transports shm,zmq] [--backend ray]
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = ROOT.parent / "shared" / "bench" / "workload_small.json"
+DEFAULT_WORKLOAD = ROOT.parent / "shared" / "bench" / "workload.json"
 CONFIGS: dict[str, dict[str, Any]] = {
     "tp1": {"executor": "uniproc"},
     "tp2": {"executor": "cuda-tp", "tensor_parallel_size": 2},
@@ -38,7 +45,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_once(core: Any, wl: Any) -> tuple[float, int]:
+def run_once(core: Any, wl: Any, steps: list[float] | None = None) -> tuple[float, int]:
     from baton.protocol import EngineCoreRequest
     from baton.sampling_params import SamplingParams
 
@@ -55,7 +62,10 @@ def run_once(core: Any, wl: Any) -> tuple[float, int]:
     t0 = time.perf_counter()
     n = 0
     while core.has_work():
-        outs, _ = core.step_fn()
+        s0 = time.perf_counter()
+        outs, ran = core.step_fn()
+        if steps is not None and ran:
+            steps.append(time.perf_counter() - s0)
         n += sum(len(o.new_token_ids) for o in outs.outputs) if outs else 0
     return time.perf_counter() - t0, n
 
@@ -81,16 +91,26 @@ def bench(
         runs = []
         for _ in range(repeats):
             core.reset_prefix_cache()
+            steps: list[float] = []
             with CpuMonitor() as mon:
-                wall, n = run_once(core, wl)
+                wall, n = run_once(core, wl, steps)
             runs.append(
-                {"wall_s": round(wall, 3), "tok_per_s": round(n / wall, 1), **(mon.result or {})}
+                {
+                    "wall_s": round(wall, 3),
+                    "tok_per_s": round(n / wall, 1),
+                    "steps": len(steps),
+                    "step_ms_median": round(statistics.median(steps) * 1e3, 2),
+                    "step_ms_mean": round(statistics.fmean(steps) * 1e3, 2),
+                    **(mon.result or {}),
+                }
             )
         out: dict[str, Any] = {
             "config": name,
             **overrides,
             "runs": runs,
             "tok_per_s_median": statistics.median(r["tok_per_s"] for r in runs),
+            "step_ms_median": statistics.median(r["step_ms_median"] for r in runs),
+            "step_ms_mean_median": statistics.median(r["step_ms_mean"] for r in runs),
             "others_cpu_frac_median": statistics.median(
                 r.get("others_cpu_frac", 0.0) for r in runs
             ),
@@ -107,23 +127,25 @@ def bench(
         core.shutdown()
 
 
-def bench_round_trip(transport: str, steps: int, world: int) -> dict[str, Any]:
-    """Round trip of an empty step (broadcast to ``world`` workers + the driver's answer), tiny model."""
+def bench_round_trip(transport: str | None, steps: int, world: int) -> dict[str, Any]:
+    """Round trip of an empty step (broadcast to ``world`` workers + the driver's answer), tiny
+    model; ``transport`` None: the ray executor's."""
     from baton.config import BatonConfig
     from baton.plugins import get_registry
     from baton.protocol import SchedulerOutput
     from baton.testing.tiny_model import tiny_model
 
+    name = "cuda-tp" if transport is not None else "ray"
     cfg = BatonConfig.load(
         model=str(tiny_model("llama")),
         device="cpu",
         num_threads=1,
-        executor="cuda-tp",
+        executor=name,
         tensor_parallel_size=world,
-        **{"executor.cuda-tp": {"transport": transport}},
+        **({"executor.cuda-tp": {"transport": transport}} if transport else {}),
     )
-    entry = get_registry().get("executor", "cuda-tp")
-    ex = entry.create(cfg, cfg.plugin_settings("executor", "cuda-tp", entry.settings_model))
+    entry = get_registry().get("executor", name)
+    ex = entry.create(cfg, cfg.plugin_settings("executor", name, entry.settings_model))
     try:
         times = []
         for i in range(steps):
@@ -132,7 +154,7 @@ def bench_round_trip(transport: str, steps: int, world: int) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         times.sort()
         return {
-            "transport": transport,
+            "transport": transport or "ray",
             "workers": world,
             "steps": steps,
             "round_trip_us_p50": round(statistics.median(times) * 1e6, 1),
@@ -158,10 +180,21 @@ def _rank_summary(s: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help='a model, or "tiny" (tests\' llama)'
+    )
+    p.add_argument(
+        "--requests", type=int, default=8, help="the workload's first N requests (0: all)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--configs", default="tp1,tp3,pp2")
     p.add_argument("--transports", default="shm,zmq", help="worker-channel transports to compare")
+    p.add_argument(
+        "--backend",
+        choices=["local", "ray", "both"],
+        default="local",
+        help="the parallel configs on the local executors (cuda-tp, pipeline), on ray, or both",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--round-trip",
@@ -174,23 +207,39 @@ def main() -> None:
     if args.round_trip:
         from baton.bench.common import CpuMonitor
 
-        for t in args.transports.split(","):
+        local = args.transports.split(",") if args.backend != "ray" else []
+        ray = [None] if args.backend != "local" else []
+        for t in [*local, *ray]:
             with CpuMonitor() as mon:
                 res = bench_round_trip(t, args.round_trip, 2)
             print(json.dumps({**res, **(mon.result or {})}), flush=True)
         return
+    import msgspec
+
     from baton.bench.common import load_workload
 
     wl = load_workload(args.workload)
+    if args.requests:
+        wl = msgspec.structs.replace(wl, requests=wl.requests[: args.requests])
+    if args.model == "tiny":
+        from baton.testing.tiny_model import tiny_model
+
+        args.model = str(tiny_model("llama"))
     results = []
     for name in args.configs.split(","):
         overrides = CONFIGS[name]
-        transports = args.transports.split(",") if overrides["executor"] != "uniproc" else [None]
-        for t in transports:
-            ov = dict(overrides)
-            if t is not None:
-                ov[f"executor.{overrides['executor']}"] = {"transport": t}
-            res = bench(name + (f"/{t}" if t else ""), ov, wl, args.repeats, args.model)
+        runs: list[tuple[str, dict[str, Any]]] = []
+        if overrides["executor"] == "uniproc":
+            runs.append((name, dict(overrides)))
+        else:
+            if args.backend != "ray":
+                for t in args.transports.split(","):
+                    ov = {**overrides, f"executor.{overrides['executor']}": {"transport": t}}
+                    runs.append((f"{name}/{t}", ov))
+            if args.backend != "local":
+                runs.append((f"{name}/ray", {**overrides, "executor": "ray"}))
+        for label, ov in runs:
+            res = bench(label, ov, wl, args.repeats, args.model)
             results.append(res)
             if not args.json:
                 print(json.dumps(res, indent=1), flush=True)

@@ -182,6 +182,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             distributions={
                 "cuda-tp": "baton-plugin-cuda-tp",
                 "pipeline": "baton-plugin-pipeline",
+                "ray": "baton-plugin-ray",
             },
         ),
         PluginKind(

@@ -5,7 +5,6 @@ The processes themselves are started by ``baton.executor.group.WorkerGroup``.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -81,35 +80,23 @@ def pick_transport(config: BatonConfig, name: str) -> Any:
 
 def worker_config(config: BatonConfig, rank: int, world_size: int, device: str) -> BatonConfig:
     """``config`` for one worker: its own device, and on CPU an equal share of the cores."""
-    threads = config.executor.num_threads
-    if threads is None and device == "cpu":  # the workers share the cores
-        threads = max(1, len(os.sched_getaffinity(0)) // world_size)
-    return config.replace(
-        **{
-            "executor.device": f"cuda:{rank}" if device == "cuda" else "cpu",
-            "executor.num_threads": threads,
-        }
-    )
+    from baton.executor.rank import rank_config
+
+    return rank_config(config, world_size, device, None, rank)
 
 
 def worker_args(ex: Any, backend: str, device: str, store_port: int) -> list[Any]:
-    """Each rank's WorkerBootstrap for executor ``ex`` (a MultiprocExecutor), in rank order:
+    """Each rank's RankBootstrap for executor ``ex`` (a MultiprocExecutor), in rank order:
     what ``WorkerGroup.start`` hands to ``baton.worker.worker_proc.worker_main``."""
-    from baton.plugins import get_registry
-    from baton.worker.worker_proc import WorkerBootstrap
+    from baton.executor.rank import rank_bootstraps
 
-    fingerprint = get_registry().fingerprint()
-    return [
-        WorkerBootstrap(
-            config=worker_config(ex.config, rank, ex.world_size, device),
-            rank=rank,
-            tp_size=ex.tp_size,
-            pp_size=ex.pp_size,
-            backend=backend,
-            store_port=store_port,
-            runner=ex.runner,
-            parent_fingerprint=fingerprint,
-            dist_timeout_s=ex.settings.dist_timeout,
-        )
-        for rank in range(ex.world_size)
-    ]
+    return rank_bootstraps(
+        ex.config,
+        ex.tp_size,
+        ex.pp_size,
+        runner=ex.runner,
+        backend=backend,
+        device=device,
+        store_port=store_port,
+        dist_timeout_s=ex.settings.dist_timeout,
+    )

@@ -7,9 +7,9 @@ from baton.errors import ConfigError
 from baton.executor.multiproc import MultiprocExecutor
 from baton.executor.workers import MultiprocSettings
 from baton.interfaces import RunnerFactory
+from baton.parallel.hooks import TensorParallelHooks
 from baton.parallel.sharding import check_shardable
 from baton.runner import StockRunner, model_config
-from baton_cuda_tp.runner import TensorParallelHooks
 
 
 def create_tensor_parallel_executor(

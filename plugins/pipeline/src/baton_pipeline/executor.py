@@ -11,10 +11,10 @@ from baton.config import BatonConfig
 from baton.executor.multiproc import MultiprocExecutor
 from baton.executor.workers import MultiprocSettings
 from baton.interfaces import RunnerFactory
+from baton.parallel.hooks import PipelineStageHooks
 from baton.parallel.sharding import check_shardable
+from baton.parallel.stages import layer_ranges
 from baton.runner import StockRunner, model_config
-from baton_pipeline.runner import PipelineStageHooks
-from baton_pipeline.stages import layer_ranges
 
 
 def create_pipeline_executor(

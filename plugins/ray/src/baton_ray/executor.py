@@ -1,0 +1,597 @@
+"""Executor ``ray``: the ranks of a tensor x pipeline parallel group as Ray actors.
+
+Start-up: join (or start) Ray -> a placement group of ``tp * pp`` bundles (one
+per rank: ``num_cpus``, ``num_gpus``, custom ``resources``; ``placement_strategy``)
+-> one ``RankActor`` per bundle -> rank 0 binds the torch.distributed rendezvous
+on its node (``ray.util.get_node_ip_address()``, a free port) -> every rank
+builds ``baton.executor.rank.Rank`` (plugin set checked against this process's,
+process group joined there: gloo on CPU, NCCL on CUDA; the runner is
+``baton.parallel.hooks.parallel_runner(tp, pp)``, the local executors' own) and
+reports READY.
+
+A step's SchedulerOutput is encoded once and put in Ray's object store once
+(``ray.put``); every rank gets the same reference (the broadcast), only the
+driver's answer comes back. ``max_concurrent_batches = pipeline_parallel_size``
+(the core's batch queue); a chained step's Future is resolved on a thread of its
+own, so the core's callback that calls ``sample_tokens`` never blocks the
+thread that resolves the sample.
+
+Failure: a rank that dies (its actor or its node), reports an error, leaves its
+ping unanswered for ``heartbeat_timeout`` seconds or a step unanswered for
+``step_timeout`` seconds fails the executor: pending calls raise ExecutorError,
+the failure callbacks run once, later calls raise. ``shutdown`` stops the
+ranks, kills the actors, removes the placement group and stops Ray if it
+started it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from baton.config import BatonConfig
+from baton.errors import ExecutorError
+from baton.executor.latch import FailureLatch
+from baton.executor.rank import (
+    StepCodec,
+    check_rpc_method,
+    parallel_stats,
+    rank_bootstraps,
+)
+from baton.executor.wire import Kind
+from baton.interfaces import RunnerFactory
+from baton.parallel.hooks import check_parallel_model, parallel_runner
+from baton.protocol import (
+    GrammarOutput,
+    KVCacheConfig,
+    KVCacheSpec,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from baton_ray.cluster import actor_env, bundle, connect, describe_resources
+from baton_ray.plugin import RaySettings
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two pings of a rank, and between two looks at the step deadlines.
+PING_INTERVAL = 0.5
+WATCH_INTERVAL = 0.1
+
+
+class _Call:
+    """A call waiting for the answers of ``expect`` ranks."""
+
+    __slots__ = ("chained", "deadline", "decode", "expect", "fail_after", "future", "id", "kind")
+
+    def __init__(
+        self,
+        call_id: int,
+        kind: Kind,
+        expect: list[int],
+        decode: Callable[[list[Any]], Any],
+        fail_after: float | None,
+        chained: bool,
+    ) -> None:
+        self.id = call_id
+        self.kind = kind
+        self.expect: dict[int, Any] = dict.fromkeys(expect, _MISSING)
+        self.decode = decode
+        self.fail_after = fail_after
+        self.deadline = time.monotonic() + fail_after if fail_after else None
+        self.chained = chained
+        self.future: Future[Any] = Future()
+
+
+_MISSING = object()
+
+
+class RayExecutor:
+    """Implements ``baton.interfaces.Executor`` with Ray actors (see the module docstring).
+
+    ``runner`` replaces the ranks' runner factory (default: the stock runner, sharded
+    and cut into stages as the local ``cuda-tp`` and ``pipeline`` executors do).
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        config: BatonConfig,
+        settings: RaySettings | None = None,
+        runner: RunnerFactory | None = None,
+    ) -> None:
+        self.config = config
+        self.settings = settings or RaySettings()
+        ex = config.executor
+        self.tp_size, self.pp_size = ex.tensor_parallel_size, ex.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
+        self.driver = (self.pp_size - 1) * self.tp_size
+        self.max_concurrent_batches = self.pp_size
+        check_parallel_model(config, self.tp_size, self.pp_size)  # before anything starts
+        self.runner: RunnerFactory = runner or parallel_runner(self.tp_size, self.pp_size)
+        self.id = uuid.uuid4().hex[:8]
+        self.model_info: Any = None
+        self.model_capabilities: Any = None
+        #: Seconds each step's broadcast took here: encode, put in the object store, submit.
+        self.broadcast_s: deque[float] = deque(maxlen=4096)
+        #: The rank actors' process ids (on their nodes), in rank order.
+        self.pids: list[int] = []
+        self.actors: list[Any] = []
+        self.placement_group: Any = None
+        self.started_ray = False
+        self._latch = FailureLatch(self.name)
+        self._codec = StepCodec()
+        self._encode_lock = threading.Lock()
+        self._decode_lock = threading.Lock()  # answers arrive on Ray's threads
+        self._lock = threading.Lock()  # the pending calls
+        self._submit_lock = threading.Lock()  # sequence numbers: every rank sees one order
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._seq: list[int] = []
+        self._done: queue.SimpleQueue[tuple[Future[Any], Any, BaseException | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._ray: Any = None
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self) -> None:
+        s = self.settings
+        t0 = time.monotonic()
+        self.started_ray = connect(s.address, s.namespace, self.world_size * s.num_cpus)
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from baton_ray.actor import RankActor
+
+        self._ray = ray
+        device = self._device(ray)
+        num_gpus = s.num_gpus if s.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
+        one = bundle(s.num_cpus, num_gpus, s.resources)
+        self.placement_group = placement_group(
+            [one] * self.world_size, strategy=s.placement_strategy, name=f"baton-ray-{self.id}"
+        )
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=s.placement_timeout)
+        if not ready:
+            raise ExecutorError(
+                f"executor 'ray': the cluster could not place {self.world_size} bundles of "
+                f"{one} ({s.placement_strategy}) within {s.placement_timeout} s; "
+                f"{describe_resources(ray)}"
+            )
+        t_placed = time.monotonic()
+        env = actor_env(s.env)
+        level = self.config.observability.log_level
+        self.actors = [
+            RankActor.options(
+                num_cpus=s.num_cpus,
+                num_gpus=num_gpus,
+                resources=dict(s.resources),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
+                name=f"baton-ray-{self.id}-rank{rank}",
+                namespace=s.namespace,
+                max_restarts=0,
+                max_task_retries=0,
+            ).remote(env, level, s.nice)
+            for rank in range(self.world_size)
+        ]
+        self._seq = [0] * self.world_size
+        host, port = self._get(
+            self.actors[0].host_store.remote(s.dist_timeout), "rank 0's rendezvous"
+        )
+        t_actors = time.monotonic()
+        backend = s.backend if s.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+        boots = rank_bootstraps(
+            self.config,
+            self.tp_size,
+            self.pp_size,
+            runner=self.runner,
+            backend=backend,
+            device=device,
+            store_port=port,
+            store_host=host,
+            dist_timeout_s=s.dist_timeout,
+            cuda_index=0,  # Ray shows each actor its own GPU(s) only
+            num_threads=max(1, int(s.num_cpus)),
+        )
+        infos = self._start_ranks(boots)
+        self.pids = [i.pid for i in infos]
+        self.model_info = infos[self.driver].model_info
+        self.model_capabilities = infos[self.driver].capabilities
+        for target, name in ((self._complete_loop, "completer"), (self._watch_loop, "watch")):
+            t = threading.Thread(target=target, name=f"baton-ray-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        now = time.monotonic()
+        #: Seconds start-up took: Ray and the placement group, the actors up, the ranks loaded.
+        self.startup_s = {
+            "placement": round(t_placed - t0, 2),
+            "actors": round(t_actors - t_placed, 2),
+            "ranks": round(now - t_actors, 2),
+        }
+        log.info(
+            "ray: %d ranks ready (tp=%d, pp=%d, %s, rendezvous %s:%d, pids %s) in %s s",
+            self.world_size,
+            self.tp_size,
+            self.pp_size,
+            backend,
+            host,
+            port,
+            self.pids,
+            self.startup_s,
+        )
+
+    def _device(self, ray: Any) -> str:
+        device = self.config.executor.device
+        if device == "cpu" or device.startswith("cuda"):
+            return "cpu" if device == "cpu" else "cuda"
+        if device != "auto":
+            raise ExecutorError(
+                f"executor 'ray': executor.device={device!r}: use auto, cpu or cuda"
+            )
+        want = self.world_size * (self.settings.num_gpus or 1.0)
+        return "cuda" if ray.cluster_resources().get("GPU", 0.0) >= want else "cpu"
+
+    def _get(self, ref: Any, what: str) -> Any:
+        ready, _ = self._ray.wait([ref], timeout=self.settings.startup_timeout)
+        if not ready:
+            raise ExecutorError(
+                f"executor 'ray': timed out after {self.settings.startup_timeout} s waiting for {what}"
+            )
+        try:
+            return self._ray.get(ref)
+        except Exception as e:
+            raise ExecutorError(f"executor 'ray': {what} failed: {e}") from e
+
+    def _start_ranks(self, boots: list[Any]) -> list[Any]:
+        ray = self._ray
+        refs = {
+            a.start.remote(b): r for r, (a, b) in enumerate(zip(self.actors, boots, strict=True))
+        }
+        infos: dict[int, Any] = {}
+        deadline = time.monotonic() + self.settings.startup_timeout
+        pending = list(refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(refs[r] for r in pending)
+                raise ExecutorError(
+                    f"executor 'ray': ranks {missing} did not start within "
+                    f"{self.settings.startup_timeout} s (startup_timeout)"
+                )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+            for ref in ready:
+                rank = refs[ref]
+                try:
+                    status, value = ray.get(ref)
+                except Exception as e:  # the actor died
+                    raise ExecutorError(f"executor 'ray': worker {rank} died starting: {e}") from e
+                if status != "ok":
+                    raise ExecutorError(str(value))
+                infos[rank] = value
+        return [infos[r] for r in range(self.world_size)]
+
+    # ------------------------------------------------------------------ calls
+
+    def _call(
+        self,
+        kind: Kind,
+        payload: Any,
+        *,
+        to: list[int] | None = None,
+        reply_from: int | None = None,
+        decode: Callable[[list[Any]], Any] = StepCodec.decode_rpc,
+        fail_after: float | None = None,
+        chained: bool = False,
+    ) -> Future[Any]:
+        """Send ``payload`` (frames, or an ObjectRef of them) to the ranks ``to`` (default all):
+        a Future of their answers in rank order, or of ``reply_from``'s alone."""
+        ranks = list(range(self.world_size)) if to is None else to
+        expect = ranks if reply_from is None else [reply_from]
+        with self._lock:
+            self._latch.check()
+            call = _Call(next(self._ids), kind, expect, decode, fail_after, chained)
+            self._calls[call.id] = call
+        wall = time.time()
+        try:
+            with self._submit_lock:
+                refs = []
+                for r in ranks:
+                    seq = self._seq[r]
+                    self._seq[r] += 1
+                    want = r in call.expect
+                    ref = self.actors[r].call.remote(seq, int(kind), payload, want, wall)
+                    if want:
+                        refs.append((r, ref))
+        except Exception as e:
+            self._fail(ExecutorError(f"cannot reach a rank: {e}"))
+            raise ExecutorError(f"the ray executor cannot reach a rank: {e}") from e
+        for r, ref in refs:
+            ref.future().add_done_callback(functools.partial(self._on_answer, call, r))
+        return call.future
+
+    def _on_answer(self, call: _Call, rank: int, done: Future[Any]) -> None:
+        """A rank's answer (on Ray's thread): settle the call once every rank answered."""
+        try:
+            status, value = done.result()
+        except Exception as e:  # the actor or its node died, or the call could not run
+            self._fail(ExecutorError(f"worker {rank} died: {type(e).__name__}: {e}"))
+            return
+        if status != "ok":
+            self._fail(ExecutorError(str(value)))
+            return
+        with self._lock:
+            if call.id not in self._calls:
+                return  # failed or timed out meanwhile
+            try:
+                with self._decode_lock:
+                    call.expect[rank] = call.decode(value)
+            except Exception as e:
+                decode_error: BaseException | None = e
+            else:
+                decode_error = None
+                if any(v is _MISSING for v in call.expect.values()):
+                    return
+                del self._calls[call.id]
+        if decode_error is not None:
+            self._fail(ExecutorError(f"worker {rank} sent an unreadable answer: {decode_error}"))
+            return
+        values = list(call.expect.values())
+        self._settle(call, values[0] if len(values) == 1 and call.kind != Kind.RPC else values)
+
+    def _settle(self, call: _Call, value: Any, error: BaseException | None = None) -> None:
+        if call.chained:
+            self._done.put((call.future, value, error))
+        elif not call.future.done():
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(value)
+
+    def _wait(self, future: Future[Any], timeout: float | None, what: str) -> Any:
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            with self._lock:
+                for call_id, call in list(self._calls.items()):
+                    if call.future is future:
+                        del self._calls[call_id]
+            raise ExecutorError(f"ray: timed out after {timeout} s waiting for {what}") from None
+
+    # ------------------------------------------------------------------ Executor
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput | None] | None:
+        t0 = time.perf_counter()
+        with self._encode_lock:
+            frames = self._codec.encode_step(scheduler_output)
+        ref = self._put(frames)
+        future = self._call(
+            Kind.EXECUTE,
+            ref,
+            reply_from=self.driver,
+            decode=self._codec.decode_output,
+            fail_after=self.settings.step_timeout,
+            chained=True,
+        )
+        if scheduler_output.total_num_scheduled_tokens:
+            self.broadcast_s.append(time.perf_counter() - t0)
+        return future if non_block else future.result()
+
+    def _put(self, frames: list[Any]) -> Any:
+        """The step's frames in the object store once (``ray.put``), for every rank; a step
+        under ``broadcast_inline_max`` bytes (or a single rank): the frames themselves, copied
+        into each rank's call, which costs less than a put and a fetch from the store."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self.world_size == 1 or size < self.settings.broadcast_inline_max:
+            return frames
+        try:
+            return self._ray.put(frames)
+        except Exception as e:
+            self._fail(ExecutorError(f"cannot put the step in Ray's object store: {e}"))
+            raise ExecutorError(f"the ray executor failed: {e}") from e
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        with self._encode_lock:
+            frames = self._codec.encode_grammar(grammar_output) if grammar_output else []
+        future = self._call(
+            Kind.SAMPLE,
+            frames,
+            to=[self.driver],
+            reply_from=self.driver,
+            decode=self._codec.decode_output,
+            fail_after=self.settings.step_timeout,
+        )
+        return future if non_block else future.result()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        check_rpc_method(method)
+        future = self._call(Kind.RPC, StepCodec.encode_rpc(method, args, kwargs))
+        return self._wait(  # type: ignore[no-any-return]
+            future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"
+        )
+
+    def get_kv_cache_specs(self) -> list[KVCacheSpec]:
+        return self.collective_rpc("get_kv_cache_spec", timeout=self.settings.startup_timeout)
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc(
+            "determine_available_memory", timeout=self.settings.startup_timeout
+        )
+
+    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
+        self.collective_rpc("initialize_kv_cache", (config,), timeout=self.settings.startup_timeout)
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache (level 1) and its weights too (level 2)."""
+        timeout = self.settings.startup_timeout
+        if not all(self.collective_rpc("can_sleep", timeout=timeout)):
+            raise ExecutorError(
+                f"executor 'ray': its runner ({self.runner!r}) has no sleep()/wake_up() "
+                "(baton.interfaces.Sleepable): it cannot free its memory"
+            )
+        self.collective_rpc("sleep", (level,), timeout=timeout)
+
+    def wake_up(self) -> None:
+        """Every rank loads its weights (its shard) and allocates its KV cache again."""
+        self.collective_rpc("wake_up", timeout=self.settings.startup_timeout)
+
+    def parallel_stats(self, timeline: bool = False) -> list[dict[str, Any]]:
+        """Each rank's per-step timings (as ``MultiprocExecutor.parallel_stats``)."""
+        return self.collective_rpc(parallel_stats, kwargs={"timeline": timeline}, timeout=30)
+
+    def worker_pids(self) -> list[int]:
+        return list(self.pids)
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        self._latch.register(callback)
+
+    def check_health(self) -> None:
+        self._latch.check()
+
+    # ------------------------------------------------------------------ failure
+
+    def _fail(self, error: BaseException) -> None:
+        """The first failure wins: pending calls raise ExecutorError, the callbacks run once."""
+        with self._lock:
+            callbacks = self._latch.trip(error)
+            if callbacks is None:
+                return
+            calls, self._calls = list(self._calls.values()), {}
+        for c in calls:
+            self._settle(c, None, ExecutorError(f"the ray executor failed: {error}"))
+        self._latch.notify(error, callbacks)
+
+    def _watch_loop(self) -> None:
+        """Ping every rank (its monitor thread answers); fail on a death, a reported error, a
+        silence over heartbeat_timeout, or a step past its step_timeout."""
+        ray = self._ray
+        limit = self.settings.heartbeat_timeout
+        pings: dict[Any, tuple[int, float]] = {}
+        next_ping = [0.0] * self.world_size
+        while not self._stop.is_set():
+            now = time.monotonic()
+            busy = {r for r, _ in pings.values()}
+            for r, actor in enumerate(self.actors):
+                if r not in busy and now >= next_ping[r]:
+                    try:
+                        pings[actor.ping.remote()] = (r, now)
+                    except Exception as e:
+                        self._fail(ExecutorError(f"worker {r} cannot be reached: {e}"))
+                        return
+            if not pings:
+                self._stop.wait(WATCH_INTERVAL)
+                continue
+            ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=WATCH_INTERVAL)
+            if self._stop.is_set():
+                return
+            now = time.monotonic()
+            for ref in ready:
+                r, sent = pings.pop(ref)
+                next_ping[r] = sent + PING_INTERVAL
+                try:
+                    error = ray.get(ref)
+                except Exception as e:
+                    self._fail(ExecutorError(f"worker {r} died: {type(e).__name__}: {e}"))
+                    return
+                if error:
+                    self._fail(ExecutorError(error))
+                    return
+            silent = [(r, now - sent) for r, sent in pings.values() if now - sent > limit]
+            if silent:
+                r, quiet = silent[0]
+                self._fail(
+                    ExecutorError(
+                        f"worker {r} (pid {self.pids[r]}) answered no heartbeat for {quiet:.1f} s: "
+                        f"it is dead, stopped or unreachable (heartbeat_timeout={limit})"
+                    )
+                )
+                return
+            with self._lock:
+                late = [c for c in self._calls.values() if c.deadline and now > c.deadline]
+            if late:
+                self._fail(
+                    ExecutorError(
+                        f"a {late[0].kind.name.lower()} call was not answered within "
+                        f"{late[0].fail_after} s: a rank hangs (executor step_timeout)"
+                    )
+                )
+                return
+
+    def _complete_loop(self) -> None:
+        while (item := self._done.get()) is not None:
+            future, value, error = item
+            if not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(value)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stop the ranks, kill the actors, remove the placement group; stop Ray if this
+        executor started it. Idempotent."""
+        with self._lock:
+            if not self._latch.close():
+                return
+            healthy = self._latch.failure is None
+            calls, self._calls = list(self._calls.values()), {}
+        for c in calls:
+            self._settle(c, None, ExecutorError("the ray executor is shut down"))
+        self._stop.set()
+        ray = self._ray
+        if ray is not None and self.actors:
+            grace = 5.0 if healthy else 1.0
+            try:
+                stops = [a.stop.remote(grace) for a in self.actors]
+                ray.wait(stops, num_returns=len(stops), timeout=grace + 1.0)
+            except Exception as e:
+                log.debug("ray: stopping the ranks: %s", e)
+            for a in self.actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception as e:
+                    log.debug("ray: kill: %s", e)
+        if ray is not None and self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception as e:
+                log.warning("ray: removing placement group: %s", e)
+        self.actors = []
+        self._done.put(None)
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=2)
+        if self.started_ray and ray is not None:
+            ray.shutdown()
