@@ -22,7 +22,6 @@ reader it waits for.
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import time
 import warnings
@@ -36,6 +35,7 @@ from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.executor import wire
 from baton.executor.group import WorkerGroup
+from baton.executor.rank import StepCodec, check_rpc_method
 from baton.executor.wire import Kind
 from baton.executor.workers import MultiprocSettings, pick_device, pick_transport, worker_args
 from baton.interfaces import RunnerFactory
@@ -48,7 +48,6 @@ from baton.protocol import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from baton.serial import MsgpackDecoder, MsgpackEncoder
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +96,8 @@ class MultiprocExecutor:
         self.world_size = tp_size * pp_size
         self.driver = (pp_size - 1) * tp_size
         self._encode_lock = threading.Lock()
-        self._encoder = MsgpackEncoder()
-        out_decoder = MsgpackDecoder(ModelRunnerOutput)
-        #: A step's answer: the driver's ModelRunnerOutput, or None (it waits for sample_tokens).
-        self._decode_output = lambda frames: out_decoder.decode(frames) if frames else None
+        #: Encodes steps (under _encode_lock) and decodes the driver's answers (the completer thread).
+        self._codec = StepCodec()
         self.group: WorkerGroup | None = None
         self._store: Any = None
         #: Seconds each step's broadcast took here: encode the SchedulerOutput, send it to every worker.
@@ -188,16 +185,9 @@ class MultiprocExecutor:
         kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        if isinstance(method, str):
-            from baton.worker.worker import Worker
-
-            if not callable(getattr(Worker, method, None)):  # a typo must not fail every worker
-                raise ExecutorError(f"the worker has no method {method!r}")
-        payload = pickle.dumps(
-            (method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL
-        )
+        check_rpc_method(method)
         group = self._group()
-        future = group.call(Kind.RPC, [payload])
+        future = group.call(Kind.RPC, StepCodec.encode_rpc(method, args, kwargs))
         return group.wait(  # type: ignore[no-any-return]
             future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"
         )
@@ -219,12 +209,12 @@ class MultiprocExecutor:
         t0 = time.perf_counter()
         group = self._group()
         with self._encode_lock:
-            payload = self._encoder.encode(scheduler_output)
+            payload = self._codec.encode_step(scheduler_output)
         future = group.call(
             Kind.EXECUTE,
             payload,
             reply_from=self.driver,
-            decode=self._decode_output,
+            decode=self._codec.decode_output,
             fail_after=self.settings.step_timeout,
             chained=True,
         )
@@ -237,13 +227,15 @@ class MultiprocExecutor:
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         group = self._group()
         with self._encode_lock:
-            payload = self._encoder.encode(grammar_output) if grammar_output is not None else []
+            payload = (
+                self._codec.encode_grammar(grammar_output) if grammar_output is not None else []
+            )
         future = group.call(
             Kind.SAMPLE,
             payload,
             to=[self.driver],
             reply_from=self.driver,
-            decode=self._decode_output,
+            decode=self._codec.decode_output,
             fail_after=self.settings.step_timeout,
         )
         return future if non_block else future.result()
