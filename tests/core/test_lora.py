@@ -60,6 +60,12 @@ def loras(model: str) -> dict[str, LoRARequest]:
     return {"a": LoRARequest("a", 1, a), "b": LoRARequest("b", 2, b)}
 
 
+#: A small LoRA engine on CPU: what the tests that start their own engine share.
+SMALL_ENGINE = dict(
+    device="cpu", num_threads=1, max_model_len=256, kv_cache_memory=4 << 20, enable_lora=True
+)
+
+
 @pytest.fixture(scope="module")
 def llm(model: str):
     with LLM(
@@ -205,11 +211,7 @@ def test_max_loras_keeps_a_step_to_its_slots(model, loras, monkeypatch):
     """max_loras=1: requests with two adapters never share a step; each gets its own tokens."""
     config = BatonConfig.load(
         model=model,
-        device="cpu",
-        num_threads=1,
-        max_model_len=256,
-        kv_cache_memory=4 << 20,
-        enable_lora=True,
+        **SMALL_ENGINE,
         max_loras=1,
     )
     core = EngineCore(config)
@@ -259,11 +261,7 @@ def test_speculative_decoding_with_adapters_gives_the_same_tokens(model, loras, 
     want = greedy(llm, [prompt, prompt], [loras["a"], None])
     with LLM(
         model=model,
-        device="cpu",
-        num_threads=1,
-        max_model_len=256,
-        kv_cache_memory=4 << 20,
-        enable_lora=True,
+        **SMALL_ENGINE,
         speculative={"method": "ngram", "num_tokens": 3},
     ) as spec:
         assert greedy(spec, [prompt, prompt], [loras["a"], None]) == want
@@ -279,11 +277,7 @@ def test_async_llm(model, loras, llm):
     async def main() -> None:
         engine = await AsyncLLM.create(
             model=model,
-            device="cpu",
-            num_threads=1,
-            max_model_len=256,
-            kv_cache_memory=4 << 20,
-            enable_lora=True,
+            **SMALL_ENGINE,
             max_loras=2,
         )
         try:
@@ -467,11 +461,7 @@ def test_data_parallel_engines_load_the_adapters_their_requests_name(model, lora
     async def main() -> list[list[int]]:
         engine = await AsyncLLM.create(
             model=model,
-            device="cpu",
-            num_threads=1,
-            max_model_len=256,
-            kv_cache_memory=4 << 20,
-            enable_lora=True,
+            **SMALL_ENGINE,
             max_loras=2,
             data_parallel_size=2,
             routing={"router": "round-robin"},
