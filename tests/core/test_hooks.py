@@ -310,3 +310,86 @@ def test_hook_register_commands(global_plugin, capsys):
     assert get_plugins().registry.get("command", "hello-hook").distribution == "hook-test-dist"
     assert main(["hello-hook", "--who", "baton"]) == 7
     assert capsys.readouterr().out.strip() == "hello, baton (config None)"
+
+
+class _ThreadEngine:
+    """An engine core on a thread of this process (an ``EngineHandle``): what a launcher for
+    a place that runs Python functions does, with a real engine and the zmq transport."""
+
+    def __init__(self, thread: threading.Thread, stop: threading.Event) -> None:
+        self.thread, self.stop = thread, stop
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def terminate(self) -> None:
+        self.stop.set()
+
+    def kill(self) -> None:
+        self.stop.set()  # a thread cannot be killed: the engine stops at its next step
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def describe(self) -> str:
+        return f"thread {self.thread.name}"
+
+
+class _ThreadLauncher:
+    def __init__(self) -> None:
+        self.launched: list[int] = []
+        self.closed = False
+
+    def launch(self, config, address, engine_index, fingerprint) -> _ThreadEngine:
+        from baton.engine.launch import run_engine_core
+
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=run_engine_core,
+            args=(config, address, engine_index, fingerprint),
+            kwargs={"in_thread": True, "shutdown_event": stop},
+            name=f"engine-{engine_index}",
+            daemon=True,
+        )
+        thread.start()
+        self.launched.append(engine_index)
+        return _ThreadEngine(thread, stop)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_hook_register_engine_launchers(global_plugin):
+    from baton import LLM
+    from baton.testing.tiny_model import tiny_model
+
+    made: list[_ThreadLauncher] = []
+
+    def factory(config, settings):
+        made.append(_ThreadLauncher())
+        return made[-1]
+
+    class Plugin:
+        @hookimpl
+        def register_engine_launchers(self, register):
+            register("threads", factory)
+
+    global_plugin(Plugin(), "thread-launcher-plugin")
+    model = str(tiny_model("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [1, 2, 3]}]
+    with LLM(model=model, max_model_len=64, device="cpu") as llm:
+        expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(
+        model=model,
+        max_model_len=64,
+        device="cpu",
+        transport="zmq",
+        data_parallel_backend="threads",
+    ) as llm:
+        (launcher,) = made
+        assert launcher.launched == [0]
+        handle = llm.engine.resources.procs[0]
+        assert isinstance(handle, _ThreadEngine) and handle.is_alive()
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert launcher.closed and not handle.is_alive()  # terminated, joined, then closed

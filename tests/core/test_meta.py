@@ -118,6 +118,7 @@ def test_hooks_md_example_runs(name):
         "transport": interfaces.Transport,
         "speculator": interfaces.Speculator,
         "router": interfaces.Router,
+        "engine_launcher": interfaces.EngineLauncher,
     }.get(kind)
     if protocol is not None:
         assert isinstance(product, protocol)

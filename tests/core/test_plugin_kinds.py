@@ -46,6 +46,7 @@ def test_registry_and_config_tables_derive_from_the_record():
     assert config_module.PLUGIN_SELECTORS == {
         "scheduler_policy": ("scheduler", "policy"),
         "executor": ("executor", "backend"),
+        "engine_launcher": ("executor", "data_parallel_backend"),
         "transport": ("transport", "name"),
         "structured_output": ("structured_output", "backend"),
         "speculator": ("speculative", "method"),

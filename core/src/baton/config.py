@@ -178,6 +178,11 @@ class ExecutorSection(_Section):
     data_parallel_size: int = Field(1, gt=0)
     """Independent engine cores behind one asyncio frontend (AsyncLLM, baton serve), each with
     the whole model; routing.router picks the engine of each request."""
+    data_parallel_backend: str = "mp"
+    """Where engine cores run when the transport crosses processes (zmq, shm): mp (a local
+    process each) or an installed engine launcher: ray (baton-plugin-ray: a Ray actor each,
+    on any node of the cluster; [executor.ray] engine_* settings; needs transport zmq, tcp
+    across hosts; not with expert_parallel). vLLM's --data-parallel-backend."""
     num_threads: int | None = Field(None, gt=0)
     """torch intra-op threads per process; None keeps torch's default."""
     cpu_kernels: bool = True
@@ -599,7 +604,9 @@ def _flat_aliases() -> dict[str, tuple[str, str]]:
             seen.setdefault(field, []).append((section, field))
     aliases = {k: v[0] for k, v in seen.items() if len(v) == 1}
     # a section's name for the field that selects its plugin: executor="cuda-tp"
-    aliases.update({section: (section, field) for section, field in PLUGIN_SELECTORS.values()})
+    aliases.update(
+        {s: (s, k.selector) for s, k in BY_SECTION.items() if k.selector is not None and not k.many}
+    )
     aliases.update(
         model=("model", "name"),
         policy=("scheduler", "policy"),

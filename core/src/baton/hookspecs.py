@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from baton.plugin_kinds import (
         BenchFactory,
         CommandFactory,
+        EngineLauncherFactory,
         ExecutorFactory,
         Register,
         RouterFactory,
@@ -87,6 +88,26 @@ def register_executors(register: Register[ExecutorFactory]) -> None:
 
     Selected by ``executor.backend``. The factory is called once, in the engine
     process, before the KV cache is sized. Built in: ``uniproc``.
+    """
+
+
+@hookspec
+def register_engine_launchers(register: Register[EngineLauncherFactory]) -> None:
+    """Register engine launchers: where a frontend's engine cores run (local processes, Ray
+    actors, ...).
+
+    :param register: ``register(name, factory, settings_model=None)``; ``factory(config,
+        settings)`` returns a ``baton.interfaces.EngineLauncher``, whose ``launch(config,
+        address, engine_index, fingerprint)`` starts ``baton.engine.launch.run_engine_core``
+        with those arguments wherever it places the engine and returns a
+        ``baton.interfaces.EngineHandle`` (alive?, terminate, kill, join, describe).
+        ``settings`` is the validated ``[executor.<name>]`` sub-table (shared with the
+        executor of the same name, if any; None without a settings model).
+
+    Selected by ``executor.data_parallel_backend``. The factory is called once per frontend
+    client whose transport crosses processes (zmq, shm), in the frontend's process, before
+    any engine starts; ``launch`` once per engine (``data_parallel_size`` of them), ``close``
+    after shutdown. Built in: ``mp`` (``baton.engine.launch``: a local process each).
     """
 
 

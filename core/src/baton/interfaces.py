@@ -377,6 +377,57 @@ class Transport(Protocol):
         """Connect an engine's end (in the engine process) to ``address``."""
 
 
+# --------------------------------------------------------------------------- engine launcher
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """One engine core a launcher started: the life-cycle calls the frontend's client makes."""
+
+    def is_alive(self) -> bool:
+        """False once the engine has stopped, crashed or been killed (cheap: polled every
+        0.25 s by the client's output thread)."""
+
+    def terminate(self) -> None:
+        """Ask the engine to shut down as SIGTERM does (drain or abort mode, then exit);
+        returns at once. A no-op when it has stopped."""
+
+    def kill(self) -> None:
+        """Stop the engine now, without its shutdown; returns at once. Idempotent."""
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the engine has stopped, at most ``timeout`` seconds (None: no limit)."""
+
+    def describe(self) -> str:
+        """Where the engine runs, for messages: ``pid 123``, ``Ray actor ... on node ...``;
+        once it stopped, with how (``exited with code 1``) where that is known."""
+
+
+@runtime_checkable
+class EngineLauncher(Protocol):
+    """Starts the frontend's engine cores somewhere: local processes (``mp``), Ray actors, ...
+
+    Made once per frontend client in the frontend's process; ``launch`` is called once per
+    engine, ``close`` once after the client has joined (or killed) every engine it started.
+    """
+
+    def launch(
+        self,
+        config: BatonConfig,
+        address: Any,
+        engine_index: int,
+        fingerprint: list[tuple[str, str, str, str]],
+    ) -> EngineHandle:
+        """Start ``baton.engine.core_proc.run_engine_core(config, address, engine_index,
+        fingerprint)`` (engine ``engine_index`` connects to the transport's ``address`` and
+        answers READY through it) and return its handle without waiting for READY. Raise a
+        ``BatonError`` (ConfigError for a setting that cannot work) when it cannot start."""
+
+    def close(self) -> None:
+        """Release what the launcher holds (actors, placement groups, a Ray instance it
+        started); idempotent. The engines are stopped already."""
+
+
 # --------------------------------------------------------------------------- structured output
 
 

@@ -40,6 +40,12 @@ class ExecutorFactory(Protocol):
     def __call__(self, config: BatonConfig, settings: Any, /) -> interfaces.Executor: ...
 
 
+class EngineLauncherFactory(Protocol):
+    """``factory(config, settings)``: an engine launcher, once per frontend client (frontend process)."""
+
+    def __call__(self, config: BatonConfig, settings: Any, /) -> interfaces.EngineLauncher: ...
+
+
 class TransportFactory(Protocol):
     """``factory(config, settings)``: a transport, in the frontend and in the engine process."""
 
@@ -186,6 +192,17 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             },
         ),
         PluginKind(
+            name="engine_launcher",
+            hook="register_engine_launchers",
+            word="engine launcher",
+            factory=EngineLauncherFactory,
+            product=interfaces.EngineLauncher,
+            section="executor",
+            selector="data_parallel_backend",
+            builtin=("mp",),
+            distributions={"ray": "baton-plugin-ray"},
+        ),
+        PluginKind(
             name="transport",
             hook="register_transports",
             word="transport",
@@ -264,10 +281,13 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
 
 #: hook name -> its kind
 BY_HOOK: dict[str, PluginKind] = {k.hook: k for k in PLUGIN_KINDS.values()}
-#: config section -> the kind whose plugins' settings sub-tables it holds
-BY_SECTION: dict[str, PluginKind] = {
-    k.section: k for k in PLUGIN_KINDS.values() if k.section is not None
-}
+#: config section -> the kind whose plugins' settings sub-tables it holds: the first kind of
+#: that section (``executor``'s sub-tables are executors'; an engine launcher shares the
+#: sub-table of the executor of its name)
+BY_SECTION: dict[str, PluginKind] = {}
+for _k in PLUGIN_KINDS.values():
+    if _k.section is not None:
+        BY_SECTION.setdefault(_k.section, _k)
 
 
 def kind_word(kind: str) -> str:

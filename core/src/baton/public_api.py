@@ -51,6 +51,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "hookimpl",
         "register_scheduler_policies",
         "register_executors",
+        "register_engine_launchers",
         "register_transports",
         "register_structured_output_backends",
         "register_stat_loggers",
@@ -65,6 +66,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "Register",
         "SchedulerPolicyFactory",
         "ExecutorFactory",
+        "EngineLauncherFactory",
         "TransportFactory",
         "StructuredOutputFactory",
         "StatLoggerFactory",
@@ -80,6 +82,8 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "ModelRunner",
         "RunnerFactory",
         "Sleepable",
+        "EngineLauncher",
+        "EngineHandle",
         "Transport",
         "ClientChannel",
         "EngineChannel",
@@ -172,7 +176,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     # collective_rpc's targets: the Worker allow-list and registered names
     "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
     # the transport plugins' toolkit
-    "baton.transport.peer": ("PeerWatch", "POLL_SLICE"),
+    "baton.transport.peer": ("PeerWatch", "POLL_SLICE", "machine_id"),
+    # engine launchers: the local-process one, and what a launcher runs where it places an engine
+    "baton.engine.launch": ("ProcessLauncher", "ProcessHandle", "run_engine_core"),
     "baton.transport.sweep": ("sweep_stale",),
     "baton.transport.closing": ("release_when_idle",),
     # the executor plugins' toolkit

@@ -28,6 +28,7 @@ ENGINE_FLAGS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "data_parallel_size",
+    "data_parallel_backend",
     "enable_lora",
     "max_loras",
     "max_lora_rank",
@@ -53,6 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--dp",
         type=int,
         help="engine cores, each with the whole model, behind one asyncio frontend (baton serve)",
+    )
+    g.add_argument(
+        "--data-parallel-backend",
+        help="where engine cores run: mp (local processes) | ray (Ray actors, baton-plugin-ray) "
+        "| any installed engine launcher (executor.data_parallel_backend)",
     )
     g.add_argument(
         "--enable-lora",

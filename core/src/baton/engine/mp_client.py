@@ -1,8 +1,10 @@
 """Clients for an engine core behind a transport: a process per engine (or a thread, for inproc).
 
-The transport plugin supplies the channel; everything here is transport-agnostic.
+The transport plugin supplies the channel; the engine launcher that
+``executor.data_parallel_backend`` names starts the engines (``mp``: local processes;
+``baton.engine.launch``); everything here is transport- and launcher-agnostic.
 One background thread per client receives outputs, resolves utility calls and
-watches the engines: a dead engine (ENGINE_CORE_DEAD, or its process gone
+watches the engines: a dead engine (ENGINE_CORE_DEAD, or its process or actor gone
 without one) turns every pending and later call into EngineDeadError.
 Resources are released by weakref.finalize, even after a half-finished start.
 """
@@ -13,7 +15,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import queue
 import threading
 import time
@@ -24,11 +25,11 @@ from typing import Any
 
 import msgspec
 
-from baton import processes
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
 from baton.engine.core import UTILITY_METHODS
 from baton.engine.core_proc import READY, run_engine_core
+from baton.engine.launch import make_launcher
 from baton.errors import (
     BatonError,
     EngineDeadError,
@@ -36,7 +37,7 @@ from baton.errors import (
     ProtocolError,
     error_from_message,
 )
-from baton.interfaces import ClientChannel, Transport
+from baton.interfaces import ClientChannel, EngineLauncher, Transport
 from baton.plugins import get_registry
 from baton.protocol import (
     ENGINE_CORE_DEAD,
@@ -61,7 +62,9 @@ class _Resources:
     """Everything a client must release; closed by weakref.finalize or shutdown()."""
 
     channel: ClientChannel | None = None
-    procs: list[Any] = field(default_factory=list)  # multiprocessing.Process or threading.Thread
+    #: an EngineHandle per engine (a launcher started it), or a threading.Thread (inproc)
+    procs: list[Any] = field(default_factory=list)
+    launcher: EngineLauncher | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     closing: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
@@ -71,19 +74,25 @@ class _Resources:
         self.closing.set()
         self.stop_event.set()  # in-thread engines
         deadline = time.monotonic() + max(5.0, self.shutdown_timeout + 2.0)
-        for p in self.procs:
-            if isinstance(p, multiprocessing.process.BaseProcess) and p.is_alive():
-                p.terminate()  # SIGTERM: the engine shuts down (drain or abort mode)
+        engines = [p for p in self.procs if not isinstance(p, threading.Thread)]
+        for p in engines:
+            p.terminate()  # as SIGTERM: the engine shuts down (drain or abort mode)
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
-            if isinstance(p, multiprocessing.process.BaseProcess) and p.is_alive():
-                log.warning("engine process %s did not exit in time; killing it", p.pid)
+        for p in engines:
+            if p.is_alive():
+                log.warning("engine (%s) did not exit in time; killing it", p.describe())
                 p.kill()
                 p.join(timeout=5)
         if self.reader is not None and self.reader is not threading.current_thread():
             self.reader.join(timeout=2)
-        if self.channel is not None:
-            self.channel.close()
+        try:
+            if self.channel is not None:
+                self.channel.close()
+        finally:
+            launcher, self.launcher = self.launcher, None
+            if launcher is not None:
+                launcher.close()
 
 
 class MPClient(EngineCoreClient):
@@ -111,14 +120,17 @@ class MPClient(EngineCoreClient):
 
     def _start(self, config: BatonConfig, transport: Transport) -> None:
         res = self.resources
+        registry = get_registry()
+        if transport.multiprocess or config.executor.data_parallel_backend != "mp":
+            # before the channel binds: a launcher may refuse the config (and any launcher but
+            # mp refuses a transport whose engines run on threads of this process)
+            res.launcher = make_launcher(config, transport, registry)
         channel = res.channel = transport.create_client(self.num_engines)
-        fingerprint = get_registry().fingerprint()
+        fingerprint = registry.fingerprint()
         for i in range(self.num_engines):
-            if transport.multiprocess:
-                p: Any = processes.start(
-                    run_engine_core,
-                    (self._engine_config(i), channel.address, i, fingerprint),
-                    name=f"baton-engine-{i}",
+            if res.launcher is not None:
+                p: Any = res.launcher.launch(
+                    self._engine_config(i), channel.address, i, fingerprint
                 )
             else:
                 p = threading.Thread(
@@ -172,11 +184,7 @@ class MPClient(EngineCoreClient):
     def _dead_engine(self) -> str | None:
         for i, p in enumerate(self.resources.procs):
             if not p.is_alive():
-                code = getattr(p, "exitcode", None)
-                return (
-                    f"engine {i} ({'pid ' + str(p.pid) if hasattr(p, 'pid') and p.pid else 'thread'}) exited"
-                    + (f" with code {code}" if code is not None else "")
-                )
+                return f"engine {i} ({_where(p)}) exited"
         return None
 
     # ------------------------------------------------------------------ output thread
@@ -235,11 +243,7 @@ class MPClient(EngineCoreClient):
             if i in self._gone or p.is_alive():
                 continue
             self._gone.add(i)
-            code = getattr(p, "exitcode", None)
-            what = f"pid {p.pid}" if getattr(p, "pid", None) else "thread"
-            message = f"engine {i} ({what}) exited" + (
-                f" with code {code}" if code is not None else ""
-            )
+            message = f"engine {i} ({_where(p)}) exited"
             if not self._engine_died(i, f"{message} without notice"):
                 return False
         return True
@@ -389,6 +393,11 @@ class AsyncMPClient(MPClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._utility_future(method, args))
+
+
+def _where(engine: Any) -> str:
+    """Where an engine ran, for messages: its handle's words, or "thread" (inproc)."""
+    return "thread" if isinstance(engine, threading.Thread) else str(engine.describe())
 
 
 def _typed_result(fut: Future[Any], result: Any) -> Any:

@@ -93,10 +93,13 @@ def _selection(kind: PluginKind, entry: PluginEntry, settings: Any) -> Selected:
 def _check_sub_tables(
     config: BatonConfig, section: str, registry: Registry, done: set[tuple[str, str]]
 ) -> list[BatonError]:
-    """An extra key of ``section`` must be an installed plugin's valid settings table."""
+    """An extra key of ``section`` must be an installed plugin's valid settings table (a plugin
+    of any kind that section configures: ``[executor.ray]`` is the ray executor's and the ray
+    engine launcher's)."""
+    kinds = [k for k in PLUGIN_KINDS.values() if k.section == section]
     kind = BY_SECTION.get(section)
     extras = getattr(config, section).model_extra or {}
-    installed = registry.names(kind.name) if kind else []
+    installed = sorted({n for k in kinds for n in registry.names(k.name)})
     errors: list[BatonError] = []
     for key in extras:
         if key not in installed:
@@ -110,12 +113,13 @@ def _check_sub_tables(
                 ConfigError(f"{section}.{key}: unknown setting (fields: {fields}{plugins})")
             )
             continue
-        if kind is None or (kind.name, key) in done:
-            continue  # checked as a selected plugin
-        try:
-            registry.get(kind.name, key).settings(config)
-        except BatonError as e:
-            errors.append(e)
+        for k in kinds:
+            if (k.name, key) in done or key not in registry.names(k.name):
+                continue  # checked as a selected plugin, or not one of this kind
+            try:
+                registry.get(k.name, key).settings(config)
+            except BatonError as e:
+                errors.append(e)
     return errors
 
 

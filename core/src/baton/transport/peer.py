@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 
 from baton.errors import TransportError
 
@@ -77,3 +78,18 @@ def pid_running(pid: int) -> bool:
         return True  # no /proc: kill(pid, 0) is all we know
     # the state follows the parenthesised command name, which may itself contain ") "
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def machine_id() -> str:
+    """Which machine (and boot) this process runs on: the host name and Linux's boot id.
+
+    Two processes see each other's pids only when their machine ids are equal; a transport
+    whose peer may run on another host (an engine on a Ray node) watches the peer's pid only
+    then. Without /proc's boot id, the host name alone.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

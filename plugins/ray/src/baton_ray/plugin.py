@@ -1,8 +1,10 @@
-"""Plugin module of baton-plugin-ray: registers executor ``ray``.
+"""Plugin module of baton-plugin-ray: registers executor ``ray`` and engine launcher ``ray``.
 
-Settings come from the ``[executor.ray]`` sub-table (or
-``BATON_EXECUTOR__RAY__<FIELD>``), validated by ``RaySettings``. Ray itself is
-imported only when the executor starts.
+Settings of both come from the ``[executor.ray]`` sub-table (or
+``BATON_EXECUTOR__RAY__<FIELD>``), validated by ``RaySettings``: the executor's
+ranks take ``num_cpus`` / ``num_gpus`` / ``resources``, the data-parallel engine
+actors ``engine_num_cpus`` / ``engine_num_gpus`` / ``engine_resources``. Ray
+itself is imported only when the executor or the launcher starts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ BATON_PLUGIN_API = 1
 
 
 class RaySettings(BaseModel):
-    """``[executor.ray]``: where the Ray cluster is, what each rank takes, timeouts."""
+    """``[executor.ray]``: where the Ray cluster is, what each rank and each engine actor
+    takes, timeouts."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,6 +63,21 @@ class RaySettings(BaseModel):
     """Seconds the ranks may take to start, load their shards, size and warm up the KV cache."""
     dist_timeout: float = Field(600.0, gt=0)
     """torch.distributed timeout of the rendezvous and of every collective."""
+    engine_num_cpus: float = Field(1.0, gt=0)
+    """With executor.data_parallel_backend = "ray": logical CPUs each engine-core actor
+    reserves."""
+    engine_num_gpus: float | None = Field(None, ge=0)
+    """GPUs each engine-core actor reserves; unset: 0 with executor.device = "cpu" or a
+    cluster without GPUs, else tensor_parallel_size * pipeline_parallel_size (an engine whose
+    executor is `ray` places its ranks itself: set 0)."""
+    engine_resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each engine-core actor reserves, e.g. {"dp_node": 1}."""
+    engine_scheduling: Literal["DEFAULT", "SPREAD"] = "DEFAULT"
+    """Ray's scheduling strategy for the engine-core actors: DEFAULT (Ray packs them where
+    resources are free) or SPREAD (over as many nodes as possible)."""
+    engine_placement_timeout: float = Field(120.0, gt=0)
+    """Seconds each engine-core actor may take to be placed and start its process before
+    the frontend refuses to start."""
 
 
 def create_executor(config: Any, settings: RaySettings | None = None) -> Any:
@@ -69,6 +87,18 @@ def create_executor(config: Any, settings: RaySettings | None = None) -> Any:
     return RayExecutor(config, settings)
 
 
+def create_engine_launcher(config: Any, settings: RaySettings | None = None) -> Any:
+    """The registered engine-launcher factory: ``factory(config, settings)``."""
+    from baton_ray.launcher import RayEngineLauncher
+
+    return RayEngineLauncher(config, settings)
+
+
 @hookimpl
 def register_executors(register: Any) -> None:
     register("ray", create_executor, settings_model=RaySettings)
+
+
+@hookimpl
+def register_engine_launchers(register: Any) -> None:
+    register("ray", create_engine_launcher, settings_model=RaySettings)

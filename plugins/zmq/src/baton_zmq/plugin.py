@@ -23,7 +23,9 @@ class ZmqSettings(BaseModel):
     protocol: Literal["ipc", "tcp"] = "ipc"
     """ipc: unix sockets under a fresh private temp dir; tcp: 127.0.0.1 on free ports."""
     host: str = "127.0.0.1"
-    """Interface for protocol = "tcp"."""
+    """Interface for protocol = "tcp": an address of this machine the engines connect to (for
+    engines on other hosts, e.g. executor.data_parallel_backend = "ray" over several nodes, one
+    they can reach, not the loopback)."""
     hwm: int = Field(0, ge=0)
     """High-water mark (messages queued per peer); 0 = unbounded, so send never blocks."""
     send_timeout: float = Field(30.0, gt=0)

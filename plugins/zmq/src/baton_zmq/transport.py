@@ -5,8 +5,8 @@ DEALER whose identity is ``i`` and a PUSH. ipc:// sockets live in a fresh
 private (0700) temp dir; protocol "tcp" binds 127.0.0.1 on free ports.
 
 Start-up: each engine sends an empty frame on its DEALER (the ROUTER can route
-to it once that arrived) and a hello with its pid on its PUSH (the frontend then
-watches that pid). A client ``send`` to an engine that has not connected yet
+to it once that arrived) and a hello with its pid and machine id on its PUSH (the
+frontend then watches that pid when the engine runs on its machine). A client ``send`` to an engine that has not connected yet
 waits up to ``connect_timeout``. When every engine has connected, the ipc
 socket files are unlinked, so a crash later leaves nothing behind.
 
@@ -14,8 +14,11 @@ Frames of ``copy_threshold`` bytes or more go out and come in without a copy
 (pyzmq keeps a sent buffer alive until ZeroMQ is done with it, so a sender must
 not change it after ``send``); smaller frames are copied, which is faster.
 
-Peer death: each end watches the other's pid (``baton.transport.peer``), and an
-engine also sees its DEALER disconnect when the frontend closes; see channel.py.
+Peer death: each end watches the other's pid (``baton.transport.peer``) when both
+run on one machine (``machine_id``: an engine may run on another host, e.g. as a
+Ray actor, where the pid means nothing; its launcher's handle then tells the
+frontend of its death), and an engine also sees its DEALER disconnect when the
+frontend closes; see channel.py.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ import zmq
 
 from baton.errors import TransportError
 from baton.interfaces import Frame
-from baton.transport.peer import PeerWatch
+from baton.transport.peer import PeerWatch, machine_id
 from baton.transport.sweep import sweep_stale
 from baton_zmq.channel import Channel, check_not_empty, recv_frames
 from baton_zmq.plugin import ZmqSettings
 
-#: First bytes of the hello an engine sends on its PUSH: then u16 index, u64 pid.
+#: First bytes of the hello an engine sends on its PUSH: then u16 index, u64 pid, and the
+#: engine's machine id (utf-8, the rest of the frame).
 HELLO = b"\xffbaton-zmq-hello:"
 _HELLO_TAIL = struct.Struct("<HQ")
 _IDENTITY = struct.Struct("<H")
@@ -51,6 +55,8 @@ class ZmqAddress:
     output: str
     frontend_pid: int
     num_engines: int
+    #: ``machine_id()`` of the frontend: an engine elsewhere does not watch ``frontend_pid``
+    frontend_machine: str = ""
 
 
 class ZmqClientChannel(Channel):
@@ -93,6 +99,7 @@ class ZmqClientChannel(Channel):
             output=self._out.getsockopt_string(zmq.LAST_ENDPOINT),
             frontend_pid=os.getpid(),
             num_engines=num_engines,
+            frontend_machine=machine_id(),
         )
 
     def send(self, frames: Sequence[Frame], engine_index: int = 0) -> None:
@@ -156,13 +163,17 @@ class ZmqClientChannel(Channel):
             return frames
 
     def _on_hello(self, hello: bytes) -> None:
-        index, pid = _HELLO_TAIL.unpack(hello[len(HELLO) :])
+        tail = len(HELLO) + _HELLO_TAIL.size
+        index, pid = _HELLO_TAIL.unpack(hello[len(HELLO) : tail])
         if index in self._hellos:
             return
         self._hellos.add(index)
-        watch = PeerWatch(pid, f"engine {index}")
-        self._watch(watch)
-        self._engine_keys[index] = next(k for k, w in self._watches.items() if w is watch)
+        if bytes(hello[tail:]).decode(errors="replace") == machine_id():
+            watch = PeerWatch(pid, f"engine {index}")
+            self._watch(watch)
+            self._engine_keys[index] = next(k for k, w in self._watches.items() if w is watch)
+        # else the engine runs on another host: its pid is not ours to watch (its launcher's
+        # handle, polled by the client, tells of its death)
         if len(self._hellos) == self.num_engines:
             self._unlink("out")
 
@@ -197,13 +208,17 @@ class ZmqEngineChannel(Channel):
             self._in.connect(address.input)
             self._out.connect(address.output)
             self._in.send(b"")  # lets the ROUTER route to us
-            self._out.send(HELLO + _HELLO_TAIL.pack(engine_index, os.getpid()))
+            self._out.send(
+                HELLO + _HELLO_TAIL.pack(engine_index, os.getpid()) + machine_id().encode()
+            )
         except zmq.ZMQError as e:
             self._finalizer()
             raise TransportError(
                 f"zmq engine {engine_index} could not connect to {address}: {e}"
             ) from e
-        self._watch(PeerWatch(address.frontend_pid, "the frontend"))
+        if address.frontend_machine == machine_id():
+            self._watch(PeerWatch(address.frontend_pid, "the frontend"))
+        # else the frontend is on another host: its closing disconnects the DEALER (below)
         # the frontend closing its sockets (without exiting) disconnects the DEALER
         self._monitor = self._in.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sockets.append(self._monitor)
