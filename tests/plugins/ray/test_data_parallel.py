@@ -4,13 +4,17 @@ Two engine actors on the package's 2-node cluster, the frontend (AsyncLLM) in th
 process, zmq over tcp on 127.0.0.1: greedy tokens as one engine's and as two local
 engine processes'; ``ray.kill`` of an engine actor seen as a dead engine
 (fail-requests: its requests fail, the other engine's go on; fail-server: every
-request fails) within 5 s; no actor left after shutdown; refusals of what cannot work.
+request fails) within 5 s, and so is an engine actor that stops answering its
+pings (SIGSTOP: what a node gone without a word looks like); no actor left after
+shutdown; refusals of what cannot work.
 Each engine actor imports torch (~30 s here), so the tests share as few as they can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from typing import Any
 
@@ -109,7 +113,9 @@ def test_ray_engines_match_one_engine_and_local_processes_and_fail_requests_alon
             local.shutdown()
 
         llm = await start(
-            "ray", routing={"router": "round-robin", "on_engine_death": "fail-requests"}
+            "ray",
+            routing={"router": "round-robin", "on_engine_death": "fail-requests"},
+            **{"executor.ray": {"engine_heartbeat_timeout": 2.0}},
         )
         try:
             assert len(engine_actors()) == 2
@@ -121,6 +127,14 @@ def test_ray_engines_match_one_engine_and_local_processes_and_fail_requests_alon
             assert got_a == 300 and not llm.errored
             assert [e.engine_index for e in llm.engine.engine_loads()] == [0]  # type: ignore[attr-defined]
             assert await greedy(llm) == one_engine  # engine 0 serves on
+            # the last engine stops answering (its process stopped, its pid alive): dead once
+            # its ping is 2 s overdue, and with it the frontend
+            os.kill(llm.engine.resources.procs[0].pid, signal.SIGSTOP)  # type: ignore[attr-defined]
+            stopped_at = time.monotonic()
+            with pytest.raises(EngineDeadError, match="ping went unanswered for 2 s"):
+                await greedy(llm)
+            assert time.monotonic() - stopped_at < 5.0
+            assert llm.errored
         finally:
             llm.shutdown()
         assert_no_engine_actor_left()
@@ -175,3 +189,35 @@ def test_endpoints_only_this_machine_reaches_are_named():
     assert "loopback" in single_host_endpoint(address("tcp://127.0.0.1:5555"))
     assert "loopback" in single_host_endpoint(address("tcp://[::1]:5555"))
     assert single_host_endpoint(address("tcp://10.0.0.1:5555")) is None
+
+
+@pytest.mark.slow
+def test_the_death_of_the_engines_node_is_engine_dead_within_5_s(ray_cluster):
+    # a third node that only these engine actors may use (its custom resource)
+    node = ray_cluster.add_node(num_cpus=2, resources={"baton_dp_victim": 2})
+
+    async def go() -> None:
+        llm = await start("ray", **{"executor.ray": {"engine_resources": {"baton_dp_victim": 1}}})
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+            first = asyncio.Event()
+
+            async def one(rid: str) -> None:
+                async for _ in llm.generate({"prompt_token_ids": [1, 2, 3]}, params, rid):
+                    first.set()
+
+            task = asyncio.create_task(one("a"))
+            await asyncio.wait_for(first.wait(), 120)
+            t0 = time.monotonic()
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: ray_cluster.remove_node(node, allow_graceful=False)
+            )
+            with pytest.raises(EngineDeadError):
+                await task
+            assert time.monotonic() - t0 < 5.0
+            assert llm.errored
+        finally:
+            llm.shutdown()
+        assert_no_engine_actor_left()
+
+    asyncio.run(go())

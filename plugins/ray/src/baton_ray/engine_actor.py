@@ -102,6 +102,10 @@ class EngineActor:
         self._done.wait()
         return self._error
 
+    def ping(self) -> None:
+        """The heartbeat: answered on a thread of its own while the engine steps."""
+        return None
+
     def stop(self) -> None:
         """The graceful shutdown (drain or abort mode, as SIGTERM for a local engine)."""
         self._stop.set()

@@ -6,7 +6,10 @@ each engine places an actor (``engine_num_cpus`` / ``engine_num_gpus`` /
 ``engine_resources``, ``engine_scheduling``), waits until its process runs
 (``engine_placement_timeout``), checks that the transport's address reaches the
 actor's machine, and starts the engine core there. The handle reports the engine
-dead as soon as its ``wait`` call returns or Ray reports the actor dead.
+dead as soon as its ``wait`` call returns or Ray reports the actor dead, its
+process exits (an actor on this machine: its pid is watched), or it leaves a ping
+unanswered for ``engine_heartbeat_timeout`` seconds (a node gone without a word,
+which Ray takes longer to declare; a stopped process): the handle then kills it.
 ``close`` kills every actor it started and stops Ray if it started it.
 """
 
@@ -15,17 +18,20 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import time
 import uuid
 from typing import Any
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError, ExecutorError
-from baton.transport.peer import machine_id
+from baton.transport.peer import PeerWatch, machine_id
 from baton_ray.cluster import actor_env, connect, describe_resources
 from baton_ray.plugin import RaySettings
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two pings of an engine actor.
+PING_INTERVAL = 0.5
 #: Transports whose two ends must share one machine.
 SINGLE_HOST_TRANSPORTS = ("inproc", "shm")
 
@@ -72,19 +78,57 @@ def single_host_endpoint(address: Any) -> str | None:
 class RayEngineHandle:
     """One engine-core actor (``baton.interfaces.EngineHandle``)."""
 
-    def __init__(self, ray: Any, actor: Any, name: str, pid: int, node: str, run: Any) -> None:
+    def __init__(
+        self,
+        ray: Any,
+        actor: Any,
+        name: str,
+        pid: int,
+        node: str,
+        run: Any,
+        local: bool,
+        heartbeat_timeout: float,
+    ) -> None:
         self._ray, self.actor, self.name = ray, actor, name
         self.pid, self.node = pid, node
         self._run = run  # the pending ``wait`` call: ready once the engine stopped
         self._how: str | None = None
+        #: the actor's process, when it runs on this machine (its exit is seen at once)
+        self._process = PeerWatch(pid, name) if local else None
+        self._heartbeat_timeout = heartbeat_timeout
+        self._ping = actor.ping.remote()
+        self._ping_sent = time.monotonic()
 
     def is_alive(self) -> bool:
         if self._how is not None:
             return False
         ready, _ = self._ray.wait([self._run], timeout=0)
-        if not ready:
+        if ready:
+            return self._dead(self._outcome())
+        if self._process is not None and not self._process.alive():
+            return self._dead("its process exited")
+        return self._heartbeat()
+
+    def _heartbeat(self) -> bool:
+        """Send the next ping when the last was answered; False once one is overdue."""
+        now = time.monotonic()
+        ready, _ = self._ray.wait([self._ping], timeout=0)
+        if ready:
+            if now - self._ping_sent >= PING_INTERVAL:
+                self._ping, self._ping_sent = self.actor.ping.remote(), now
             return True
-        self._how = self._outcome()
+        if now - self._ping_sent <= self._heartbeat_timeout:
+            return True
+        self.kill()  # whatever it is doing, it must not come back
+        return self._dead(
+            f"its ping went unanswered for {self._heartbeat_timeout:g} s ([executor.ray] "
+            "engine_heartbeat_timeout): its node is gone or unreachable, or it is stopped"
+        )
+
+    def _dead(self, how: str) -> bool:
+        self._how = how
+        if self._process is not None:
+            self._process.close()
         return False
 
     def _outcome(self) -> str:
@@ -183,7 +227,16 @@ class RayEngineLauncher:
                 "nodes reach (or pin the engines here with engine_resources)"
             )
         actor.start.remote(config, address, engine_index, fingerprint)
-        handle = RayEngineHandle(ray, actor, name, pid, node, actor.wait.remote())
+        handle = RayEngineHandle(
+            ray,
+            actor,
+            name,
+            pid,
+            node,
+            actor.wait.remote(),
+            local=machine == self._machine,
+            heartbeat_timeout=s.engine_heartbeat_timeout,
+        )
         self.handles.append(handle)
         log.info("engine %d: %s", engine_index, handle.describe())
         return handle

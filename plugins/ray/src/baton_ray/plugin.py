@@ -78,6 +78,10 @@ class RaySettings(BaseModel):
     engine_placement_timeout: float = Field(120.0, gt=0)
     """Seconds each engine-core actor may take to be placed and start its process before
     the frontend refuses to start."""
+    engine_heartbeat_timeout: float = Field(4.0, gt=0)
+    """Seconds an engine-core actor may leave a ping (every 0.5 s, answered by a thread of its
+    own) unanswered before the frontend takes it for dead (a node gone without a word, a
+    stopped process), kills it and handles it as routing.on_engine_death says."""
 
 
 def create_executor(config: Any, settings: RaySettings | None = None) -> Any:
