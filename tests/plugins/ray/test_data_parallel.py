@@ -221,3 +221,20 @@ def test_the_death_of_the_engines_node_is_engine_dead_within_5_s(ray_cluster):
         assert_no_engine_actor_left()
 
     asyncio.run(go())
+
+
+def test_the_executor_and_the_launcher_share_the_ray_sub_table():
+    """[executor.ray] is read by both (one settings model): a bad key is one problem, once."""
+    from baton.config import BatonConfig
+    from baton.engine.plugin_check import check_config_plugins
+    from baton.plugins import get_registry
+
+    def check(**overrides: Any) -> Any:
+        return check_config_plugins(BatonConfig.load(**overrides), get_registry())
+
+    selected = check(data_parallel_backend="ray", **{"executor.ray": {"engine_num_cpus": 2}})
+    (launcher,) = [s for s in selected if s.kind == "engine_launcher"]
+    assert launcher.name == "ray" and launcher.settings["engine_num_cpus"] == 2
+    with pytest.raises(ConfigError) as err:
+        check(data_parallel_backend="ray", **{"executor.ray": {"engine_cpus": 2}})
+    assert str(err.value).count("executor.ray.engine_cpus: unknown setting") == 1

@@ -113,13 +113,13 @@ def _check_sub_tables(
                 ConfigError(f"{section}.{key}: unknown setting (fields: {fields}{plugins})")
             )
             continue
-        for k in kinds:
-            if (k.name, key) in done or key not in registry.names(k.name):
-                continue  # checked as a selected plugin, or not one of this kind
-            try:
-                registry.get(k.name, key).settings(config)
-            except BatonError as e:
-                errors.append(e)
+        if any((k.name, key) in done for k in kinds):
+            continue  # checked as a selected plugin (the kinds of a section share its tables)
+        owner = next(k for k in kinds if key in registry.names(k.name))
+        try:
+            registry.get(owner.name, key).settings(config)
+        except BatonError as e:
+            errors.append(e)
     return errors
 
 
