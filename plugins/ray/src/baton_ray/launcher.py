@@ -226,7 +226,18 @@ class RayEngineLauncher:
                 "[transport.zmq] protocol = 'tcp' and host = an address of this machine the "
                 "nodes reach (or pin the engines here with engine_resources)"
             )
-        actor.start.remote(config, address, engine_index, fingerprint)
+        # awaited (it returns once the engine's thread runs): a start that fails (the config
+        # does not unpickle there) must not leave a ``wait`` pending forever
+        try:
+            ray.get(
+                actor.start.remote(config, address, engine_index, fingerprint),
+                timeout=s.engine_placement_timeout,
+            )
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise ExecutorError(
+                f"engine launcher 'ray': engine {engine_index} did not start in its actor "
+                f"(pid {pid} on node {node}): {type(e).__name__}: {e}"
+            ) from e
         handle = RayEngineHandle(
             ray,
             actor,
