@@ -20,6 +20,8 @@ from tests.e2e.conftest import _children
 from tests.e2e.parity import PROMPTS, assert_parity
 
 MAX_NEW = 40
+#: executors whose workers are processes of this machine started by the engine (ray's are actors)
+LOCAL_EXECUTORS = ("cuda-tp", "pipeline")
 #: chunked prefill with a small token budget, prompts across blocks (as tests/e2e/test_parity.py)
 PARITY_BASE = dict(
     block_size=8,
@@ -39,7 +41,7 @@ def generate(
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     out = []
     with LLM(model=str(model_dir), **{**PARITY_BASE, **overrides}) as llm:
-        if "executor" in overrides:  # inproc transport: the executor's workers are our children
+        if overrides.get("executor") in LOCAL_EXECUTORS:  # inproc: their workers are our children
             want = overrides.get("tensor_parallel_size", 1) * overrides.get(
                 "pipeline_parallel_size", 1
             )
@@ -71,11 +73,12 @@ def uniproc_reference(
     return _reference[key]
 
 
-def check_parity(model_dir: Path, tokenizer: Any, **parallel: Any) -> None:
-    """The parallel executor's tokens equal uniproc's (near-tie rule), fresh and from the prefix cache."""
+def check_parity(model_dir: Path, tokenizer: Any, passes: int = 2, **parallel: Any) -> None:
+    """The parallel executor's tokens equal uniproc's (near-tie rule), fresh and (``passes`` 2)
+    from the prefix cache."""
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     ref = uniproc_reference(model_dir, prompt_ids)
-    for ours in generate(model_dir, prompt_ids, passes=2, **parallel):
+    for ours in generate(model_dir, prompt_ids, passes=passes, **parallel):
         assert_parity(model_dir, prompt_ids, ours, ref)
 
 
