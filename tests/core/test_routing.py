@@ -57,12 +57,38 @@ def test_round_robin_takes_turns_whatever_the_load():
 def test_prefix_aware_keeps_a_prefix_on_its_engine():
     r = PrefixAwareRouter(PrefixAwareSettings(balance_abs_threshold=2))
     assert r.route(req("a", [*P1, 100]), engines(0, 0)) == 0
-    assert r.route(req("b", [*P2, 101]), engines(1, 0)) == 1  # new prefix: least loaded
+    assert r.route(req("b", [*P2, 101]), engines(1, 0)) == 1  # new prefix: fewest prefix blocks
     assert r.route(req("c", [*P1, 102]), engines(1, 1)) == 0
     assert r.route(req("d", [*P2, 103]), engines(2, 1)) == 1
     # a longer shared prefix wins over a shorter one: [P1 block 0, P2 block 1] matches P1's first
     # block only; P1's owner takes it
     assert r.route(req("e", [*P1[:4], *P2[4:], 1]), engines(2, 2)) == 0
+
+
+def test_prefix_aware_splits_new_prefixes_by_the_prefix_blocks_each_engine_holds():
+    """Four tenants' first requests while engine 0 is always the less loaded: each engine takes
+    two (least-loaded would put all four on engine 0, more prefixes than one cache may hold),
+    then each tenant stays; an engine over the load cap takes no new prefix."""
+    r = PrefixAwareRouter(PrefixAwareSettings(balance_abs_threshold=2))
+    tenants = [[t] * 8 for t in range(10, 14)]
+    assert [r.route(req(str(t), p), engines(0, 1)) for t, p in enumerate(tenants)] == [0, 1, 0, 1]
+    assert [r.route(req(f"again{t}", p), engines(1, 1)) for t, p in enumerate(tenants)] == [
+        0,
+        1,
+        0,
+        1,
+    ]
+    assert r.route(req("new", [99] * 8), engines(0, 3)) == 0  # 3 > 0 + 2: not engine 1
+
+
+def test_prefix_aware_counts_a_moved_prefix_for_its_new_engine_only():
+    r = PrefixAwareRouter(PrefixAwareSettings(balance_abs_threshold=2))
+    a, b, c, d = ([t] * 8 for t in (1, 2, 3, 4))
+    assert r.route(req("a", a), engines(0, 0)) == 0
+    assert r.route(req("b", b), engines(0, 0)) == 1
+    assert r.route(req("c", c), engines(1, 0)) == 1  # as many blocks each: the less loaded
+    assert r.route(req("b2", b), engines(0, 3)) == 0  # spilled: engine 0 holds a and b now
+    assert r.route(req("d", d), engines(0, 0)) == 1  # engine 1 holds c alone
 
 
 def test_prefix_aware_spills_an_overloaded_prefix_to_the_least_loaded_engine():

@@ -7,14 +7,18 @@ with ``cache_salt``, as the engines' prefix cache does) and sends the request to
 the engine that last took the longest of those prefixes, unless that engine has
 ``balance_abs_threshold`` more requests in flight than the least loaded one:
 then the least loaded engine takes it (and the prefix), so one hot prefix
-cannot pile every request onto one engine. Requests with no full block go to
-the least loaded engine.
+cannot pile every request onto one engine. A prefix no engine has taken goes to
+the engine holding the fewest prefix blocks among those within that load cap
+(as SGLang's cache-aware router balances its trees): tenants' prefixes split
+evenly over the engines' caches instead of following momentary load, which
+would leave one engine more prefixes than its cache holds. Requests with no
+full block go to the least loaded engine.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,26 +67,42 @@ class PrefixAwareRouter:
     def __init__(self, settings: PrefixAwareSettings | None = None) -> None:
         self.settings = settings or PrefixAwareSettings()
         self._owner: OrderedDict[bytes, int] = OrderedDict()
+        #: prefix block hashes each engine owns in ``_owner``
+        self._owned: Counter[int] = Counter()
 
     def route(self, request: RouteRequest, engines: Sequence[EngineLoad]) -> int:
         hashes = prefix_hashes(request, self.settings.prefix_blocks)
         by_index = {e.engine_index: e for e in engines}
-        floor = min(e.num_in_flight for e in engines)
+        cap = min(e.num_in_flight for e in engines) + self.settings.balance_abs_threshold
         chosen = None
+        known = False
         for h in reversed(hashes):
             idx = self._owner.get(h)
             if idx is None or idx not in by_index:
                 continue
-            if by_index[idx].num_in_flight <= floor + self.settings.balance_abs_threshold:
+            known = True
+            if by_index[idx].num_in_flight <= cap:
                 chosen = idx
             break  # the longest known prefix decides: its engine, or (overloaded) the least loaded
+        if chosen is None and hashes and not known:
+            # a new prefix: the engine with the fewest prefix blocks (the least loaded is in cap)
+            chosen = min(
+                (e for e in engines if e.num_in_flight <= cap),
+                key=lambda e: (self._owned[e.engine_index], e.num_in_flight, e.engine_index),
+            ).engine_index
         if chosen is None:
             chosen = least_loaded(engines)
         for h in hashes:
-            self._owner[h] = chosen
+            old = self._owner.get(h)
+            if old != chosen:
+                if old is not None:
+                    self._owned[old] -= 1
+                self._owned[chosen] += 1
+                self._owner[h] = chosen
             self._owner.move_to_end(h)
         while len(self._owner) > self.settings.max_prefixes:
-            self._owner.popitem(last=False)
+            _, idx = self._owner.popitem(last=False)
+            self._owned[idx] -= 1
         return chosen
 
     def finished(self, request_id: str, engine_index: int) -> None:
