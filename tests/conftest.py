@@ -14,12 +14,15 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-#: Test files (or folders) that time the system under test (a deadline after a kill or a hang,
-#: /health latency while a step runs, shutdown within its timeout, a check's cost) or watch the
-#: whole machine (Ray's daemons): marked ``serial``. `make test` runs every other test in two
-#: pytest-xdist workers, then these alone, so a neighbour's load cannot push them past a limit.
+#: Test files (or folders, or tests) that time the system under test (a deadline after a kill or
+#: a hang, /health latency while a step runs, shutdown within its timeout, a check's cost), watch
+#: the whole machine (Ray's daemons), or change what every test shares (a plugin installed into
+#: the environment: an engine started meanwhile sees another plugin set): marked ``serial``.
+#: `make test` runs every other test in two pytest-xdist workers, then these alone, so a
+#: neighbour can neither push them past a limit nor see what they change.
 SERIAL = (
     "tests/core/test_expert_parallel.py",
+    "tests/core/test_meta.py::test_writing_a_plugin_followed_literally",
     "tests/core/test_validation.py",
     "tests/core/test_worker_group.py",
     "tests/e2e/test_containment.py",
