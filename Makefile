@@ -24,6 +24,8 @@ setup: $(STAMP)
 $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(DISTS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	# pip byte-compiles what it installs: keep it (with PYTHONDONTWRITEBYTECODE=1, as CI has,
+	# --no-compile made every process compile torch and transformers again: +50% test time)
 	# torch first and pinned: a bare `torch` would pull a multi-GB CUDA build
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q $(foreach d,$(DISTS),-e "./$(d)$(EXTRAS_$(d))") -r requirements-dev.txt
