@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -20,6 +20,7 @@ import msgspec
 from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
+from baton.engine.loras import EngineLoras
 from baton.engine.plugin_check import check_config_plugins
 from baton.errors import (
     ConfigError,
@@ -29,7 +30,6 @@ from baton.errors import (
     error_from_message,
 )
 from baton.interfaces import Executor
-from baton.lora.request import LoRARequest, as_lora_request
 from baton.model_info import ModelInfo, model_info
 from baton.plugins import Registry, get_registry
 from baton.pooling_params import check_generation, pooled_request
@@ -128,12 +128,7 @@ class EngineCore:
         self.sleep_level = 0
         #: Whether the workers' torch profilers run (start_profile .. stop_profile).
         self.profiling = False
-        #: LoRA adapters loaded in the workers by id, least recently used first; pinned ones
-        #: are never dropped to make room (lora.max_cpu_loras).
-        self.loras: OrderedDict[int, LoRARequest] = OrderedDict()
-        self.pinned_loras: set[int] = set()
-        #: id -> (the adapter last registered under it, its registration): the prefix cache's key
-        self._lora_registrations: dict[int, tuple[LoRARequest, int]] = {}
+        self.loras = EngineLoras(config.lora, self.executor, self.scheduler)
 
     # ------------------------------------------------------------------ start-up
 
@@ -214,7 +209,7 @@ class EngineCore:
             check_generation(self.info)
         lora_key = None
         if request.lora_request is not None:
-            lora_key = self._use_lora(request.lora_request)  # read now if it is new
+            lora_key = self.loras.use(request.lora_request)  # read now if it is new
         req = Request.from_engine_core_request(request, max_model_len=self.info.max_model_len)
         if lora_key is not None:
             req.lora_key = lora_key
@@ -495,124 +490,23 @@ class EngineCore:
 
     # ------------------------------------------------------------------ LoRA adapters
 
-    def _check_lora(self) -> None:
-        if not self.config.lora.enable_lora:
-            raise InvalidRequestError(
-                "LoRA adapters are off: start the engine with lora.enable_lora = true "
-                "(--enable-lora, LLM(enable_lora=True))",
-                param="lora_request",
-            )
-
-    def _lora_rpc(self, method: str, *args: Any) -> list[Any]:
-        from baton.worker.lora import lora_rpc
-
-        outcomes = self.executor.collective_rpc(lora_rpc, (method, args))
-        for rank, (ok, value) in enumerate(outcomes):
-            if not ok:
-                text = str(value)
-                if len(outcomes) > 1:
-                    kind, _, rest = text.partition(": ")
-                    text = f"{kind}: worker {rank}: {rest}"
-                raise error_from_message(text)
-        return [value for _, value in outcomes]
-
-    def _lora_registered(self, lora: LoRARequest) -> bool:
-        """True if ``lora`` is loaded (now the most recently used); False if its id is free.
-        An id loaded for another adapter is refused."""
-        known = self.loras.get(lora.lora_int_id)
-        if known is None:
-            return False
-        if known != lora:
-            raise InvalidRequestError(
-                f"LoRA id {lora.lora_int_id} is loaded as adapter {known.lora_name!r} "
-                f"({known.lora_path}); adapter {lora.lora_name!r} ({lora.lora_path}) needs an id "
-                "of its own (or remove_lora the other first)",
-                param="lora_request",
-            )
-        self.loras.move_to_end(lora.lora_int_id)
-        return True
-
-    def _use_lora(self, lora: Any) -> str:
-        """A request's adapter, loaded if it is not: its prefix-cache key."""
-        self._check_lora()
-        lora = as_lora_request(lora)
-        if not self._lora_registered(lora):
-            self.add_lora(lora)
-        return self._lora_key(lora.lora_int_id)
-
-    def _lora_key(self, lora_id: int) -> str:
-        """The adapter's part of its requests' block hashes: its id, and which adapter was
-        registered under that id (an id re-used for another folder gets fresh hashes)."""
-        gen = self._lora_registrations[lora_id][1]
-        return str(lora_id) if gen == 0 else f"{lora_id}.{gen}"
-
-    def _make_room_for_lora(self) -> None:
-        """Drop least recently used adapters, unpinned and used by no unfinished request, until
-        one more fits in lora.max_cpu_loras (none can be dropped: it goes over, for a while)."""
-        cfg = self.config.lora
-        limit = cfg.max_cpu_loras or cfg.max_loras
-        if len(self.loras) < limit:
-            return
-        in_use = {r.lora_id for r in self.scheduler.requests.values()}
-        for lid in list(self.loras):
-            if len(self.loras) < limit:
-                return
-            if lid not in self.pinned_loras and lid not in in_use:
-                self._lora_rpc("remove_lora", lid)
-                del self.loras[lid]
-                log.info(
-                    "LoRA adapter id %d dropped to make room (lora.max_cpu_loras=%d)", lid, limit
-                )
-
     def add_lora(self, lora_request: Any) -> bool:
         """Load a LoRA adapter into every worker (read and checked against the model); False if
         it is loaded already. Requests naming it load it too; this only does it ahead."""
-        self._check_lora()
-        lora = as_lora_request(lora_request)
-        if self._lora_registered(lora):
-            return False
-        self._make_room_for_lora()
-        self._lora_rpc("add_lora", lora)
-        lid = lora.lora_int_id
-        self.loras[lid] = lora
-        prev = self._lora_registrations.get(lid)
-        gen = 0 if prev is None else prev[1] + (prev[0] != lora)
-        self._lora_registrations[lid] = (lora, gen)
-        return True
+        return self.loras.add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Drop a LoRA adapter from every worker; False if it was not loaded. Refused while an
         unfinished request uses it."""
-        self._check_lora()
-        if type(lora_id) is not int:
-            raise InvalidRequestError(f"lora_id must be an int, got {lora_id!r}", param="lora_id")
-        if lora_id not in self.loras:
-            return False
-        n = sum(1 for r in self.scheduler.requests.values() if r.lora_id == lora_id)
-        if n:
-            raise InvalidRequestError(
-                f"LoRA adapter id {lora_id} is used by {n} unfinished request(s): wait for them "
-                "or abort them, then remove it",
-                param="lora_id",
-            )
-        self._lora_rpc("remove_lora", lora_id)
-        del self.loras[lora_id]
-        self.pinned_loras.discard(lora_id)
-        return True
+        return self.loras.remove(lora_id)
 
     def list_loras(self) -> list[int]:
         """The ids of the loaded LoRA adapters."""
-        return sorted(self.loras)
+        return self.loras.ids()
 
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a loaded adapter loaded: never dropped to make room for another."""
-        self._check_lora()
-        if lora_id not in self.loras:
-            raise InvalidRequestError(
-                f"LoRA adapter id {lora_id!r} is not loaded: add_lora it first", param="lora_id"
-            )
-        self.pinned_loras.add(lora_id)
-        return True
+        return self.loras.pin(lora_id)
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot: counters (prefix-cache queries/hits, preemptions) are totals since start."""
