@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 import traceback
@@ -31,6 +30,7 @@ import ray
 
 from baton.errors import BatonError
 from baton.executor.member import Message
+from baton_ray.cluster import prepare_actor
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +101,6 @@ class Inbox:
             self._loop.call_soon_threadsafe(_set_result, w, ("error", "the rank stopped"))
 
 
-def _preload() -> None:
-    import importlib
-
-    for module in PRELOAD:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # the rank's own import will say what is wrong
-            log.debug("preloading %s: %s", module, e)
-            return
-
-
 #: Imported by a rank actor as soon as it exists (each takes seconds on a small machine).
 PRELOAD = ("torch.distributed", "transformers", "baton.executor.rank", "baton.parallel.hooks")
 
@@ -126,14 +115,8 @@ class RankActor:
     """One rank (see the module docstring). ``env`` is applied before torch is imported."""
 
     def __init__(self, env: dict[str, str], log_level: str = "INFO", nice: int | None = 0) -> None:
-        os.environ.update(env)
-        if nice is not None:  # Ray starts its workers at nice 15
-            try:
-                os.setpriority(os.PRIO_PROCESS, 0, nice)
-            except OSError as e:  # lowering it needs the privilege to
-                log.info("rank actor: cannot set nice %d: %s", nice, e)
         # the heavy imports start now, while the executor still waits for rank 0's rendezvous
-        threading.Thread(target=_preload, name="baton-rank-preload", daemon=True).start()
+        prepare_actor(env, nice, "rank", PRELOAD)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-rank")
         self._store: Any = None
         self._rank: Any = None

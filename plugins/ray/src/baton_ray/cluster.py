@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from baton.errors import ExecutorError
@@ -82,3 +84,30 @@ def describe_resources(ray: Any) -> str:
         return {k: v for k, v in r.items() if not k.startswith(("node:", "memory", "object_"))}
 
     return f"{nodes} nodes, total {keep(total)}, free {keep(free)}"
+
+
+def prepare_actor(
+    env: dict[str, str], nice: int | None, kind: str, preload: tuple[str, ...]
+) -> None:
+    """What a baton actor (``kind``: "rank", "engine") does first in its process: take the
+    engine's environment ``env``, the priority ``nice`` (Ray starts its workers at 15, which
+    lets other processes starve them; None keeps it), and start importing ``preload`` on a
+    daemon thread (seconds each on a small machine) while its caller still waits elsewhere."""
+    os.environ.update(env)
+    if nice is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except OSError as e:  # lowering it needs the privilege to
+            log.info("%s actor: cannot set nice %d: %s", kind, nice, e)
+    threading.Thread(
+        target=_preload, args=(preload,), name=f"baton-{kind}-preload", daemon=True
+    ).start()
+
+
+def _preload(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # the actor's own import will say what is wrong
+            log.debug("preloading %s: %s", module, e)
+            return

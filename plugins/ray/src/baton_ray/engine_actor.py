@@ -22,6 +22,7 @@ import ray
 
 from baton.engine.launch import run_engine_core
 from baton.transport.peer import machine_id
+from baton_ray.cluster import prepare_actor
 
 log = logging.getLogger(__name__)
 
@@ -29,29 +30,12 @@ log = logging.getLogger(__name__)
 PRELOAD = ("torch", "transformers", "baton.engine.core_proc")
 
 
-def _preload() -> None:
-    import importlib
-
-    for module in PRELOAD:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # the engine's own import will say what is wrong
-            log.debug("preloading %s: %s", module, e)
-            return
-
-
 @ray.remote(max_concurrency=4)
 class EngineActor:
     """One engine core (see the module docstring). ``env`` is applied before torch loads."""
 
     def __init__(self, env: dict[str, str], nice: int | None = 0) -> None:
-        os.environ.update(env)
-        if nice is not None:  # Ray starts its workers at nice 15
-            try:
-                os.setpriority(os.PRIO_PROCESS, 0, nice)
-            except OSError as e:  # lowering it needs the privilege to
-                log.info("engine actor: cannot set nice %d: %s", nice, e)
-        threading.Thread(target=_preload, name="baton-engine-preload", daemon=True).start()
+        prepare_actor(env, nice, "engine", PRELOAD)
         self._stop = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
