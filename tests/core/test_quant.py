@@ -218,6 +218,21 @@ def test_decode_rows_do_not_depend_on_their_neighbour_weight_rows(qtype, rows, c
         assert torch.equal(part, full[:, start:]), start
 
 
+@pytest.mark.parametrize("qtype", list(QType))
+def test_int8_activation_rows_do_not_depend_on_the_rows_beside_them(qtype, cpu_kernel_ops):
+    """A speculative verify step runs a request's last token and its drafts as rows of one call:
+    each row must get the bits a one-row decode step gives it, or greedy speculation changes the
+    output (linear_q8a groups up to 8 rows of x per pass, whatever their number)."""
+    n, k = shape_for(qtype)
+    raw = random_blocks(qtype, n, k, seed=5)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
+    whole = torch.ops.baton.linear_q8a(x, raw, int(qtype))
+    for rows in (1, 2, 4, 6):
+        for i in range(0, 11 - rows + 1, rows):
+            part = torch.ops.baton.linear_q8a(x[i : i + rows], raw, int(qtype))
+            assert torch.equal(part, whole[i : i + rows]), (rows, i)
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q5_K])
 def test_prefill_tiles_cover_every_output_row(qtype, kernels):
     """300 outputs: several tiles of linear_q_tiles (and slices of the torch path), one partial."""

@@ -461,12 +461,14 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// y[m, n] for one weight row n and MR rows of quantized x. Two accumulators at one row (one FMA
-// chain would wait on its latency).
+// y[m, n] for one weight row n and MR rows of quantized x. Two accumulators per row whatever MR
+// (one FMA chain would wait on its latency at one row), so that a row's sum runs in the same order
+// alone or beside others: a speculative verify step gives each row a decode step's bits. (At 5-8
+// rows a CPU with 16 vector registers, AVX2 without AVX-512, spills some of them.)
 template <class F, int MR>
 inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float* xsum, float* offs,
                        const uint8_t* row, float bias, float* y, int64_t ys) {
-  constexpr int NG = F::QK / F::G, U = F::QK / QX, A = MR == 1 ? 2 : 1;
+  constexpr int NG = F::QK / F::G, U = F::QK / QX, A = 2;
   const int64_t nb = K / F::QK, units = K / QX, groups = K / F::G;
   __m256 acc[MR][A];
   for (int m = 0; m < MR; ++m)
