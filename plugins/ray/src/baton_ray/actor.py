@@ -116,7 +116,7 @@ class RankActor:
 
     def __init__(self, env: dict[str, str], log_level: str = "INFO", nice: int | None = 0) -> None:
         # the heavy imports start now, while the executor still waits for rank 0's rendezvous
-        prepare_actor(env, nice, "rank", PRELOAD)
+        self._preload = prepare_actor(env, nice, "rank", PRELOAD)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-rank")
         self._store: Any = None
         self._rank: Any = None
@@ -126,6 +126,7 @@ class RankActor:
 
     async def host_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0: bind the rendezvous on this node; its address for every rank."""
+        self._preload.join()
         from baton.executor.rank import host_store
 
         host = ray.util.get_node_ip_address()
@@ -148,6 +149,7 @@ class RankActor:
         return "ok", self._rank.ready()
 
     def _build(self, boot: Any) -> Any:
+        self._preload.join()
         from baton.executor.rank import Rank
 
         logging.basicConfig(

@@ -88,20 +88,25 @@ def describe_resources(ray: Any) -> str:
 
 def prepare_actor(
     env: dict[str, str], nice: int | None, kind: str, preload: tuple[str, ...]
-) -> None:
+) -> threading.Thread:
     """What a baton actor (``kind``: "rank", "engine") does first in its process: take the
     engine's environment ``env``, the priority ``nice`` (Ray starts its workers at 15, which
     lets other processes starve them; None keeps it), and start importing ``preload`` on a
-    daemon thread (seconds each on a small machine) while its caller still waits elsewhere."""
+    daemon thread (seconds each on a small machine) while its caller still waits elsewhere.
+
+    Returns that thread: the actor joins it before importing anything itself, since two
+    threads importing transformers at once can fail (``KeyError: 'transformers'``, seen in CI)."""
     os.environ.update(env)
     if nice is not None:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
         except OSError as e:  # lowering it needs the privilege to
             log.info("%s actor: cannot set nice %d: %s", kind, nice, e)
-    threading.Thread(
+    thread = threading.Thread(
         target=_preload, args=(preload,), name=f"baton-{kind}-preload", daemon=True
-    ).start()
+    )
+    thread.start()
+    return thread
 
 
 def _preload(modules: tuple[str, ...]) -> None:

@@ -35,7 +35,7 @@ class EngineActor:
     """One engine core (see the module docstring). ``env`` is applied before torch loads."""
 
     def __init__(self, env: dict[str, str], nice: int | None = 0) -> None:
-        prepare_actor(env, nice, "engine", PRELOAD)
+        self._preload = prepare_actor(env, nice, "engine", PRELOAD)
         self._stop = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,6 +71,7 @@ class EngineActor:
     def _run(
         self, config: Any, address: Any, index: int, fingerprint: list[tuple[str, str, str, str]]
     ) -> None:
+        self._preload.join()  # its imports first: not the same modules from two threads at once
         try:
             run_engine_core(
                 config, address, index, fingerprint, in_thread=True, shutdown_event=self._stop
