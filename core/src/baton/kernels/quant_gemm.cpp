@@ -498,7 +498,7 @@ inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float
     });
   };
   int64_t b = 0;
-  if constexpr (A == 2 && U == 1)
+  if constexpr (U == 1)  // blocks in pairs, one per accumulator
     for (; b + 2 <= nb; b += 2) {
       block(b, std::integral_constant<int, 0>{});
       block(b + 1, std::integral_constant<int, 1>{});
