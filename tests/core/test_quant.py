@@ -200,7 +200,7 @@ def test_quant_linear_equals_dequantized_matmul(qtype, rows, kernels):
 
 
 @pytest.mark.parametrize("qtype", list(QType))
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 6, 8, 9, 16])
 def test_decode_rows_do_not_depend_on_their_neighbour_weight_rows(qtype, rows, cpu_kernel_ops):
     """Past one row of x, linear_q computes several weight rows in one pass; which rows share a
     pass follows where a thread's range starts, so a row's sums must not depend on its neighbours:
