@@ -148,8 +148,9 @@ def test_refused_with_hooks_and_foreign_linears(caplog):
     assert "layer 0 q_proj is a Wrapped" in caplog.text
 
 
-def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threads):
-    """decode_layers on copies of ``caches`` with ``threads`` threads; (output, caches after)."""
+def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threads, shared=False):
+    """decode_layers on copies of ``caches`` with ``threads`` threads; (output, caches after).
+    ``shared``: rows read keys that other rows of the step write (a verify step's drafts)."""
     k = [c[0].clone() for c in caches]
     v = [c[1].clone() for c in caches]
     before = torch.get_num_threads()
@@ -176,6 +177,7 @@ def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threa
             fast.quant_max_rows,
             fast.float_max_rows,
             *head,
+            shared,
         )
     finally:
         torch.set_num_threads(before)
@@ -244,3 +246,42 @@ def test_one_parallel_region_is_split_independent_and_runs_the_head(
     # the step wrote its keys: the caches changed at the slots and only there
     changed = (k1[0] != caches[0][0]).flatten(1).any(1).nonzero().flatten().tolist()
     assert set(changed) <= set((slots // 4).tolist()) and changed
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_draft_rows_attend_after_every_row_wrote_its_keys(cache_dtype, threads):
+    """A verify step's rows of one request (its last token and drafts: one block table, contexts
+    L, L+1, ...) read keys that other rows of the step write, on any thread: with
+    shared_context every row's keys are written before any row attends, so the step gives the
+    bits of the same step run with every row's keys already in the cache."""
+    path = tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)
+    runner = make_runner(
+        path, block_size=4, budget=64, max_seqs=16, **{"cache.dtype": str(cache_dtype)[6:]}
+    )
+    fast = runner.fast_decode
+    assert fast is not None and fast.head_args is not None
+    g = torch.Generator().manual_seed(threads)
+    kv_heads, head_dim = fast.num_kv_heads, runner.kv_caches[0].shape[-1]
+    caches = [
+        torch.randn((2, NUM_BLOCKS, kv_heads, 4, head_dim), generator=g).to(cache_dtype)
+        for _ in range(len(fast.norms) // 2)
+    ]
+    caches = [(c[0].view(NUM_BLOCKS, kv_heads, head_dim, 4).clone(), c[1].clone()) for c in caches]
+    blocks = torch.randperm(NUM_BLOCKS, generator=g)[:15].view(3, 5)
+    # request 1: 1 row; request 0: 5 rows from context 9 (its drafts cross into a new block, and
+    # with two threads its last rows attend on the other thread than its first); request 2: 2 rows
+    owner = [1, 0, 0, 0, 0, 0, 2, 2]
+    lens = torch.tensor([7, 9, 10, 11, 12, 13, 14, 15])
+    table = blocks[owner].contiguous()
+    positions = lens - 1
+    slots = table.gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
+    hidden = torch.randn((len(owner), fast.norms[0].numel()), generator=g)
+    head = fast.head_args[:4]
+    args = (positions, slots, table, lens, head, threads)
+    with torch.inference_mode():
+        together, k1, v1 = _stack_call(fast, caches, hidden, *args, shared=True)
+        written = list(zip(k1, v1, strict=True))
+        alone, k2, v2 = _stack_call(fast, written, hidden, *args, shared=False)
+    assert torch.equal(together, alone)
+    assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k2 + v2, strict=True))
