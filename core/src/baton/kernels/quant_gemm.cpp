@@ -9,7 +9,8 @@
 // linear_q (decode: a few rows of x): y = x @ w^T (+ bias), x [M, K] float32, every weight byte
 // read once per call. Each thread takes a range of weight rows, in tiles that stay in cache while
 // up to 8 rows of x at a time pass over them (from 5 rows, 2-3 weight rows at once); a row's
-// groups are decoded into float vectors in registers. The offset term is M * sum(x over the group), the group sums of x computed once.
+// groups are decoded into float vectors in registers. The offset term is M * sum(x over the
+// group), the group sums of x computed once.
 // linear_q_tiles (prefill: many rows), same arguments: each thread dequantizes tiles of weight
 // rows into a buffer of its own and runs torch's GEMM on them.
 // dequantize_q: float32 rows, bit-identical to gguf's numpy reference (scale * q, then + offset,
@@ -280,6 +281,21 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out,
   }
 }
 
+// One output of the float path from its accumulated vector: its lanes summed, then (formats with
+// offsets) the dot product of the weight row's K / G offsets with x's group sums, then the bias.
+template <class F>
+inline float finish_row(vec acc, const float* offs, const float* xs, int64_t groups, float bias) {
+  float s = hsum(acc);
+  if constexpr (F::MIN) {
+    vec o{};
+    int64_t j = 0;
+    for (; j + VW <= groups; j += VW) o += loadv(offs + j) * loadv(xs + j);
+    s += hsum(o);
+    for (; j < groups; ++j) s += offs[j] * xs[j];
+  }
+  return s + bias;
+}
+
 // y[m, n] for one weight row n and MR rows of x ([MR, K], row stride K). Formats with offsets
 // (F::MIN): xsum holds the group sums of x ([MR, K / G]) and offs room for the row's K / G
 // offsets, whose dot product with xsum is added at the end (out of the loop that holds the
@@ -336,16 +352,7 @@ inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, c
   for (int m = 0; m < MR; ++m) {
     vec v = acc[m][0];
     for (int a = 1; a < A; ++a) v += acc[m][a];
-    float s = hsum(v);
-    if constexpr (F::MIN) {
-      const float* xs = xsum + m * groups;
-      vec o{};
-      int64_t j = 0;
-      for (; j + VW <= groups; j += VW) o += loadv(offs + j) * loadv(xs + j);
-      s += hsum(o);
-      for (; j < groups; ++j) s += offs[j] * xs[j];
-    }
-    y[m * ys] = s + bias;
+    y[m * ys] = finish_row<F>(v, offs, xsum + m * groups, groups, bias);
   }
 }
 
@@ -400,23 +407,13 @@ inline void dot_rows(const float* x, int64_t K, const float* xsum, float* offs, 
     });
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) {
-      float s = hsum(acc[m][j]);
-      if constexpr (F::MIN) {
-        const float* xs = xsum + m * groups;
-        const float* of = offs + j * groups;
-        vec o{};
-        int64_t k = 0;
-        for (; k + VW <= groups; k += VW) o += loadv(of + k) * loadv(xs + k);
-        s += hsum(o);
-        for (; k < groups; ++k) s += of[k] * xs[k];
-      }
-      y[m * ys + j] = s + (bias ? bias[j] : 0.0f);
-    }
+    for (int j = 0; j < NR; ++j)
+      y[m * ys + j] =
+          finish_row<F>(acc[m][j], offs + j * groups, xsum + m * groups, groups, bias ? bias[j] : 0.0f);
 }
 
 constexpr int MAX_MR = 8;
-constexpr int MAX_NR = 4;
+constexpr int MAX_NR = 3;  // weight_rows' largest: linear_rows keeps room for that many rows' offsets
 // Weight rows per tile: a tile's bytes stay in L1/L2 while each group of up to MAX_MR rows of x
 // (which stays in L1) passes over it, so neither x nor the weights stream from farther away.
 constexpr int64_t TILE_BYTES = 16384;
@@ -425,6 +422,7 @@ template <class F, int MR>
 void tile_rows(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* w, int64_t row_bytes,
                const float* bias, float* y, int64_t N, int64_t t0, int64_t t1) {
   constexpr int NR = weight_rows<MR>();
+  static_assert(NR <= MAX_NR, "linear_rows' offsets hold MAX_NR weight rows");
   int64_t n = t0;
   if constexpr (NR > 1)
     for (; n + NR <= t1; n += NR)
