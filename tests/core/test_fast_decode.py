@@ -148,6 +148,18 @@ def test_refused_with_hooks_and_foreign_linears(caplog):
     assert "layer 0 q_proj is a Wrapped" in caplog.text
 
 
+def _random_caches(runner, cache_dtype, g):
+    """Random (key, value) paged caches per layer of ``runner``'s model, blocks of 4 tokens, the
+    key cache in the layout decode_layers reads (head_dim before the block's tokens)."""
+    fast = runner.fast_decode
+    kv_heads, head_dim = fast.num_kv_heads, runner.kv_caches[0].shape[-1]
+    caches = [
+        torch.randn((2, NUM_BLOCKS, kv_heads, 4, head_dim), generator=g).to(cache_dtype)
+        for _ in range(len(fast.norms) // 2)
+    ]
+    return [(c[0].view(NUM_BLOCKS, kv_heads, head_dim, 4).clone(), c[1].clone()) for c in caches]
+
+
 def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threads, shared=False):
     """decode_layers on copies of ``caches`` with ``threads`` threads; (output, caches after).
     ``shared``: rows read keys that other rows of the step write (a verify step's drafts)."""
@@ -216,13 +228,8 @@ def test_one_parallel_region_is_split_independent_and_runs_the_head(
     assert fast is not None and fast.cos_table is not None and fast.head_args is not None
     g = torch.Generator().manual_seed(rows)
     hd = fast.norms[0].numel()
-    kv_heads, head_dim = fast.num_kv_heads, runner.kv_caches[0].shape[-1]
     blocks_per = 5
-    caches = [
-        torch.randn((2, NUM_BLOCKS, kv_heads, 4, head_dim), generator=g).to(cache_dtype)
-        for _ in range(len(fast.norms) // 2)
-    ]
-    caches = [(c[0].view(NUM_BLOCKS, kv_heads, head_dim, 4).clone(), c[1].clone()) for c in caches]
+    caches = _random_caches(runner, cache_dtype, g)
     # each request its own blocks, as the KV manager gives them (written slots are never shared)
     table = torch.randperm(NUM_BLOCKS, generator=g)[: rows * blocks_per].view(rows, blocks_per)
     lens = torch.randint(1, blocks_per * 4 + 1, (rows,), generator=g)
@@ -262,12 +269,7 @@ def test_draft_rows_attend_after_every_row_wrote_its_keys(cache_dtype, threads):
     fast = runner.fast_decode
     assert fast is not None and fast.head_args is not None
     g = torch.Generator().manual_seed(threads)
-    kv_heads, head_dim = fast.num_kv_heads, runner.kv_caches[0].shape[-1]
-    caches = [
-        torch.randn((2, NUM_BLOCKS, kv_heads, 4, head_dim), generator=g).to(cache_dtype)
-        for _ in range(len(fast.norms) // 2)
-    ]
-    caches = [(c[0].view(NUM_BLOCKS, kv_heads, head_dim, 4).clone(), c[1].clone()) for c in caches]
+    caches = _random_caches(runner, cache_dtype, g)
     blocks = torch.randperm(NUM_BLOCKS, generator=g)[:15].view(3, 5)
     # request 1: 1 row; request 0: 5 rows from context 9 (its drafts cross into a new block, and
     # with two threads its last rows attend on the other thread than its first); request 2: 2 rows
