@@ -11,6 +11,8 @@ import argparse
 import time
 from typing import Any
 
+import msgspec
+
 from baton.bench.common import (
     CpuMonitor,
     default_bench_dir,
@@ -21,6 +23,7 @@ from baton.bench.common import (
     spec_figures,
     summarize,
 )
+from baton.kernels.report import collect
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,5 +90,6 @@ def main(args: argparse.Namespace) -> int:
         result = run_latency(llm, path, args.prompt_len, args.decode_tokens, args.repeats)
         result["config"] = {"cache_dtype": llm.config.cache.dtype, **dtype_config(llm)}
         result["speculative"] = spec_figures(llm)
+        result["host"] = msgspec.to_builtins(collect())  # what the figures were measured on
         emit(result, args.json)
     return 0

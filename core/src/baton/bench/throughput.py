@@ -12,6 +12,8 @@ import argparse
 import time
 from typing import Any
 
+import msgspec
+
 from baton.bench.common import (
     CpuMonitor,
     children_peak_rss_mb,
@@ -24,6 +26,7 @@ from baton.bench.common import (
     spec_figures,
     summarize,
 )
+from baton.kernels.report import collect
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
         stats = llm.get_stats()
         result["kv_blocks"] = stats.num_total_blocks
         result["speculative"] = spec_figures(llm)
+        result["host"] = msgspec.to_builtins(collect())  # what the figures were measured on
     result["startup_s"] = round(startup, 2)
     outputs = result.pop("_outputs")
     if args.per_request:

@@ -1,4 +1,5 @@
-"""Built-in CLI commands: generate, chat, plugins, bench, config (a plugin module like any other)."""
+"""Built-in CLI commands: generate, chat, plugins, bench, config, env (a plugin module like any
+other)."""
 
 from __future__ import annotations
 
@@ -182,6 +183,29 @@ def plugins_command(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
+def env_command(p: argparse.ArgumentParser) -> Handler:
+    """Print the CPU's features, what the OS grants, and the path each kernel takes and why."""
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--no-build", action="store_true", help="do not compile the kernels if they are not built"
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        # torch loads here, not when the CLI's plugins load in every process
+        import msgspec
+
+        from baton.kernels.report import collect, render
+
+        report = collect(build_kernels=not args.no_build)
+        if args.json:
+            print(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
+        else:
+            print(render(report))
+        return 0
+
+    return run
+
+
 #: built-in benchmark -> module with add_arguments(parser) and main(args)
 BUILTIN_BENCHES = {
     "scheduler": "baton.bench.scheduler",
@@ -237,3 +261,4 @@ def register_commands(register: Any) -> None:
     register("plugins", plugins_command)
     register("bench", bench_command)
     register("config", config_command)
+    register("env", env_command)

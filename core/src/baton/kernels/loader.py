@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from baton.errors import BatonError
+from baton.kernels.os_grant import amx_grant
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ ISA_FLAGS = {
     "avx2": ("-march=native", "-mno-avx512f"),
     "generic": ("-march=x86-64-v2",),
 }
+#: Added where the CPU advertises AMX and the OS refuses it (os_grant): no tile code is compiled.
+NO_AMX_FLAGS = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 
 _loaded: bool | None = None
 
@@ -106,10 +109,13 @@ def isa_flags() -> tuple[str, ...]:
             )
         if isa == "generic":
             return ()
-    if isa == "avx2" and " avx512f" not in _cpu_features():
+    if isa == "avx2" and "avx512f" not in cpu_flags():
         # without AVX-512 the native build is the AVX2 one: the same flags, so the same cached build
-        return ISA_FLAGS["native"]
-    return ISA_FLAGS[isa]
+        isa = "native"
+    grant = amx_grant(cpu_flags())
+    if isa == "generic" or not grant.advertised or grant.granted:
+        return ISA_FLAGS[isa]
+    return (*ISA_FLAGS[isa], *NO_AMX_FLAGS)
 
 
 def cxx_flags() -> tuple[str, ...]:
@@ -126,6 +132,12 @@ def _cpu_features() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as a set (empty where /proc/cpuinfo has none)."""
+    line = _cpu_features()
+    return frozenset(line.partition(":")[2].split()) if line.startswith("flags") else frozenset()
 
 
 def _compile_flags() -> list[str]:
