@@ -31,6 +31,7 @@ from baton_openai.health import EngineHealth
 from baton_openai.limits import RequestLimits
 from baton_openai.lora import LoRARegistry
 from baton_openai.lora import router as lora_router
+from baton_openai.messages import router as messages_router
 from baton_openai.openapi import error_responses, install_openapi
 from baton_openai.parsers import ParserRegistry
 from baton_openai.preprocess import Preprocessor
@@ -144,6 +145,7 @@ def build_app(
         chat_router,
         completions_router,
         embeddings_router,
+        messages_router,
         tokenize_router,
         dev_router,
     ):
