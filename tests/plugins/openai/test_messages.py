@@ -43,13 +43,22 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 KEY = "sk-anthropic-test"
 #: the SDK has no temperature argument (any more); the API still takes it
 GREEDY = {"temperature": 0}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+#: vLLM's structured_outputs makes the answer this text: reasoning, text, then a call
+FORCED = {
+    "structured_outputs": {"choice": [f"<think>It is in France.</think>Let me check.\n{CALL}"]}
+}
 
 
 @pytest.fixture(scope="module")
 def srv(model_dir: str) -> Iterator[ServerThread]:
     with running_server(
         model_dir,
-        **{"server.api_key": KEY, "structured_output.xgrammar.any_whitespace": False},
+        **{
+            "server.api_key": KEY,
+            "server.reasoning_parser": "think",
+            "structured_output.xgrammar.any_whitespace": False,
+        },
     ) as s:
         yield s
 
@@ -131,6 +140,27 @@ def test_named_tool_is_a_tool_use_block_with_a_valid_input(srv, client, stream):
     (call,) = [b for b in r.content if b.type == "tool_use"]
     assert call.id.startswith("toolu_") and call.name == "forecast"
     jsonschema.validate(call.input, FORECAST)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_auto_reads_thinking_text_and_a_tool_use(srv, client, stream):
+    kwargs = {"tools": TOOLS, "max_tokens": 120, "extra_body": {**GREEDY, **FORCED}}
+    if stream:
+        with client.messages.stream(model=srv.model, messages=USER, **kwargs) as s:
+            events = list(s)
+            r = s.get_final_message()
+        starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+        assert starts == ["thinking", "text", "tool_use"]
+        stops = [e.index for e in events if e.type == "content_block_stop"]
+        assert stops == [0, 1, 2]
+    else:
+        r = create(client, srv, **kwargs)
+    thinking, text, call = r.content
+    assert thinking.type == "thinking" and thinking.thinking == "It is in France."
+    assert text.type == "text" and text.text.strip() == "Let me check."
+    assert call.type == "tool_use" and call.name == "get_weather"
+    assert call.input == {"city": "Paris"}
+    assert r.stop_reason == "tool_use"
 
 
 def test_any_tool_choice_calls_one_of_the_tools(srv, client):

@@ -37,6 +37,7 @@ from baton_openai.parsers import ParserRegistry
 from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import ModelCard, ModelList
 from baton_openai.request_id import RequestIdMiddleware
+from baton_openai.responses import router as responses_router
 from baton_openai.tokenize import router as tokenize_router
 from baton_openai.unhandled import UnhandledErrors
 
@@ -146,6 +147,7 @@ def build_app(
         completions_router,
         embeddings_router,
         messages_router,
+        responses_router,
         tokenize_router,
         dev_router,
     ):

@@ -122,6 +122,8 @@ class SamplerFields(_Model):
     top_k: int | None = Field(None, ge=-1, lt=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's current structured-output field (one of its constraints)."""
 
     def sampler_fields(self) -> dict[str, Any]:
         """These fields' values, to build the chat request another API's request runs as."""
@@ -159,8 +161,6 @@ class SamplingFields(SamplerFields):
     the others were just generated)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's logprob and the top k there (not with stream)."""
-    structured_outputs: StructuredOutputsParams | None = None
-    """vLLM's current structured-output field (one of its constraints)."""
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Bounded] | None = None
