@@ -155,8 +155,12 @@ def chat_fields(req: CountTokensRequest) -> dict[str, Any]:
 
 
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    """The chat request this one runs as; ``output_config.format`` does not constrain an
+    answer that tool_choice any / tool makes a call (as in responses.chat_request)."""
     user = (req.metadata or {}).get("user_id")
     output = req.output_config.format if req.output_config is not None else None
+    if req.tools and req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        output = None
     schema = JsonSchemaFormat(schema=output.json_schema) if output is not None else None
     return as_chat(
         {

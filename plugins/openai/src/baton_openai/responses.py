@@ -114,7 +114,14 @@ def conversation(items: list[InputItem] | list[OutputItem]) -> list[ChatMessage]
 
 
 def chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> ChatCompletionRequest:
+    """The chat request this one runs as. With tool_choice required or a named function the
+    answer is a call, which ``text.format`` (about text) does not constrain: it applies to
+    the turns that answer in text (an agent's last)."""
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    text_format = _response_format(req)
+    forced_call = bool(req.tools) and (
+        req.tool_choice == "required" or isinstance(req.tool_choice, FunctionChoice)
+    )
     fields: dict[str, Any] = {
         **req.sampler_fields(),
         "messages": [*system, *history, *conversation(req.input)],
@@ -122,7 +129,7 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> ChatCompl
         "parallel_tool_calls": req.parallel_tool_calls,
         "stream": req.stream,
         "user": req.user,
-        "response_format": _response_format(req),
+        "response_format": None if forced_call else text_format,
     }
     if req.tools:
         fields["tools"] = [

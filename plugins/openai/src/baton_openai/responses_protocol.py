@@ -149,6 +149,8 @@ class ResponsesRequest(SamplerFields):
     stream: bool = False
     previous_response_id: str | None = None
     background: bool = False
+    include: Annotated[list[str], Bounded] | None = None
+    """Accepted (the SDKs send it); no extra output is included."""
     metadata: Annotated[dict[str, str], Bounded] | None = None
     user: str | None = None
 
