@@ -352,6 +352,12 @@ class ServerSection(_Section):
     a Jinja file's path, or the template itself (text with `{`, `}` or a newline); a path that
     does not exist is refused at start-up. A request's own `chat_template` still overrides it
     (allow_client_chat_template)."""
+    response_store_max_bytes: ByteSize = Field(ByteSize(64 * 1024**2), ge=0)
+    """Memory the Responses API's store may hold, e.g. "64MiB": responses created with
+    `store: true` (the default), for `previous_response_id` and GET /v1/responses/{id};
+    past it the oldest are dropped. 0: none are kept."""
+    response_store_ttl: float = Field(3600.0, gt=0)
+    """Seconds a stored response is kept (then `previous_response_id` naming it is a 404)."""
 
     @pydantic.field_validator("api_key")
     @classmethod

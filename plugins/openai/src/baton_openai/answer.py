@@ -100,6 +100,16 @@ class AnswerStream:
     def feed(self, text: str) -> AnswerDelta:
         return self._step(text, last=False)
 
+    def step(self, text: str, last: bool) -> AnswerDelta:
+        """``feed(text)``, then with ``last`` what ``end()`` adds."""
+        d = self.feed(text)
+        if last:
+            end = self.end()
+            d.content += end.content
+            d.reasoning += end.reasoning
+            d.tool_calls += end.tool_calls
+        return d
+
     def end(self) -> AnswerDelta:
         if self._ended:
             return AnswerDelta()

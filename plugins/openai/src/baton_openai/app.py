@@ -31,11 +31,13 @@ from baton_openai.health import EngineHealth
 from baton_openai.limits import RequestLimits
 from baton_openai.lora import LoRARegistry
 from baton_openai.lora import router as lora_router
+from baton_openai.messages import router as messages_router
 from baton_openai.openapi import error_responses, install_openapi
 from baton_openai.parsers import ParserRegistry
 from baton_openai.preprocess import Preprocessor
 from baton_openai.protocol import ModelCard, ModelList
 from baton_openai.request_id import RequestIdMiddleware
+from baton_openai.responses import router as responses_router
 from baton_openai.tokenize import router as tokenize_router
 from baton_openai.unhandled import UnhandledErrors
 
@@ -144,6 +146,8 @@ def build_app(
         chat_router,
         completions_router,
         embeddings_router,
+        messages_router,
+        responses_router,
         tokenize_router,
         dev_router,
     ):

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import pydantic
 from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.admission import Ticket
-from baton_openai.answer import AnswerReader, AnswerStream, tool_call_items
+from baton_openai.answer import AnswerDelta, AnswerReader, AnswerStream, tool_call_items
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -109,7 +111,6 @@ async def create_chat_completion(
     ctx = ServerContext.of(raw)
     client_template, template_kwargs = client_chat_template(req)
     ctx.check_request(req)
-    plan = plan_tools(req)
     if req.top_logprobs and not req.logprobs:
         raise OpenAIError(
             "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
@@ -120,6 +121,57 @@ async def create_chat_completion(
             param="prompt_logprobs",
             code="unsupported_parameter",
         )
+    run = await start_chat(req, raw, "chatcmpl", client_template, template_kwargs)
+    if run is None:
+        return Response(status_code=499)
+    if not req.stream:
+        return _response(run)
+    return SSEResponse(_chunks(run, req))
+
+
+def as_chat(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request runs as (its fields already checked; a field
+    the chat request refuses is a 400 naming it all the same)."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise OpenAIError(
+            f"{where}: {first['msg']}", param=str(first["loc"][0]), code="invalid_value"
+        ) from None
+
+
+@dataclass
+class ChatRun:
+    """A chat request on the engine. Not streamed: its answer is in ``acc`` already;
+    streamed: ``first`` is its first output and ``stream`` the rest."""
+
+    request_id: str
+    #: The model name the answer carries (a LoRA adapter's when the request named one).
+    model: str
+    reader: AnswerReader
+    acc: Accumulator
+    built: BuiltParams
+    #: top_logprobs when logprobs are on, else None.
+    top: int | None
+    stream: AsyncIterator[Item]
+    first: Item | None = None
+
+
+async def start_chat(
+    req: ChatCompletionRequest,
+    raw: Request,
+    kind: str,
+    client_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatRun | None:
+    """Run a checked chat request (``ctx.check_request`` done) on the engine: its tools, chat
+    template and parameters, admission; None when the client left first. ``kind``: the
+    request id's prefix. The chat route, /v1/responses and /v1/messages all run here."""
+    ctx = ServerContext.of(raw)
+    template_kwargs = dict(template_kwargs or {})
+    plan = plan_tools(req)
     reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
     build_messages = lambda: template_messages(req.messages)  # noqa: E731
     if plan is not None:
@@ -132,7 +184,7 @@ async def create_chat_completion(
     ticket = ctx.queue.admit()  # a 429 when server.max_queued_requests are waiting
     try:
         return await _generate(
-            req, raw, ctx, ticket, reader, build_messages, template_kwargs, client_template
+            req, raw, ctx, ticket, reader, build_messages, template_kwargs, client_template, kind
         )
     finally:
         ticket.close()  # the first output is in (or the request failed): no longer queued
@@ -147,7 +199,8 @@ async def _generate(
     build_messages: Any,
     template_kwargs: dict[str, Any],
     client_template: str | None,
-) -> Response | ChatCompletionResponse:
+    kind: str,
+) -> ChatRun | None:
     pre = ctx.preprocess
     deadline = pre.deadline()  # templating, tokenization and the checks: off the event loop
     try:
@@ -185,7 +238,7 @@ async def _generate(
         what="checking the request",
         param="messages",
     )
-    request_id = engine_request_id(raw, "chatcmpl")
+    request_id = engine_request_id(raw, kind)
     stream = merge(
         [
             ticket.track(
@@ -199,17 +252,38 @@ async def _generate(
         ]
     )
     acc = Accumulator([len(ids)], req.n)
+    run = ChatRun(request_id, ctx.answering_model(req), reader, acc, built, top, stream)
     if not req.stream:
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
-        if done is DISCONNECTED:
-            return Response(status_code=499)
-        return _response(request_id, ctx.answering_model(req), acc, top, reader)
+        return None if done is DISCONNECTED else run
     first = await cancel_on_disconnect(raw, first_output(stream, built))
     if first is DISCONNECTED:
-        return Response(status_code=499)
-    return SSEResponse(
-        _chunks(request_id, ctx.answering_model(req), req, stream, first, acc, built, top, reader)
-    )
+        return None
+    run.first = first
+    return run
+
+
+@dataclass
+class AnswerStep:
+    """What one engine step adds to a one-choice answer, read by its AnswerStream."""
+
+    delta: AnswerDelta
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+async def answer_steps(run: ChatRun) -> AsyncIterator[AnswerStep]:
+    """A streamed one-choice run, step by step (usage counted in ``run.acc``); BatonError
+    when the engine fails mid-stream. The caller closes ``run.stream``."""
+    answer = run.reader.stream()
+    item = run.first
+    while item is not None:
+        p, out = item
+        run.acc.add(p, out, keep=False)
+        for c in out.outputs:
+            delta = answer.step(c.text, last=c.finish_reason is not None)
+            yield AnswerStep(delta, c.finish_reason, c.stop_reason)
+        item = await anext(run.stream, None)
 
 
 def _finish_reason(reason: str | None, calls: int) -> str | None:
@@ -217,9 +291,8 @@ def _finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _response(
-    request_id: str, model: str, acc: Accumulator, top: int | None, reader: AnswerReader
-) -> ChatCompletionResponse:
+def _response(run: ChatRun) -> ChatCompletionResponse:
+    acc, top, reader = run.acc, run.top, run.reader
     choices = []
     for index in sorted(acc.choices):
         c = acc.choices[index]
@@ -245,25 +318,23 @@ def _response(
             )
         )
     return ChatCompletionResponse(
-        id=request_id,
-        model=model,
+        id=run.request_id,
+        model=run.model,
         choices=choices,
         usage=acc.usage(),
         prompt_logprobs=prompt_logprobs_field(acc.prompt_logprobs.get(0)),
     )
 
 
-async def _chunks(
-    request_id: str,
-    model: str,
-    req: ChatCompletionRequest,
-    stream: AsyncIterator[Item],
-    first: Item | None,
-    acc: Accumulator,
-    built: BuiltParams,
-    top: int | None,
-    reader: AnswerReader,
-) -> AsyncIterator[bytes]:
+async def _chunks(run: ChatRun, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    request_id, model, stream, acc, top, reader = (
+        run.request_id,
+        run.model,
+        run.stream,
+        run.acc,
+        run.top,
+        run.reader,
+    )
     created = int(time.time())
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -283,7 +354,7 @@ async def _chunks(
                 for i in range(req.n)
             ]
         )
-        item = first
+        item = run.first
         while item is not None:
             p, out = item
             acc.add(p, out, keep=False)
@@ -305,7 +376,7 @@ async def _chunks(
             yield chunk([], acc.usage())
         yield DONE
     except BatonError as e:  # e.g. the engine died mid-stream: tell the client, end without [DONE]
-        yield sse(json.dumps(to_openai_error(e, built).body()))
+        yield sse(json.dumps(to_openai_error(e, run.built).body()))
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
 
@@ -330,12 +401,7 @@ def _parsed_deltas(
 ) -> list[ChatChunkChoice]:
     """One output of a choice read by its AnswerStream: a delta with its text, reasoning and
     logprobs, then one delta per tool-call piece; the finish reason on the last."""
-    d = answer.feed(c.text)
-    if c.finish_reason is not None:
-        end = answer.end()
-        d.content += end.content
-        d.reasoning += end.reasoning
-        d.tool_calls += end.tool_calls
+    d = answer.step(c.text, last=c.finish_reason is not None)
     logprobs = (
         chat_logprobs(c.token_ids, c.logprobs, top) if top is not None and c.logprobs else None
     )

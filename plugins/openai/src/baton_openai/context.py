@@ -92,17 +92,17 @@ class ServerContext:
 
 
 async def check_api_key(request: Request) -> None:
-    """A FastAPI dependency on /v1 routes: ``Authorization: Bearer <server.api_key>`` when one is set."""
+    """A FastAPI dependency on /v1 routes: the key (server.api_key, when one is set) as
+    ``Authorization: Bearer <key>`` or, as Anthropic's clients send it, ``x-api-key: <key>``."""
     key = ServerContext.of(request).api_key
     if key is None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(
-        token.strip().encode(), key.encode()
-    ):
+    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
+    if given is None or not secrets.compare_digest(given.strip().encode(), key.encode()):
         raise OpenAIError(
-            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             401,
             code="invalid_api_key",
         )

@@ -1,7 +1,9 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 
 Request validation (pydantic) and baton's typed errors both become 400s naming
-the parameter; a dead or stopping engine is a 503.
+the parameter; a dead or stopping engine is a 503. The Anthropic Messages API's routes
+(``ANTHROPIC_PATHS``) answer the same errors in Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}``, the parameter named in the message.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ _TYPES = {
     404: "not_found_error",
     503: "service_unavailable",
 }
+#: Anthropic's error types by status (its API's documented ones; 408 and 503 by their meaning).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+#: Path prefixes whose errors are Anthropic-shaped (the Messages API and its count_tokens).
+ANTHROPIC_PATHS = ("/v1/messages",)
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -60,14 +75,45 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, self.param, self.code)
 
+    def renamed(self, names: dict[str, str]) -> OpenAIError:
+        """This error with its param as another API spells it (max_completion_tokens ->
+        max_output_tokens, ...), in the message too."""
+        new = names.get(self.param) if self.param is not None else None
+        if new is None or self.param is None:
+            return self
+        message = self.message.replace(self.param, new)
+        return OpenAIError(message, self.status, new, self.code, self.headers)
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body in the shape of the API that ``path`` belongs to."""
+        return error_body(self.message, self.status, self.param, self.code, path=path)
+
 
 def error_body(
-    message: str, status: int, param: str | None = None, code: str | None = None
+    message: str,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    path: str | None = None,
 ) -> dict[str, Any]:
+    """OpenAI's error body, or Anthropic's when ``path`` is one of ANTHROPIC_PATHS."""
+    if path is not None and path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(message, status, param)
     kind = _TYPES.get(status) or (
         "server_error" if status >= 500 else HTTPStatus(status).phrase.replace(" ", "_").lower()
     )
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def anthropic_error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``: Anthropic's shape has no param
+    field, so the message starts with it when it does not name it already."""
+    kind = _ANTHROPIC_TYPES.get(status) or (
+        "api_error" if status >= 500 else "invalid_request_error"
+    )
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None) -> OpenAIError:
@@ -125,28 +171,28 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    def respond(request: Request, err: OpenAIError) -> JSONResponse:
+        return JSONResponse(
+            err.body_for(request.url.path), status_code=err.status, headers=err.headers
+        )
+
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, _validation_error(exc))
 
     @app.exception_handler(BatonError)
-    async def _baton(_: Request, exc: BatonError) -> JSONResponse:
-        err = from_baton_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+    async def _baton(request: Request, exc: BatonError) -> JSONResponse:
+        return respond(request, from_baton_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), exc.status_code), status_code=exc.status_code
-        )
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(request, OpenAIError(str(exc.detail), exc.status_code))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error serving %s", request.url.path)
-        err = from_baton_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return respond(request, from_baton_error(exc))

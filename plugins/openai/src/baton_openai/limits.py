@@ -10,7 +10,7 @@ body or not:
   (the whole body, not each read: a client sending a byte every two seconds
   is cut off, not kept alive forever).
 
-All three answer in OpenAI's error shape and close the connection (the rest of
+All three answer in the API's error shape (OpenAI's; Anthropic's under /v1/messages) and close the connection (the rest of
 the body may still be on its way). The app then reads the buffered body as usual.
 """
 
@@ -42,9 +42,10 @@ def content_length(scope: Scope) -> int | None:
     return None
 
 
-async def send_error(send: Send, status: int, message: str, code: str) -> None:
-    """An OpenAI-shaped error that closes the connection."""
-    body = json.dumps(error_body(message, status, code=code)).encode()
+async def send_error(send: Send, status: int, message: str, code: str, path: str = "") -> None:
+    """An error in the shape of ``path``'s API (OpenAI's, or Anthropic's for /v1/messages)
+    that closes the connection."""
+    body = json.dumps(error_body(message, status, code=code, path=path)).encode()
     await send(
         {
             "type": "http.response.start",
@@ -79,12 +80,14 @@ class RequestLimits:
             return
         declared = content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await send_error(send, 413, self._too_large(str(declared)), "request_too_large")
+            await send_error(
+                send, 413, self._too_large(str(declared)), "request_too_large", scope["path"]
+            )
             return
         try:
             body = await asyncio.wait_for(self._read(receive), self.body_timeout)
         except _TooLarge:
-            await send_error(send, 413, self._too_large("over"), "request_too_large")
+            await send_error(send, 413, self._too_large("over"), "request_too_large", scope["path"])
             return
         except TimeoutError:
             client = scope.get("client")
@@ -100,6 +103,7 @@ class RequestLimits:
                 f"the request body did not arrive within server.body_timeout "
                 f"({self.body_timeout:g} s)",
                 "request_timeout",
+                scope["path"],
             )
             return
         if body is None:

@@ -10,7 +10,7 @@ schemathesis against it), sees what the server really sends.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -34,11 +34,26 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    """invalid_request_error, authentication_error, not_found_error, overloaded_error, ..."""
+    message: str
+    """What went wrong (starting with the request field at fault) and how to fix it."""
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error body of the Messages API: ``{"type": "error", "error": {"type", "message"}}``."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
 _WHY = {
     400: "Invalid request: a parameter out of range or unsupported, a prompt too long for the "
     "model's context, a chat template that fails, preprocessing over server.preprocess_timeout",
     401: "Missing or wrong API key (when server.api_key is set)",
-    404: "The request names a model this server does not serve",
+    404: "The request names a model this server does not serve (or a stored response that "
+    "is not there)",
     408: "The request's headers or body did not arrive within server.header_timeout / body_timeout",
     413: "The request body is larger than server.max_request_bytes",
     429: "server.max_queued_requests requests are waiting for their first token (Retry-After)",
@@ -50,13 +65,19 @@ _WHY = {
 GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` for a route: each status with its reason and the ErrorResponse body."""
-    return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: each status with its reason and its error body (OpenAI's
+    ErrorResponse; AnthropicErrorResponse for the Messages API)."""
+    return {s: {"model": model, "description": _WHY[s]} for s in statuses}
 
 
-def streaming_ok(model: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
-    """The 200 of a route that answers JSON, or server-sent events with ``"stream": true``."""
+def streaming_ok(
+    model: type[BaseModel], chunk: str, last: str = "the last event is '[DONE]'"
+) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a route that answers JSON, or server-sent events with ``"stream": true``
+    (``last``: how the stream ends)."""
     event = {
         "type": "object",
         "required": ["data"],
@@ -64,8 +85,8 @@ def streaming_ok(model: type[BaseModel], chunk: str) -> dict[int | str, dict[str
             "event": {"type": "string"},
             "data": {
                 "type": "string",
-                "description": f"A {chunk} as JSON; an error object (ErrorResponse) if the "
-                "request fails mid-stream; the last event is '[DONE]'",
+                "description": f"A {chunk} as JSON; an error object if the request fails "
+                f"mid-stream; {last}",
             },
         },
     }

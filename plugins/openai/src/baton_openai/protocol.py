@@ -109,17 +109,32 @@ class StructuredOutputsParams(BaseModel):
     json_object: bool | None = None
 
 
-class SamplingFields(_Model):
-    """What chat and completion requests share: sampling, stops, structured output, extras."""
+class SamplerFields(_Model):
+    """The sampling fields every generation API takes (chat, completions, /v1/responses,
+    /v1/messages), vLLM's extras among them."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
-    stop: str | Annotated[list[str], Bounded] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    top_k: int | None = Field(None, ge=-1, lt=MAX_INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's current structured-output field (one of its constraints)."""
+
+    def sampler_fields(self) -> dict[str, Any]:
+        """These fields' values, to build the chat request another API's request runs as."""
+        return {name: getattr(self, name) for name in SamplerFields.model_fields}
+
+
+class SamplingFields(SamplerFields):
+    """What chat and completion requests share: sampling, stops, structured output, extras."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | Annotated[list[str], Bounded] | None = None
     max_tokens: int | None = Field(None, ge=1, lt=MAX_INT32)
     user: str | None = None
     stream: bool = False
@@ -129,10 +144,7 @@ class SamplingFields(_Model):
         Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Bounded] | None
     ) = None
     """Token id (as a string, OpenAI's form) -> a bias in [-100, 100] added to its logit."""
-    # vLLM-style extras (openai client: extra_body={...})
-    top_k: int | None = Field(None, ge=-1, lt=MAX_INT32)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    # vLLM-style extras (openai client: extra_body={...}); top_k, min_p, repetition_penalty above
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, lt=MAX_INT32)
     stop_token_ids: Annotated[list[TokenId], Bounded] | None = None
@@ -149,8 +161,6 @@ class SamplingFields(_Model):
     the others were just generated)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's logprob and the top k there (not with stream)."""
-    structured_outputs: StructuredOutputsParams | None = None
-    """vLLM's current structured-output field (one of its constraints)."""
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Bounded] | None = None

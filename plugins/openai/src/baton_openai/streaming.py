@@ -29,6 +29,11 @@ def sse(payload: str) -> bytes:
     return b"data: " + payload.encode() + b"\n\n"
 
 
+def sse_event(event: str, payload: str) -> bytes:
+    """A named event (``event:`` line), as the Responses and Messages APIs stream them."""
+    return b"event: " + event.encode() + b"\ndata: " + payload.encode() + b"\n\n"
+
+
 class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 

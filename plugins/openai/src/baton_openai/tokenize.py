@@ -24,6 +24,7 @@ from baton_openai.protocol import (
     MAX_MESSAGES,
     MAX_PROMPT_TOKENS,
     Bounded,
+    ChatCompletionRequest,
     ChatMessage,
     ChatTool,
     NamedToolChoice,
@@ -94,7 +95,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     engine = ctx.engine
     pre = ctx.preprocess
     if req.messages is not None:
-        ids = await _chat_ids(req, ctx)
+        ids = await chat_prompt_ids(req, ctx)
         if req.add_special_tokens:  # vLLM's: the tokenizer's own (BOS) before the rendered chat
             ids = engine.tokenizer.build_inputs_with_special_tokens(ids)
     else:
@@ -123,8 +124,11 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     )
 
 
-async def _chat_ids(req: TokenizeRequest, ctx: ServerContext) -> list[int]:
-    """The conversation's token ids, as /v1/chat/completions renders it (tools included)."""
+async def chat_prompt_ids(
+    req: TokenizeRequest | ChatCompletionRequest, ctx: ServerContext
+) -> list[int]:
+    """The conversation's token ids, as /v1/chat/completions renders it (tools included);
+    also what /v1/messages/count_tokens counts."""
     from baton_openai.chat import client_chat_template, template_in_use, template_messages
     from baton_openai.tools import plan_tools, template_renders_tools, with_tool_instructions
 

@@ -52,7 +52,7 @@ class UnhandledErrors:
                 return
             log.error("unhandled error serving %s", where, exc_info=exc)
             err = from_baton_error(exc)
-            body = json.dumps(err.body()).encode()
+            body = json.dumps(err.body_for(scope.get("path", ""))).encode()
             await send(
                 {
                     "type": "http.response.start",
