@@ -102,7 +102,7 @@ def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None
 MAX_ERROR_LINES = 10
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError) -> OpenAIError:
     lines, param = [], None
     errors = exc.errors()
     for err in errors[:MAX_ERROR_LINES]:
@@ -131,7 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
+        err = validation_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(BatonError)
