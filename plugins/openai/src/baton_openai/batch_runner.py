@@ -244,8 +244,8 @@ class BatchRunner:
 
     async def cancel(self, batch_id: str) -> BatchRecord:
         rec = self.get(batch_id)
-        if rec.status in ("cancelling", "cancelled"):
-            return rec
+        if rec.status in ("cancelling", "cancelled", "finalizing"):
+            return rec  # finalizing: every line is answered, the batch completes
         if rec.status in FINAL:
             raise OpenAIError(
                 f"batch {batch_id} is {rec.status}: only a batch in progress can be cancelled",

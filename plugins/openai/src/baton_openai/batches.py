@@ -8,7 +8,7 @@ in an output file and an error file (batch_runner.py).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
@@ -120,9 +120,7 @@ async def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 20,
 ) -> BatchList:
-    items = [batch_model(r) for r in runner_of(raw).list()]
-    fields: dict[str, Any] = page(items, after, limit)
-    return BatchList(**fields)
+    return BatchList(**page([batch_model(r) for r in runner_of(raw).list()], after, limit))
 
 
 @router.get("/v1/batches/{batch_id}", responses=error_responses(401, 404, 503))

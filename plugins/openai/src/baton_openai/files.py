@@ -5,7 +5,7 @@ GET /v1/files/{id}/content. Uploads are multipart (``file``, ``purpose`` "batch"
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -86,8 +86,15 @@ async def list_files(
     return FileList(**page([file_model(o) for o in objs], after, limit))
 
 
-def page(items: list, after: str | None, limit: int) -> dict[str, object]:  # type: ignore[type-arg]
-    """A cursor page of ``items`` (each with an ``id``): those after ``after``, at most ``limit``."""
+class _HasId(Protocol):
+    id: str
+
+
+T = TypeVar("T", bound=_HasId)
+
+
+def page(items: list[T], after: str | None, limit: int) -> dict[str, Any]:
+    """A cursor page of ``items``: those after the one whose id is ``after``, at most ``limit``."""
     if after is not None:
         ids = [i.id for i in items]
         items = items[ids.index(after) + 1 :] if after in ids else []
