@@ -22,8 +22,10 @@ import openai
 import pytest
 
 from .conftest import metric, running_server, wait_for
+from .probes import connect, read_response, request_bytes
 from .test_lifecycle import ServeProcess
 
+KEY = "batch-key"
 RUN_BATCH = [sys.executable, "-m", "baton.cli.main", "run-batch"]
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -221,9 +223,12 @@ def test_bad_batch_requests_are_400s_or_404s_naming_the_field(batch_server):
 
 def test_an_oversized_upload_is_a_413_in_openai_shape(model_dir, tmp_path):
     with running_server(
-        model_dir, **{"server.files_dir": str(tmp_path), "server.max_file_bytes": "1KiB"}
+        model_dir,
+        api_key=KEY,
+        body_timeout=2.0,
+        **{"server.files_dir": str(tmp_path), "server.max_file_bytes": "1KiB"},
     ) as srv:
-        client = srv.client()
+        client = srv.client(api_key=KEY)
         with pytest.raises(openai.APIStatusError) as e:
             client.files.create(file=("big.jsonl", io.BytesIO(b"x" * 200_000)), purpose="batch")
         assert e.value.status_code == 413
@@ -241,20 +246,32 @@ def test_an_oversized_upload_is_a_413_in_openai_shape(model_dir, tmp_path):
             for _ in range(200):
                 yield b"y" * 1000
 
-        r = httpx.post(
-            f"{srv.url}/v1/files",
-            content=chunks(),
-            headers={"content-type": f"multipart/form-data; boundary={boundary}"},
-            timeout=30,
-        )
+        form = {"content-type": f"multipart/form-data; boundary={boundary}"}
+        auth = {"authorization": f"Bearer {KEY}"}
+        r = httpx.post(f"{srv.url}/v1/files", content=chunks(), headers=form | auth, timeout=30)
         assert r.status_code == 413, r.text
         assert r.json()["error"]["code"] == "request_too_large"
         # a file just over the limit, in a body the framing lets through: the store refuses it
         with pytest.raises(openai.APIStatusError) as e:
             client.files.create(file=("a.jsonl", io.BytesIO(b"z" * 1500)), purpose="batch")
         assert e.value.status_code == 413 and e.value.body["code"] == "file_too_large"
+        # an upload that stops coming is a 408 after server.body_timeout
+        sock = connect(srv.url)
+        sock.sendall(
+            request_bytes(
+                "POST", "/v1/files", headers={"transfer-encoding": "chunked"} | form | auth
+            )
+        )
+        sock.sendall(b"%x\r\n%s\r\n" % (len(head), head))
+        r = read_response(sock)
+        assert r.status == 408 and r.json()["error"]["code"] == "request_timeout"
+        sock.close()
         assert client.files.list().data == []  # nothing half-stored
         assert [p.name for p in (tmp_path / "files").iterdir()] == []
+        # the routes are behind the API key
+        for call in (srv.client().files.list, srv.client().batches.list):
+            with pytest.raises(openai.AuthenticationError):
+                call()
 
 
 def test_cancel_stops_the_lines_in_flight(model_dir, tmp_path):
