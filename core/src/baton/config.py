@@ -358,6 +358,20 @@ class ServerSection(_Section):
     past it the oldest are dropped. 0: none are kept."""
     response_store_ttl: float = Field(3600.0, gt=0)
     """Seconds a stored response is kept (then `previous_response_id` naming it is a 404)."""
+    files_dir: str | None = None
+    """Folder of the Files and Batch APIs (/v1/files uploads, /v1/batches' state and results):
+    a batch in progress there resumes when the server restarts, each request line answered
+    once. One server at a time uses a folder (a second is refused at start-up). None: a
+    temporary folder removed at exit (batches do not survive a restart)."""
+    max_file_bytes: ByteSize = Field(ByteSize(200 * 1024**2), gt=0)
+    """Largest file POST /v1/files accepts, e.g. "200MiB" (the default, OpenAI's batch input
+    limit); a larger one gets a 413. Batch input files are read whole into memory."""
+    batch_max_concurrency: int = Field(8, gt=0)
+    """Most batch request lines (of all batches) in the engine at once: a batch never floods
+    the engine's queue ahead of interactive requests."""
+    batch_priority: int = Field(100, ge=0, le=2**63 - 1)
+    """The priority batch lines run at (or later, if a line asks): with scheduler.policy
+    "priority" (lower first) they wait behind interactive requests (priority 0 by default)."""
 
     @pydantic.field_validator("api_key")
     @classmethod

@@ -12,6 +12,9 @@ threads.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 
@@ -19,6 +22,9 @@ from baton import AsyncLLM, __version__
 from baton.config import BatonConfig
 from baton_openai import __version__ as plugin_version
 from baton_openai.admission import QueueGate
+from baton_openai.batch_lines import LineRunner
+from baton_openai.batch_runner import BatchRunner
+from baton_openai.batches import router as batches_router
 from baton_openai.chat import router as chat_router
 from baton_openai.completions import router as completions_router
 from baton_openai.context import ServerContext, check_api_key
@@ -27,8 +33,9 @@ from baton_openai.dev import profile_router
 from baton_openai.dev import router as dev_router
 from baton_openai.embeddings import router as embeddings_router
 from baton_openai.errors import install_error_handlers
+from baton_openai.files import router as files_router
 from baton_openai.health import EngineHealth
-from baton_openai.limits import RequestLimits
+from baton_openai.limits import UPLOAD_OVERHEAD, RequestLimits
 from baton_openai.lora import LoRARegistry
 from baton_openai.lora import router as lora_router
 from baton_openai.messages import router as messages_router
@@ -99,6 +106,16 @@ def find_prometheus_logger(engine: AsyncLLM) -> object | None:
     )
 
 
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The batch worker runs while the app serves (it resumes unfinished batches)."""
+    await app.state.batches.start()
+    try:
+        yield
+    finally:
+        await app.state.batches.stop()
+
+
 def build_app(
     engine: AsyncLLM, config: BatonConfig | None = None, parsers: ParserRegistry | None = None
 ) -> FastAPI:
@@ -107,7 +124,9 @@ def build_app(
     cfg = config or engine.config
     srv = cfg.server
     parsers = parsers or ParserRegistry.load()
-    app = FastAPI(title="baton", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="baton", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
+    )
     metrics = find_prometheus_logger(engine)
     model_name = srv.served_model_name or cfg.model.name
     loras = None
@@ -131,11 +150,21 @@ def build_app(
         loras=loras,
     )
     app.state.health = EngineHealth(engine, HEALTH_TIMEOUT_S)
+    app.state.batches = BatchRunner(
+        LineRunner(app, srv.batch_priority),
+        files_dir=srv.files_dir,
+        max_file_bytes=int(srv.max_file_bytes),
+        max_concurrency=srv.batch_max_concurrency,
+    )
     install_error_handlers(app)
     install_openapi(app)
     # add_middleware puts each one outside the previous: UnhandledErrors ends up outermost
     app.add_middleware(
-        RequestLimits, max_bytes=int(srv.max_request_bytes), body_timeout=srv.body_timeout
+        RequestLimits,
+        max_bytes=int(srv.max_request_bytes),
+        body_timeout=srv.body_timeout,
+        # an upload is streamed to disk, not buffered; the multipart framing is allowed for
+        uploads={"/v1/files": (int(srv.max_file_bytes) + UPLOAD_OVERHEAD, "server.max_file_bytes")},
     )
     app.add_middleware(UnhandledErrors)
     app.add_middleware(RequestIdMiddleware)
@@ -149,6 +178,8 @@ def build_app(
         messages_router,
         responses_router,
         tokenize_router,
+        files_router,
+        batches_router,
         dev_router,
     ):
         app.include_router(router, dependencies=auth)

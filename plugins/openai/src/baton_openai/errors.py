@@ -148,7 +148,7 @@ def from_baton_error(e: BaseException, param_names: dict[str, str] | None = None
 MAX_ERROR_LINES = 10
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError) -> OpenAIError:
     lines, param = [], None
     errors = exc.errors()
     for err in errors[:MAX_ERROR_LINES]:
@@ -182,7 +182,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(request, _validation_error(exc))
+        return respond(request, validation_error(exc))
 
     @app.exception_handler(BatonError)
     async def _baton(request: Request, exc: BatonError) -> JSONResponse:

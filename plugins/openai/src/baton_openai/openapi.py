@@ -52,10 +52,11 @@ _WHY = {
     400: "Invalid request: a parameter out of range or unsupported, a prompt too long for the "
     "model's context, a chat template that fails, preprocessing over server.preprocess_timeout",
     401: "Missing or wrong API key (when server.api_key is set)",
-    404: "The request names a model this server does not serve (or a stored response that "
-    "is not there)",
+    404: "The request names a model this server does not serve, a stored response, file or "
+    "batch that is not there",
     408: "The request's headers or body did not arrive within server.header_timeout / body_timeout",
-    413: "The request body is larger than server.max_request_bytes",
+    413: "The request body is larger than server.max_request_bytes (an upload: than "
+    "server.max_file_bytes)",
     429: "server.max_queued_requests requests are waiting for their first token (Retry-After)",
     500: "An internal error (a bug: no request content leads here)",
     503: "The engine is dead or shutting down, or every preprocessing worker is busy",

@@ -1,4 +1,4 @@
-"""Plugin module of baton-plugin-openai: registers command ``serve``, benchmark ``serve``
+"""Plugin module of baton-plugin-openai: registers commands ``serve`` and ``run-batch``, benchmark ``serve``
 (``baton bench serve``) and stat logger ``prometheus``.
 
 Plugins load in every process baton spawns (engine cores too), so this module
@@ -23,6 +23,14 @@ def serve_command(parser: Any) -> Any:
     return run_serve
 
 
+def run_batch_command(parser: Any) -> Any:
+    """Run a batch file offline (vLLM's run_batch): -i IN.jsonl -o OUT.jsonl, one result per line."""
+    from baton_openai.run_batch import add_arguments, main
+
+    add_arguments(parser)
+    return main
+
+
 def serve_bench(parser: Any) -> Any:
     """HTTP load on an OpenAI-compatible server: streaming requests at a rate, TTFT/ITL/TPOT."""
     from baton_openai.bench_serve import add_arguments, main
@@ -41,6 +49,7 @@ def create_prometheus_logger(config: Any, settings: Any = None, engine_index: in
 @hookimpl
 def register_commands(register: Any) -> None:
     register("serve", serve_command)
+    register("run-batch", run_batch_command)
 
 
 @hookimpl

@@ -199,7 +199,8 @@ class OpenAIServer:
             )
             self.uvicorn = _Uvicorn(uv_config, self._on_started, srv.shutdown_timeout)
             watcher = asyncio.ensure_future(self._watch_engine(engine))
-            await self.uvicorn.serve(sockets=sockets)
+            async with app.router.lifespan_context(app):  # the batch worker (uvicorn's is off)
+                await self.uvicorn.serve(sockets=sockets)
         finally:
             if watcher is not None:
                 watcher.cancel()
