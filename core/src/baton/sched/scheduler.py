@@ -163,15 +163,15 @@ class Scheduler:
             config.scheduler.max_num_partial_prefills if chunked else None
         )
         self.block_size = config.cache.block_size
-        target_ms = config.scheduler.target_step_ms if chunked else None
+        target_ms = config.scheduler.target_step_ms if chunked else "off"
         #: The latency-aware prompt-token budget (``scheduler.target_step_ms``); None: off.
         self.prefill_budget = (
             PrefillBudget(
-                target_ms / 1000.0,
+                None if target_ms == "auto" else float(target_ms) / 1000.0,
                 min_tokens=self.block_size,
                 max_tokens=self.max_num_batched_tokens,
             )
-            if target_ms is not None
+            if target_ms != "off"
             else None
         )
         self.enable_caching = config.cache.enable_prefix_caching
@@ -353,7 +353,9 @@ class Scheduler:
         if self.prefill_budget is not None:
             prefill = prefill_cap - plan.prefill
             decode = budget - plan.budget - prefill
-            self.prefill_budget.scheduled(self._step, StepShape(prefill, decode))
+            self.prefill_budget.scheduled(
+                self._step, StepShape(prefill, decode, self._attention_pairs(plan))
+            )
         return self._make_output(plan)
 
     def _prefill_cap(self) -> int:
@@ -361,17 +363,28 @@ class Scheduler:
         leaves beside the running decodes, whose tokens are set aside first."""
         assert self.prefill_budget is not None
         in_flight = self._in_flight
-        decodes = 0
+        per_batch = self.max_num_seqs_per_batch
+        decodes = pairs = 0
         for req in self.running:
             if (
                 req.status == _RUNNING
                 and req.num_tokens - req.num_computed_tokens == 1
                 and req.request_id not in in_flight
+                and decodes < per_batch
             ):
                 decodes += 1
-        decodes = min(decodes, self.max_num_seqs_per_batch)
+                pairs += req.num_tokens  # its new token attends to every token
         room = self.max_num_batched_tokens - decodes
-        return max(0, min(self.prefill_budget.prefill_tokens(decodes), room))
+        return max(0, min(self.prefill_budget.prefill_tokens(decodes, pairs), room))
+
+    def _attention_pairs(self, plan: _StepPlan) -> int:
+        """Query-key pairs the step's attention computes (each new token times its context)."""
+        requests = self.requests
+        pairs = 0
+        for rid, n in plan.num_scheduled.items():
+            start = requests[rid].num_computed_tokens - n
+            pairs += n * start + n * (n + 1) // 2
+        return pairs
 
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """The measured wall time of step ``step_id`` (schedule to update), for the latency-aware
