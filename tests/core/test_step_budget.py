@@ -280,7 +280,7 @@ def test_auto_sets_no_target_until_a_step_is_measured_then_a_multiple_of_a_decod
     budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
     assert budget.observe(1, 2.0)
     decode_only = budget.model.predict(0, 8, 8 * 300)
-    assert budget.target(8, 8 * 300) == pytest.approx(2.5 * decode_only)
+    assert budget.target(8, 8 * 300) == pytest.approx(2.0 * decode_only)
     assert budget.prefill_tokens(0) == 2048  # a step with no decode is still not held
 
 
@@ -298,7 +298,7 @@ def test_step_time_model_learns_the_attention_cost():
 
 def test_auto_keeps_steps_near_a_multiple_of_the_decode_only_step_and_prompts_progress():
     # 48 prompts at once on a machine where a full 1024-token chunk takes ~1 s and a step of
-    # decodes alone 30-80 ms: with "auto" every step with decodes stays near 2.5x the
+    # decodes alone 30-80 ms: with "auto" every step with decodes stays near 2x the
     # decode-only time of its batch (once the first steps have taught it the machine), prompts
     # still finish, and no decode waits; "off" lets full chunks ride with the decodes
     machine = linear(0.03, 0.001, 0.001)
@@ -369,3 +369,21 @@ def test_engine_core_turns_auto_off_with_a_batch_queue_saying_why(caplog):
     assert core.scheduler.prefill_budget is None
     record = next(r for r in caplog.records if "target_step_ms=auto is ignored" in r.message)
     assert record.levelno == logging.INFO and "batches overlap" in record.message
+
+
+def test_auto_takes_the_priors_proportions_at_the_first_measured_steps_scale():
+    # a machine 5x slower than the prior: the first step's time scales every coefficient,
+    # rather than going to the least pinned one (a fixed cost of seconds per step)
+    model = StepTimeModel(prefill_scale=2048, rescale_prior=True)
+    shape = StepShape(2048, 0, 200_000)
+    model.observe(shape, 5 * model.predict(2048, 0, 200_000))
+    prior = (DEFAULT.step_overhead_s, DEFAULT.prefill_s_per_token, DEFAULT.decode_s_per_token)
+    assert model.coefficients == pytest.approx(tuple(5 * c for c in prior), rel=1e-6)
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, shape)
+    budget.observe(1, 5 * budget.model.predict(2048, 0, 200_000))
+    # the next step, with 10 decodes, takes about two decode-only steps, not a full chunk
+    n = budget.prefill_tokens(10, 10 * 200)
+    step = budget.model.predict(n, 10, 10 * 200 + int(n * budget._pairs_per_prompt_token))
+    assert step == pytest.approx(2.0 * budget.model.predict(0, 10, 10 * 200), rel=0.05)
+    assert n < 200

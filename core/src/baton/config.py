@@ -164,7 +164,7 @@ class SchedulerSection(_Section):
     from the measured time of each step (a prior from the built-in cost model until steps are
     measured). Every running decode still gets its token each step; prompt chunks never go below
     one KV block (cache.block_size tokens) a step, and a step with no decode is not held to it.
-    "auto" (the default): the target is 2.5x the model's time for a step of the same decodes
+    "auto" (the default): the target is 2x the model's time for a step of the same decodes
     alone (their rows and attention), from the first measured step on (before it: no target),
     so it follows the machine, the model and the load. A number: that many milliseconds. "off" (or None): prompt chunks fill max_num_batched_tokens. Needs
     enable_chunked_prefill (off without it), and is off with a pipeline batch queue (overlapping
