@@ -368,6 +368,20 @@ def test_invalid_requests_are_refused():
 # ----------------------------------------------------------------------------- in flight (batch queue)
 
 
+def test_a_request_that_fills_the_cache_exactly_is_admitted_and_runs_to_the_end():
+    # the last sampled token is never written to the cache: prompt + max_tokens - 1 tokens
+    # need KV slots, as vLLM counts them (60 + 5 - 1 = 64 = 4 usable blocks of 16)
+    s = make_scheduler(num_blocks=5, max_model_len=None)
+    d = Driver(s)
+    d.add(make_request("full", 60, max_tokens=5, ignore_eos=True))
+    d.run()
+    assert len(d.tokens["full"]) == 5 and d.preemptions == 0
+    assert d.finished["full"].finish_reason == FinishReason.LENGTH
+    # one token more needs a fifth block
+    with pytest.raises(InvalidRequestError, match="up to 65 tokens need more KV blocks"):
+        s.add_request(make_request("over", 61, max_tokens=5))
+
+
 def test_in_flight_requests_are_never_rescheduled():
     s = make_scheduler()
     ex = FakeExecutor(block_size=16, num_blocks=256, max_concurrent_batches=2, deep_check=True)

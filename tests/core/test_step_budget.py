@@ -83,9 +83,12 @@ def test_a_bad_target_step_ms_is_refused_naming_it(bad):
         BatonConfig.load(**{"scheduler.target_step_ms": bad})
 
 
-def test_target_step_ms_is_off_by_default_and_without_chunked_prefill():
-    assert BatonConfig.load().scheduler.target_step_ms is None
-    assert make_scheduler().prefill_budget is None
+def test_target_step_ms_is_auto_by_default_off_when_asked_and_without_chunked_prefill():
+    assert BatonConfig.load().scheduler.target_step_ms == "auto"
+    auto = make_scheduler().prefill_budget
+    assert auto is not None and auto.auto and auto.target(4) is None  # nothing measured yet
+    assert make_scheduler(target_step_ms="off").prefill_budget is None
+    assert BatonConfig.load(**{"scheduler.target_step_ms": "off"}).scheduler.target_step_ms == "off"
     s = make_scheduler(target_step_ms=100, enable_chunked_prefill=False)
     assert s.prefill_budget is None
     on = make_scheduler(target_step_ms=250)
@@ -245,7 +248,7 @@ def test_decodes_are_never_starved_and_prompts_keep_at_least_a_block():
     assert set(d.finished) == {f"early{i}" for i in range(4)} | {f"p{i}" for i in range(20)}
 
 
-@pytest.mark.parametrize("target", [None, 10_000])
+@pytest.mark.parametrize("target", ["off", 10_000])
 def test_a_running_prompt_chunk_does_not_take_the_tokens_of_later_decodes(target):
     # a long prompt admitted first, whose chunks nearly fill the step, then short requests that
     # decode: without a target the chunk comes first and some decodes wait; with one they don't
@@ -265,7 +268,56 @@ def test_a_running_prompt_chunk_does_not_take_the_tokens_of_later_decodes(target
         d.step()
     assert max(len(due) for due, _ in d.due) == 8
     starved = [due - scheduled for due, scheduled in d.due if not due <= scheduled]
-    assert bool(starved) == (target is None), starved
+    assert bool(starved) == (target == "off"), starved
+
+
+# ------------------------------------------------------------------ "auto"
+
+
+def test_auto_sets_no_target_until_a_step_is_measured_then_a_multiple_of_a_decode_step():
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    assert budget.auto and budget.target(8) is None and budget.prefill_tokens(8) == 2048
+    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
+    assert budget.observe(1, 2.0)
+    decode_only = budget.model.predict(0, 8, 8 * 300)
+    assert budget.target(8, 8 * 300) == pytest.approx(2.0 * decode_only)
+    assert budget.prefill_tokens(0) == 2048  # a step with no decode is still not held
+
+
+def test_step_time_model_learns_the_attention_cost():
+    m = StepTimeModel(prefill_scale=512, decode_scale=16)
+    truth = lambda p, d, pairs: 0.02 + 0.0005 * p + 0.004 * d + 2e-6 * pairs  # noqa: E731
+    rng = random.Random(2)
+    for _ in range(80):
+        p, d = rng.randint(0, 512), rng.randint(0, 16)
+        pairs = p * rng.randint(0, 2000) + d * rng.randint(1, 2000)
+        m.observe(StepShape(p, d, pairs), truth(p, d, pairs))
+    assert m.per_pair == pytest.approx(2e-6, rel=0.05)
+    assert m.predict(100, 4, 50_000) == pytest.approx(truth(100, 4, 50_000), rel=0.02)
+
+
+def test_auto_keeps_steps_near_a_multiple_of_the_decode_only_step_and_prompts_progress():
+    # 48 prompts at once on a machine where a full 1024-token chunk takes ~1 s and a step of
+    # decodes alone 30-80 ms: with "auto" every step with decodes stays near 2x the
+    # decode-only time of its batch (once the first steps have taught it the machine), prompts
+    # still finish, and no decode waits; "off" lets full chunks ride with the decodes
+    machine = linear(0.03, 0.001, 0.001)
+
+    def run(target):
+        s = make_scheduler(
+            num_blocks=8192, max_num_seqs=64, max_num_batched_tokens=1024, target_step_ms=target
+        )
+        d = TimedDriver(s, machine)
+        d.add(*long_prompts(48, 300, max_tokens=40))
+        d.run()
+        assert len(d.finished) == 48
+        assert all(due <= scheduled for due, scheduled in d.due)
+        return [machine(p, dd) / machine(0, dd) for p, dd in d.shapes if dd and p]
+
+    auto = run("auto")
+    assert auto and max(auto[3:]) < 3.0, auto
+    assert max(run("off")) > 10
+    assert len(auto) > 10  # prompts rode along many decode steps, in smaller chunks
 
 
 # ------------------------------------------------------------------ the engine
@@ -305,5 +357,33 @@ def test_engine_core_ignores_the_target_with_a_batch_queue(caplog):
     with caplog.at_level(logging.WARNING, logger="baton.engine.core"):
         core = EngineCore(config, executor=fake, info=INFO)
     assert core.scheduler.prefill_budget is None
-    assert core.config.scheduler.target_step_ms is None
+    assert core.config.scheduler.target_step_ms == "off"
     assert "target_step_ms=200.0 is ignored" in caplog.text
+
+
+def test_engine_core_turns_auto_off_with_a_batch_queue_saying_why(caplog):
+    config = BatonConfig.load(max_model_len=512)  # target_step_ms = "auto", the default
+    fake = FakeExecutor(block_size=16, max_concurrent_batches=2, latency_s=0.0)
+    with caplog.at_level(logging.INFO, logger="baton.engine.core"):
+        core = EngineCore(config, executor=fake, info=INFO)
+    assert core.scheduler.prefill_budget is None
+    record = next(r for r in caplog.records if "target_step_ms=auto is ignored" in r.message)
+    assert record.levelno == logging.INFO and "batches overlap" in record.message
+
+
+def test_auto_takes_the_priors_proportions_at_the_first_measured_steps_scale():
+    # a machine 5x slower than the prior: the first step's time scales every coefficient,
+    # rather than going to the least pinned one (a fixed cost of seconds per step)
+    model = StepTimeModel(prefill_scale=2048, rescale_prior=True)
+    shape = StepShape(2048, 0, 200_000)
+    model.observe(shape, 5 * model.predict(2048, 0, 200_000))
+    prior = (DEFAULT.step_overhead_s, DEFAULT.prefill_s_per_token, DEFAULT.decode_s_per_token)
+    assert model.coefficients == pytest.approx(tuple(5 * c for c in prior), rel=1e-6)
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, shape)
+    budget.observe(1, 5 * budget.model.predict(2048, 0, 200_000))
+    # the next step, with 10 decodes, takes about two decode-only steps, not a full chunk
+    n = budget.prefill_tokens(10, 10 * 200)
+    step = budget.model.predict(n, 10, 10 * 200 + int(n * budget._pairs_per_prompt_token))
+    assert step == pytest.approx(2.0 * budget.model.predict(0, 10, 10 * 200), rel=0.05)
+    assert n < 200

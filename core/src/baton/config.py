@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
@@ -156,14 +156,24 @@ class SchedulerSection(_Section):
     waiting request whose prompt does not end in its first step is admitted only below this
     cap (admission stops there, keeping the policy's order); None: no cap. Needs
     enable_chunked_prefill (ignored without it)."""
-    target_step_ms: float | None = Field(None, gt=0, le=3_600_000, allow_inf_nan=False)
+    target_step_ms: (
+        Literal["auto", "off"] | Annotated[float, Field(gt=0, le=3_600_000, allow_inf_nan=False)]
+    ) = "auto"
     """Latency-aware token budget: a step's prompt chunks (all requests together) shrink so that
     the step takes about this long with the decodes it carries, by a step-time model learned
     from the measured time of each step (a prior from the built-in cost model until steps are
     measured). Every running decode still gets its token each step; prompt chunks never go below
     one KV block (cache.block_size tokens) a step, and a step with no decode is not held to it.
-    None: off (prompt chunks fill max_num_batched_tokens). Needs enable_chunked_prefill (ignored
-    without it), and is ignored with a pipeline batch queue (a warning says so)."""
+    "auto" (the default): the target is 2x the model's time for a step of the same decodes
+    alone (their rows and attention), from the first measured step on (before it: no target),
+    so it follows the machine, the model and the load. A number: that many milliseconds. "off" (or None): prompt chunks fill max_num_batched_tokens. Needs
+    enable_chunked_prefill (off without it), and is off with a pipeline batch queue (overlapping
+    batches have no step time to measure; a number set there logs a warning)."""
+
+    @pydantic.field_validator("target_step_ms", mode="before")
+    @classmethod
+    def _none_is_off(cls, value: Any) -> Any:
+        return "off" if value is None else value
 
 
 class ExecutorSection(_Section):

@@ -146,6 +146,10 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] | None = None
+    # goodput, this step (totals in a snapshot): requests with an SLO (scheduling.slo_ttft_ms /
+    # slo_tpot_ms) that finished (stopped, length-capped or failed; not aborted), of which met it
+    num_slo_finished: int = 0
+    num_slo_met: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, **_STRUCT):

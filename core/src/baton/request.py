@@ -60,6 +60,7 @@ class Request:
         "eos_token_id",
         "error",
         "events",
+        "first_token_time",
         "grammar",
         "lora_key",
         "lora_request",
@@ -128,6 +129,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
+        #: When its first output token was produced, on the scheduler's clock (None: not yet).
+        self.first_token_time: float | None = None
         self.block_hashes: list[Any] = []
         self.grammar: Any = None  # the structured-output matcher, when the request has a spec
         self.stop_reason: int | str | None = None

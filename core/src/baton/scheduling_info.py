@@ -1,14 +1,19 @@
 """SchedulingInfo: what a request tells the scheduler policy about itself.
 
-A request carries its priority, a deadline, a tenant and free-form string tags
-to the policy (``Request.scheduling``) from every entry point: ``LLM.generate(...,
+A request carries its priority, a deadline, a tenant, free-form string tags
+and latency targets (SLOs: time to first token, time per output token) to the
+policy (``Request.scheduling``) from every entry point: ``LLM.generate(...,
 scheduling=...)``, ``AsyncLLM.generate``, ``baton generate`` / ``baton chat``
-(``--priority``, ``--deadline``, ``--tenant``, ``--tag KEY=VALUE``) and the
-OpenAI server (``priority`` and ``scheduling: {...}`` in the body). It crosses
+(``--priority``, ``--deadline``, ``--tenant``, ``--tag KEY=VALUE``,
+``--slo-ttft-ms``, ``--slo-tpot-ms``) and the OpenAI server (``priority`` and
+``scheduling: {...}`` in the body, e.g. ``"scheduling": {"slo_ttft_ms": 500,
+"slo_tpot_ms": 50}``). It crosses
 the frontend -> engine boundary inside ``EngineCoreRequest``, so it is a
 msgspec struct (an array on the wire: fields are only added, at the end).
 
-The mechanism never reads it; a policy may. Every field is bounded (the MAX_*
+The mechanism never orders by it; a policy may (the ``slo`` policy orders by the
+SLOs). The scheduler counts goodput: how many finished requests with an SLO met
+it (``baton.sched.slo``). Every field is bounded (the MAX_*
 constants) and checked by ``baton.validation.check_scheduling``.
 """
 
@@ -31,6 +36,8 @@ MAX_TAG_VALUE_CHARS = 256
 MAX_TENANT_CHARS = 256
 #: Longest deadline: 30 days, in seconds after arrival.
 MAX_DEADLINE_S = 30 * 24 * 3600.0
+#: Longest SLO target (time to first token, time per output token): one day, in milliseconds.
+MAX_SLO_MS = 24 * 3600 * 1000.0
 
 
 class SchedulingInfo(
@@ -43,13 +50,20 @@ class SchedulingInfo(
     should finish (a latency budget, > 0; the policy sees the absolute time as
     ``Request.deadline_time`` on its own clock). ``tenant``: who the request
     is for (a fair-share key; ``fair`` takes it before ``user``). ``tags``:
-    free-form ``{key: value}`` strings, at most ``MAX_TAGS``.
+    free-form ``{key: value}`` strings, at most ``MAX_TAGS``. ``slo_ttft_ms``:
+    the time to first token the request should meet, in milliseconds after its
+    arrival; ``slo_tpot_ms``: the time per output token after the first (the
+    mean: (last token - first token) / (outputs - 1)). A request with either
+    counts in the engine's goodput; both given, it meets its SLO when it meets
+    both.
     """
 
     priority: int = 0
     deadline: float | None = None
     tenant: str | None = None
     tags: dict[str, str] = msgspec.field(default_factory=dict)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 #: The field names, in wire order.

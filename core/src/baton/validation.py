@@ -31,6 +31,7 @@ from baton.protocol import ModelInfo
 from baton.sampling_params import MAX_LOGPROBS, SamplingParams, show_value
 from baton.scheduling_info import (
     MAX_DEADLINE_S,
+    MAX_SLO_MS,
     MAX_TAG_KEY_CHARS,
     MAX_TAG_VALUE_CHARS,
     MAX_TAGS,
@@ -297,6 +298,8 @@ def check_scheduling(info: Any) -> None:
                 param="scheduling.deadline",
             )
     _check_string(info.tenant, "scheduling.tenant", MAX_TENANT_CHARS, optional=True)
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        _check_slo(getattr(info, name), f"scheduling.{name}")
     tags = info.tags
     if not isinstance(tags, dict):
         raise InvalidRequestError(
@@ -316,6 +319,23 @@ def check_scheduling(info: Any) -> None:
             MAX_TAG_VALUE_CHARS,
             what=f"scheduling.tags[{show_value(key, 40)}]",
             min_chars=0,
+        )
+
+
+def _check_slo(value: Any, param: str) -> None:
+    """An SLO target: None, or milliseconds in (0, MAX_SLO_MS]."""
+    if value is None:
+        return
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise InvalidRequestError(
+            f"{param} must be a number of milliseconds, got {show_value(value)} "
+            f"({type(value).__name__})",
+            param=param,
+        )
+    if not (math.isfinite(value) and 0 < value <= MAX_SLO_MS):
+        raise InvalidRequestError(
+            f"{param} must be in (0, {MAX_SLO_MS:.0f}] milliseconds, got {show_value(value)}",
+            param=param,
         )
 
 

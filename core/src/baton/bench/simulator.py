@@ -128,6 +128,7 @@ def simulate(
             dt *= rng.lognormvariate(0.0, noise)
         now += dt
         outs = sched.update_from_output(so, ex.execute_model(so))
+        sched.observe_step_time(so.step_id, dt)  # as EngineCore does: the latency-aware budget
         preemptions += len(so.preempted_req_ids)
         stats = sched.make_stats()
         queries += stats.prefix_cache_queries

@@ -48,6 +48,15 @@ def _add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tenant", help="who the request is for (the 'fair' policy's key)")
     g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        metavar="MS",
+        help="time-to-first-token target (the 'slo' policy)",
+    )
+    g.add_argument(
+        "--slo-tpot-ms", type=float, metavar="MS", help="time-per-output-token target ('slo')"
+    )
+    g.add_argument(
         "--tag",
         action="append",
         default=[],
@@ -71,7 +80,14 @@ def _scheduling(args: argparse.Namespace) -> Any:
             )
         tags[key] = value
     info = as_scheduling_info(
-        {"priority": args.priority, "deadline": args.deadline, "tenant": args.tenant, "tags": tags}
+        {
+            "priority": args.priority,
+            "deadline": args.deadline,
+            "tenant": args.tenant,
+            "tags": tags,
+            "slo_ttft_ms": args.slo_ttft_ms,
+            "slo_tpot_ms": args.slo_tpot_ms,
+        }
     )
     check_scheduling(info)
     return info

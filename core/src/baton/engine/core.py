@@ -92,14 +92,17 @@ class EngineCore:
             entry = self.registry.get("scheduler_policy", config.scheduler.policy)
             policy = entry.create(config, entry.settings(config))
             self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
-            if self.batch_queue_size > 1 and config.scheduler.target_step_ms is not None:
-                log.warning(
+            target = config.scheduler.target_step_ms
+            if self.batch_queue_size > 1 and target != "off":
+                # an explicit number the user asked for warns; the default "auto" only informs
+                log.log(
+                    logging.INFO if target == "auto" else logging.WARNING,
                     "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
                     "(pipeline parallel): batches overlap, so no step time is measured",
-                    config.scheduler.target_step_ms,
+                    target,
                     self.batch_queue_size,
                 )
-                off = config.scheduler.model_copy(update={"target_step_ms": None})
+                off = config.scheduler.model_copy(update={"target_step_ms": "off"})
                 self.config = config = config.model_copy(update={"scheduler": off})
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (

@@ -31,10 +31,11 @@ def check_request(
             f"({max_num_batched_tokens}) and chunked prefill is off; enable "
             "scheduler.enable_chunked_prefill or raise max_num_batched_tokens"
         )
-    # a request that outgrows the whole cache would preempt itself forever
-    max_len = n + max(request.max_tokens, 1)
+    # a request that outgrows the whole cache would preempt itself forever; its last sampled
+    # token is never fed back, so it needs KV slots for prompt + max_tokens - 1 tokens (as vLLM)
+    max_len = n + max(request.max_tokens, 1) - 1
     if max_model_len is not None:
-        max_len = min(max_len, max_model_len)
+        max_len = max(n, min(max_len, max_model_len - 1))
     if not kv.can_fit(max_len):
         raise InvalidRequestError(
             f"request {rid!r}: up to {max_len} tokens need more KV blocks than the cache has "

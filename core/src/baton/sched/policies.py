@@ -1,9 +1,10 @@
-"""The built-in scheduler policies, ``fcfs`` and ``priority``, registered as a plugin.
+"""The built-in scheduler policies, ``fcfs``, ``priority`` and ``slo``, registered as a plugin.
 
-Both implement ``baton.interfaces.SchedulerPolicy``: they order the waiting
+Each implements ``baton.interfaces.SchedulerPolicy``: they order the waiting
 queue and pick preemption victims; the mechanism (``baton.sched.scheduler``)
 does everything else. Each class is its own registry factory,
 ``cls(config, settings)``, so a plugin can subclass one and register it.
+``slo`` (earliest feasible SLO deadline first) lives in ``baton.sched.slo_policy``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,22 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from baton.hookspecs import hookimpl
 from baton.request import Request, RequestStatus
+from baton.sched.slo_policy import SLOPolicy, SLOSettings
+
+
+class FCFSSettings(BaseModel):
+    """``[scheduler.fcfs]``."""
+
+    victim: Literal["newest", "least_recompute"] = "newest"
+    """The preemption victim: "newest", the most recently admitted running request (vLLM's
+    choice); "least_recompute", the one with the fewest computed tokens (the least work redone
+    when it resumes), the newest among equals."""
 
 
 class FCFSPolicy:
@@ -23,11 +36,13 @@ class FCFSPolicy:
 
     New requests queue in arrival (``add``) order; a preempted request goes back
     to the front, so it resumes before anything that arrived after it. The
-    victim is the most recently admitted running request.
+    victim is the most recently admitted running request, or with ``victim =
+    "least_recompute"`` the one with the fewest computed tokens.
     """
 
-    def __init__(self, config: Any = None, settings: Any = None) -> None:
+    def __init__(self, config: Any = None, settings: FCFSSettings | None = None) -> None:
         self._queue: deque[Request] = deque()
+        self.least_recompute = (settings or FCFSSettings()).victim == "least_recompute"
 
     def add(self, request: Request) -> None:
         if request.status == RequestStatus.PREEMPTED:
@@ -53,6 +68,8 @@ class FCFSPolicy:
         return removed
 
     def select_victim(self, running: Sequence[Request]) -> Request:
+        if self.least_recompute:
+            return min(reversed(running), key=lambda r: r.num_computed_tokens)
         return running[-1]
 
     def __len__(self) -> int:
@@ -127,5 +144,6 @@ class PriorityPolicy:
 @hookimpl
 def register_scheduler_policies(register) -> None:  # type: ignore[no-untyped-def]
     # the classes are their own factories: factory(config, settings)
-    register("fcfs", FCFSPolicy)
+    register("fcfs", FCFSPolicy, FCFSSettings)
     register("priority", PriorityPolicy)
+    register("slo", SLOPolicy, SLOSettings)

@@ -66,8 +66,11 @@ from baton.protocol import (
 from baton.request import Request, RequestStatus
 from baton.sched.admission import check_request
 from baton.sched.pooling import take_pooled
+from baton.sched.slo import has_slo, met_slo
 from baton.sched.step_budget import PrefillBudget, StepShape
 from baton.sched.stop import append_and_check_stop
+from baton.sched.victims import VictimCandidate
+from baton.sched.victims import candidates as victim_candidates
 from baton.spec.drafts import Drafts
 
 if TYPE_CHECKING:
@@ -81,6 +84,7 @@ _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
 _FINISHED = RequestStatus.FINISHED_STOPPED  # every status >= this one is finished
 _ERROR = RequestStatus.FINISHED_ERROR
+_ABORTED = RequestStatus.FINISHED_ABORTED
 
 
 class _StepPlan:
@@ -146,6 +150,11 @@ class Scheduler:
         self._policy_finished: Callable[[Request], object] | None = getattr(
             policy, "finished", None
         )
+        #: The policy's optional choose_victim(candidates, now) (``baton.sched.victims``);
+        #: without it, select_victim(running).
+        self._policy_choose_victim: Callable[[list[VictimCandidate], float], Request] | None = (
+            getattr(policy, "choose_victim", None)
+        )
         self.clock = clock
         self.max_num_seqs = config.scheduler.max_num_seqs
         #: Most requests in one SchedulerOutput (None: max_num_seqs). The batch queue sets it to
@@ -163,15 +172,15 @@ class Scheduler:
             config.scheduler.max_num_partial_prefills if chunked else None
         )
         self.block_size = config.cache.block_size
-        target_ms = config.scheduler.target_step_ms if chunked else None
+        target_ms = config.scheduler.target_step_ms if chunked else "off"
         #: The latency-aware prompt-token budget (``scheduler.target_step_ms``); None: off.
         self.prefill_budget = (
             PrefillBudget(
-                target_ms / 1000.0,
+                None if target_ms == "auto" else float(target_ms) / 1000.0,
                 min_tokens=self.block_size,
                 max_tokens=self.max_num_batched_tokens,
             )
-            if target_ms is not None
+            if target_ms != "off"
             else None
         )
         self.enable_caching = config.cache.enable_prefix_caching
@@ -207,6 +216,10 @@ class Scheduler:
         self.total_preemptions = 0
         self._queries_seen = 0
         self._hits_seen = 0
+        #: Goodput: finished requests with an SLO, and of those the ones that met it
+        #: (deltas for make_stats, and totals).
+        self._slo_finished = self._slo_met = 0
+        self.total_slo_finished = self.total_slo_met = 0
 
     # ------------------------------------------------------------- requests
 
@@ -270,6 +283,12 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
+        if req.status != _ABORTED and has_slo(req):
+            met = met_slo(req, self.clock())
+            self._slo_finished += 1
+            self.total_slo_finished += 1
+            self._slo_met += met
+            self.total_slo_met += met
         if self._num_sent.pop(rid, None) is not None:
             self._finished_ids.append(rid)
         if self.drafts is not None:
@@ -353,7 +372,9 @@ class Scheduler:
         if self.prefill_budget is not None:
             prefill = prefill_cap - plan.prefill
             decode = budget - plan.budget - prefill
-            self.prefill_budget.scheduled(self._step, StepShape(prefill, decode))
+            self.prefill_budget.scheduled(
+                self._step, StepShape(prefill, decode, self._attention_pairs(plan))
+            )
         return self._make_output(plan)
 
     def _prefill_cap(self) -> int:
@@ -361,17 +382,28 @@ class Scheduler:
         leaves beside the running decodes, whose tokens are set aside first."""
         assert self.prefill_budget is not None
         in_flight = self._in_flight
-        decodes = 0
+        per_batch = self.max_num_seqs_per_batch
+        decodes = pairs = 0
         for req in self.running:
             if (
                 req.status == _RUNNING
                 and req.num_tokens - req.num_computed_tokens == 1
                 and req.request_id not in in_flight
+                and decodes < per_batch
             ):
                 decodes += 1
-        decodes = min(decodes, self.max_num_seqs_per_batch)
+                pairs += req.num_tokens  # its new token attends to every token
         room = self.max_num_batched_tokens - decodes
-        return max(0, min(self.prefill_budget.prefill_tokens(decodes), room))
+        return max(0, min(self.prefill_budget.prefill_tokens(decodes, pairs), room))
+
+    def _attention_pairs(self, plan: _StepPlan) -> int:
+        """Query-key pairs the step's attention computes (each new token times its context)."""
+        requests = self.requests
+        pairs = 0
+        for rid, n in plan.num_scheduled.items():
+            start = requests[rid].num_computed_tokens - n
+            pairs += n * start + n * (n + 1) // 2
+        return pairs
 
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """The measured wall time of step ``step_id`` (schedule to update), for the latency-aware
@@ -591,7 +623,11 @@ class Scheduler:
         candidates = [
             r for r in self.running if r.status == _RUNNING and r.request_id not in in_flight
         ]
-        victim = self.policy.select_victim(candidates)
+        choose = self._policy_choose_victim
+        if choose is not None:
+            victim = choose(victim_candidates(candidates, req, self.kv.get_block_ids), now)
+        else:
+            victim = self.policy.select_victim(candidates)
         if victim.status != _RUNNING or victim.request_id in in_flight:
             raise RuntimeError(
                 f"scheduler policy chose {victim!r}, which is not a preemption candidate"
@@ -656,6 +692,7 @@ class Scheduler:
         caching = self.enable_caching
         bs = self.block_size
         spec = scheduler_output.scheduled_spec_decode_tokens
+        now = self.clock()
         outputs: list[EngineCoreOutput] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             if in_flight.get(rid) != step_id:
@@ -684,6 +721,8 @@ class Scheduler:
                         new = []
                     else:
                         new = append_and_check_stop(req, new, self.max_model_len)
+                        if req.first_token_time is None:
+                            req.first_token_time = now
                     if caching and len(tokens) // bs > len(req.block_hashes):
                         update_block_hashes(req, bs)
                 if caching and computed // bs != (computed - n) // bs:
@@ -764,12 +803,15 @@ class Scheduler:
             hits = kv.prefix_cache_hits - self._hits_seen
             self._queries_seen, self._hits_seen = kv.prefix_cache_queries, kv.prefix_cache_hits
             preemptions, self._num_preemptions = self._num_preemptions, 0
+            slo_finished, slo_met = self._slo_finished, self._slo_met
+            self._slo_finished = self._slo_met = 0
         else:
             queries, hits, preemptions = (
                 kv.prefix_cache_queries,
                 kv.prefix_cache_hits,
                 self.total_preemptions,
             )
+            slo_finished, slo_met = self.total_slo_finished, self.total_slo_met
         spec = None
         if self.drafts is not None:
             spec = self.drafts.take_step_counters() if delta else self.drafts.total
@@ -794,4 +836,6 @@ class Scheduler:
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else None,
+            num_slo_finished=slo_finished,
+            num_slo_met=slo_met,
         )
