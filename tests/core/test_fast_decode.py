@@ -160,9 +160,22 @@ def _random_caches(runner, cache_dtype, g):
     return [(c[0].view(NUM_BLOCKS, kv_heads, head_dim, 4).clone(), c[1].clone()) for c in caches]
 
 
-def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threads, shared=False):
+def _stack_call(
+    fast,
+    caches,
+    hidden,
+    positions,
+    slots,
+    table,
+    lens,
+    head,
+    threads,
+    shared=False,
+    invariant=False,
+):
     """decode_layers on copies of ``caches`` with ``threads`` threads; (output, caches after).
-    ``shared``: rows read keys that other rows of the step write (a verify step's drafts)."""
+    ``shared``: rows read keys that other rows of the step write (a verify step's drafts);
+    ``invariant``: batch-invariant sums, one parallel region at any row count."""
     k = [c[0].clone() for c in caches]
     v = [c[1].clone() for c in caches]
     before = torch.get_num_threads()
@@ -190,6 +203,7 @@ def _stack_call(fast, caches, hidden, positions, slots, table, lens, head, threa
             fast.float_max_rows,
             *head,
             shared,
+            invariant,
         )
     finally:
         torch.set_num_threads(before)

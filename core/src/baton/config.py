@@ -28,6 +28,22 @@ from baton.errors import ConfigError
 from baton.plugin_kinds import BY_SECTION, PLUGIN_KINDS
 
 CONFIG_ENV = "BATON_CONFIG"
+#: Turns executor.batch_invariant on by default, for tools that cannot pass configuration
+#: (as vLLM's VLLM_BATCH_INVARIANT); BATON_EXECUTOR__BATCH_INVARIANT and the config still win.
+BATCH_INVARIANT_ENV = "BATON_BATCH_INVARIANT"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def _env_flag(name: str) -> bool:
+    """A boolean environment variable: 1/true/yes/on or 0/false/no/off (any case); unset: False."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r}: use 1/true/yes/on or 0/false/no/off")
 
 
 class _Section(BaseModel):
@@ -201,6 +217,14 @@ class ExecutorSection(_Section):
     fast_decode: bool = True
     """Run decode-only steps of Llama-block models (Llama, Qwen2, Mistral without sliding window)
     through one native call for the whole layer stack (needs cpu_kernels; CPU, float32)."""
+    batch_invariant: bool = Field(default_factory=lambda: _env_flag(BATCH_INVARIANT_ENV))
+    """Batch-invariant inference: a request's tokens and logprobs are the same bits whatever else
+    runs beside it (batch size and composition, its row, prefill chunk boundaries, speculative
+    verify rows). Every step, prefill included, runs fast_decode's native layer stack with one
+    summation order per output whatever the number of rows (docs/architecture.md). Default: the
+    environment variable BATON_BATCH_INVARIANT (1/true/yes/on), else false. Refused (an error
+    naming why) where it cannot hold: CUDA, tensor / pipeline / expert parallelism, LoRA,
+    cpu_kernels or fast_decode off, dtype other than float32, a model fast_decode does not run."""
     expert_parallel: bool = False
     """With data_parallel_size N > 1 and a mixture-of-experts model (Mixtral, Qwen2/3-MoE, OLMoE):
     each engine core holds E/N of every MoE layer's E experts and the layers dispatch tokens to
@@ -508,6 +532,73 @@ class BatonConfig(BaseSettings):
                 f"model.quantization={q!r} with executor.tensor_parallel_size={tp}: tensor-parallel "
                 "shards are not quantized in this version; use tensor_parallel_size = 1 (a "
                 "pipeline's stages are quantized) or model.quantization = 'none'"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _batch_invariant_where_it_holds(self) -> BatonConfig:
+        ex = self.executor
+        if not ex.batch_invariant:
+            return self
+        why = [
+            f"{name}={value!r}: {reason}"
+            for name, value, bad, reason in (
+                (
+                    "executor.device",
+                    ex.device,
+                    ex.device.startswith("cuda"),
+                    "the invariant kernels are CPU kernels (set device = 'cpu')",
+                ),
+                (
+                    "executor.tensor_parallel_size",
+                    ex.tensor_parallel_size,
+                    ex.tensor_parallel_size > 1,
+                    "a rank's partial sums meet in an all-reduce whose order is not fixed",
+                ),
+                (
+                    "executor.pipeline_parallel_size",
+                    ex.pipeline_parallel_size,
+                    ex.pipeline_parallel_size > 1,
+                    "pipeline stages run transformers' modules, not the invariant layer stack",
+                ),
+                (
+                    "executor.expert_parallel",
+                    ex.expert_parallel,
+                    ex.expert_parallel,
+                    "mixture-of-experts layers are not in the invariant layer stack",
+                ),
+                (
+                    "executor.cpu_kernels",
+                    ex.cpu_kernels,
+                    not ex.cpu_kernels,
+                    "the invariant path is baton's C++ kernels",
+                ),
+                (
+                    "executor.fast_decode",
+                    ex.fast_decode,
+                    not ex.fast_decode,
+                    "every step runs fast_decode's native layer stack",
+                ),
+                (
+                    "lora.enable_lora",
+                    self.lora.enable_lora,
+                    self.lora.enable_lora,
+                    "steps with adapters run transformers' modules",
+                ),
+                (
+                    "model.dtype",
+                    self.model.dtype,
+                    self.model.dtype in ("bfloat16", "float16"),
+                    "the invariant kernels compute in float32",
+                ),
+            )
+            if bad
+        ]
+        if why:
+            raise ValueError(
+                "executor.batch_invariant = true cannot hold with "
+                + "; ".join(why)
+                + ". Change those settings or set batch_invariant = false"
             )
         return self
 

@@ -85,9 +85,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
   }
+  const bool plain = M <= la.quant_max_rows && !q8a;  // linear_q: one argument more (invariant)
   const c10::OperatorHandle& op =
       M > la.quant_max_rows ? ops().linear_q_tiles : (q8a ? q8a_op() : ops().linear_q);
   std::vector<c10::IValue> stack{x, w, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
+  if (plain) stack.emplace_back(false);
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -172,14 +174,24 @@ Lin make_lin(const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a, 
   return l;
 }
 
-// Rows [n0, n1) of y = x @ W^T + b, as the operator for this linear computes them.
-void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& prep, float* y, int64_t n0, int64_t n1) {
+// float32 weight bytes per tile of weight rows in batch-invariant mode (a thread's tile stays in
+// its L2 while every row of x passes over it: prefill-sized M).
+constexpr int64_t INVARIANT_TILE_BYTES = 131072;
+
+// Rows [n0, n1) of y = x @ W^T + b, as the operator for this linear computes them. invariant: the
+// quantized rows' batch-invariant sums, and float weights in tiles of rows (the same sums: a tile
+// only changes which weight rows run together, never how one output is summed).
+void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& prep, float* y, int64_t n0, int64_t n1,
+              bool invariant) {
   if (n0 >= n1) return;
   if (l.qtype < 0) {
-    baton_rows::float_rows(x, M, l.K, l.wf, y, l.N, n0, n1);
+    const int64_t tile = invariant ? std::max<int64_t>(8, INVARIANT_TILE_BYTES / (4 * l.K) / 8 * 8) : n1 - n0;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile)
+      baton_rows::float_rows(x, M, l.K, l.wf, y, l.N, t0, std::min(n1, t0 + tile));
     if (l.bias) add_bias_cols(y, l.bias, M, l.N, n0, n1);
   } else {
-    baton_rows::quant_rows(l.qtype, l.q8a, x, M, l.K, gen, prep, l.wq, l.row_bytes, l.bias, y, l.N, n0, n1);
+    baton_rows::quant_rows(l.qtype, l.q8a, x, M, l.K, gen, prep, l.wq, l.row_bytes, l.bias, y, l.N, n0, n1,
+                           invariant);
   }
 }
 
@@ -210,6 +222,8 @@ struct Stack {
   // rows read K/V that other rows write this step (one request's drafts being verified): every
   // row's cache write then comes before any row's attention, one more barrier a layer
   bool shared_context;
+  // batch-invariant mode (lin_rows): every output summed in an order independent of M
+  bool invariant;
 };
 
 void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
@@ -239,7 +253,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
       for (int i = 0; i < 3; ++i) {
         const Lin& li = lw[Q + i];
         lin_rows(li, x.data(), M, gen, prep, dst[i], std::max<int64_t>(a - off[i], 0),
-                 std::min<int64_t>(b - off[i], li.N));
+                 std::min<int64_t>(b - off[i], li.N), s.invariant);
       }
     }
     barrier();
@@ -274,7 +288,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     barrier();
     {
       const auto [a, b] = share(Hd, nt, tid, 8);
-      lin_rows(lw[O], s.attn, M, ++gen, prep, s.tmp, a, b);
+      lin_rows(lw[O], s.attn, M, ++gen, prep, s.tmp, a, b, s.invariant);
       for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
     }
     barrier();
@@ -283,14 +297,14 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     ++gen;
     {
       const auto [a, b] = share(I, nt, tid, 8);
-      lin_rows(lw[GATE], x.data(), M, gen, prep, s.gate, a, b);
-      lin_rows(lw[UP], x.data(), M, gen, prep, s.up, a, b);
+      lin_rows(lw[GATE], x.data(), M, gen, prep, s.gate, a, b, s.invariant);
+      lin_rows(lw[UP], x.data(), M, gen, prep, s.up, a, b, s.invariant);
       for (int64_t m = 0; m < M; ++m) silu_mul(s.gate + m * I + a, s.up + m * I + a, b - a);
     }
     barrier();
     {
       const auto [a, b] = share(Hd, nt, tid, 8);
-      lin_rows(lw[DOWN], s.gate, M, ++gen, prep, s.tmp, a, b);
+      lin_rows(lw[DOWN], s.gate, M, ++gen, prep, s.tmp, a, b, s.invariant);
       for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
     }
     barrier();
@@ -299,14 +313,15 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
   if (s.out != nullptr && tid == 0) std::memcpy(s.out, x.data(), M * Hd * sizeof(float));
   if (s.head != nullptr) {
     const auto [a, b] = share(s.head->N, nt, tid, 8);
-    lin_rows(*s.head, x.data(), M, ++gen, prep, s.logits, a, b);
+    lin_rows(*s.head, x.data(), M, ++gen, prep, s.logits, a, b, s.invariant);
   }
 }
 
-// Whether every linear of the stack (and the head) takes its decode-sized kernel at M rows.
+// Whether every linear of the stack (and the head) takes its decode-sized kernel at M rows (any M
+// when `invariant`: batch-invariant mode runs every step here).
 bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, const LinearArgs& la, int64_t head_qtype,
-                     bool has_head) {
-  if (M > la.quant_max_rows || M > la.float_max_rows) return false;
+                     bool has_head, bool invariant) {
+  if (!invariant && (M > la.quant_max_rows || M > la.float_max_rows)) return false;
   for (size_t i = 0; i < qtypes.size(); ++i) {
     if (!weights[i].is_contiguous()) return false;
     if (qtypes[i] >= 0 && !baton_rows::quant_supported(qtypes[i])) return false;
@@ -329,7 +344,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                       const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t H, int64_t KVH, float eps,
                       float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_bias,
-                      bool shared_context) {
+                      bool shared_context, bool invariant) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), M = hidden.size(0), Hd = hidden.size(1);
   const at::Tensor& v0 = v_caches[0];
   const int64_t D = v0.size(3), BS = v0.size(2), blocks = v0.size(0);
@@ -440,7 +455,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            head != nullptr ? nullptr : out.data_ptr<float>(),
            head != nullptr ? &head_lin : nullptr,
            head != nullptr ? logits.data_ptr<float>() : nullptr,
-           shared_context};
+           shared_context,
+           invariant};
   at::internal::lazy_init_num_threads();
   const int64_t want = at::get_num_threads();
   if (want <= 1 || at::in_parallel_region()) {
@@ -462,7 +478,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                          const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& ctx_lens,
                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t quant_max_rows,
                          int64_t float_max_rows, const std::optional<at::Tensor>& head, int64_t head_qtype,
-                         int64_t head_q8a, const std::optional<at::Tensor>& head_bias, bool shared_context) {
+                         int64_t head_q8a, const std::optional<at::Tensor>& head_bias, bool shared_context,
+                         bool invariant) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
@@ -492,10 +509,14 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   if (has_head)
     TORCH_CHECK(head->dim() == 2 && (head_qtype >= 0 ? head->scalar_type() == at::kByte : head->size(1) == Hd),
                 "decode_layers: head must be [vocab, hidden] float32 or [vocab, row_bytes] uint8 quantized rows");
-  if (one_region_fits(M, weights, qtypes, la, head_qtype, has_head))
+  const bool one = one_region_fits(M, weights, qtypes, la, head_qtype, has_head, invariant);
+  TORCH_CHECK(one || !invariant,
+              "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
+              "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  if (one)
     return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, k_caches, v_caches, slots, block_table,
                       ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr, head_qtype,
-                      head_q8a != 0, hb, shared_context);
+                      head_q8a != 0, hb, shared_context, invariant);
 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
@@ -553,7 +574,8 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
       "decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor[] biases, "
       "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
-      "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False) -> Tensor");
+      "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False, "
+      "bool invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layers", decode_layers); }

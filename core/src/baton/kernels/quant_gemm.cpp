@@ -306,12 +306,14 @@ inline float finish_row(vec acc, const float* offs, const float* xs, int64_t gro
 // 1 row 8.9 -> 8.4 ms, 2 rows 13.3 -> 11.0). With three or more, q is scaled once and shared by
 // the rows, one FMA per vector and row, into one accumulator per row (three rows' chains already
 // overlap; two accumulators each measured 1.5x slower at 3-4 rows on an AVX-512 Zen 4).
-template <class F, int MR>
+// INV (batch-invariant mode): one and two rows take the shared path too, so that every row is
+// summed in the same order whatever the number of rows beside it (executor.batch_invariant).
+template <class F, int MR, bool INV = false>
 inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* row, float bias,
                     float* y, int64_t ys) {
   constexpr int NG = F::QK / F::G, NC = F::G / 16, NV = 16 / VW;
-  constexpr bool SHARED = MR >= 3;                    // q * d computed once for all rows
-  constexpr int A = MR == 1 ? 4 : (MR <= 2 ? 2 : 1);   // accumulators per row of x
+  constexpr bool SHARED = INV || MR >= 3;                              // q * d computed once for all rows
+  constexpr int A = SHARED ? 1 : (MR == 1 ? 4 : 2);                   // accumulators per row of x
   // what goes to one accumulator at a time: a chunk (shared path) or a group (scaled once)
   constexpr int UNITS = SHARED ? NG * NC : NG;         // per block
   constexpr int U = A > UNITS ? A / UNITS : 1;         // blocks per step: every accumulator in use
@@ -428,7 +430,7 @@ constexpr int MAX_NR = 3;  // weight_rows' largest: linear_rows keeps room for t
 // (which stays in L1) passes over it, so neither x nor the weights stream from farther away.
 constexpr int64_t TILE_BYTES = 16384;
 
-template <class F, int MR>
+template <class F, int MR, bool INV>
 void tile_rows(const float* x, int64_t K, const float* xsum, float* offs, const uint8_t* w, int64_t row_bytes,
                const float* bias, float* y, int64_t N, int64_t t0, int64_t t1) {
   constexpr int NR = weight_rows<MR>();
@@ -438,7 +440,7 @@ void tile_rows(const float* x, int64_t K, const float* xsum, float* offs, const 
     for (; n + NR <= t1; n += NR)
       dot_rows<F, MR, NR>(x, K, xsum, offs, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, y + n, N);
   for (; n < t1; ++n)
-    dot_row<F, MR>(x, K, xsum, offs, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, N);
+    dot_row<F, MR, INV>(x, K, xsum, offs, w + n * row_bytes, bias ? bias[n] : 0.0f, y + n, N);
 }
 
 // fn(m, std::integral_constant<int, MR>{}) for the rows of x in groups of MR = MAX_MR and one
@@ -459,7 +461,8 @@ inline void row_groups(int64_t M, Fn&& fn) {
   }
 }
 
-template <class F>
+// INV: the batch-invariant sums (dot_row); with three or more rows of x the same as without.
+template <class F, bool INV = false>
 void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t groups = K / F::G;
@@ -469,7 +472,7 @@ void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const 
   for (int64_t t0 = n0; t0 < n1; t0 += tile) {
     const int64_t t1 = std::min(n1, t0 + tile);
     row_groups(M, [&](int64_t m, auto mr) {
-      tile_rows<F, decltype(mr)::value>(x + m * K, K, xsum + m * groups, o, w, row_bytes, bias, y + m * N, N, t0,
+      tile_rows<F, decltype(mr)::value, INV>(x + m * K, K, xsum + m * groups, o, w, row_bytes, bias, y + m * N, N, t0,
                                         t1);
     });
   }
@@ -708,7 +711,9 @@ at::Tensor new_output(const char* op, const at::Tensor& x, const at::Tensor& w, 
   return at::empty({x.size(0), w.size(0)}, x.options());
 }
 
-at::Tensor linear_q(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias) {
+// invariant: every row summed as at three or more rows (dot_row's INV), whatever M.
+at::Tensor linear_q(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias,
+                    bool invariant) {
   at::Tensor out = new_output("linear_q", x_in, w, bias);
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -724,7 +729,10 @@ at::Tensor linear_q(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, 
     const int64_t row_bytes = w.size(1);
     // ~8 weight rows a task at least: a 192-row matrix still goes to both cores at one row of x.
     at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-      linear_rows<F>(xp, M, K, xsum.data(), wp, row_bytes, bp, yp, N, n0, n1);
+      if (invariant)
+        linear_rows<F, true>(xp, M, K, xsum.data(), wp, row_bytes, bp, yp, N, n0, n1);
+      else
+        linear_rows<F>(xp, M, K, xsum.data(), wp, row_bytes, bp, yp, N, n0, n1);
     });
   });
   return out;
@@ -819,7 +827,7 @@ bool baton_rows::quant_supported(int64_t qtype) {
 
 void baton_rows::quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, int64_t K, uint64_t gen,
                             QuantX& prep, const uint8_t* w, int64_t row_bytes, const float* bias, float* y, int64_t N,
-                            int64_t n0, int64_t n1) {
+                            int64_t n0, int64_t n1, bool invariant) {
   dispatch(qtype, "quant_rows", [&]<class F>() {
     // x's preparation depends on the format only through its group size and offsets
     const int64_t key = (q8a ? 1000 : 0) + (F::MIN ? F::G : 0);
@@ -837,13 +845,15 @@ void baton_rows::quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, 
     }
     if (q8a)
       linear_rows_q8<F>(prep.xq.data(), prep.dx.data(), M, K, prep.xsum.data(), w, row_bytes, bias, y, N, n0, n1);
+    else if (invariant)
+      linear_rows<F, true>(x, M, K, prep.xsum.data(), w, row_bytes, bias, y, N, n0, n1);
     else
       linear_rows<F>(x, M, K, prep.xsum.data(), w, row_bytes, bias, y, N, n0, n1);
   });
 }
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {
-  m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("linear_q(Tensor x, Tensor w, int qtype, Tensor? bias=None, bool invariant=False) -> Tensor");
   m.def("linear_q_tiles(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
   m.def("linear_q8a(Tensor x, Tensor w, int qtype, Tensor? bias=None) -> Tensor");
   m.def("dequantize_q(Tensor w, int qtype, Tensor(a!) out) -> ()");

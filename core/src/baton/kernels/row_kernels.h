@@ -27,9 +27,10 @@ bool quant_supported(int64_t qtype);
 
 // Rows [n0, n1) of y = x @ dequantize(w)^T (+ bias): linear_q's code, or linear_q8a's when q8a.
 // w [N, row_bytes] uint8 in format qtype; `gen` names x's contents for `prep` (a new number
-// whenever x changes).
+// whenever x changes). invariant: linear_q's batch-invariant sums (linear_q8a's always are).
 void quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
-                const uint8_t* w, int64_t row_bytes, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
+                const uint8_t* w, int64_t row_bytes, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
+                bool invariant = false);
 
 // Element type of a paged KV cache.
 enum class CacheType { F32, F16, BF16 };

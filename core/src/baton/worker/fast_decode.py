@@ -18,6 +18,14 @@ linears after this path is built from their weights; the runner sends a step wit
 any adapter through transformers' modules instead. ``build_fast_decode`` returns None,
 with a debug log of the reason, for anything else; transformers' code then runs
 every step, as it always does for prefill and mixed steps.
+
+Batch-invariant mode (``executor.batch_invariant``): every step, prefill chunks and mixed
+steps included, runs here (``invariant_logits``): each token is one row of ``decode_layers``
+attending over its own context in the paged cache (keys of its chunk written first), in the
+one parallel region at any row count, its linears summed in one order whatever the rows
+beside it (``invariant=True``), and the LM head on the rows that need logits through the
+same kernels. ``build_fast_decode(..., invariant=True)`` raises an ExecutorError naming
+why instead of returning None.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.errors import ExecutorError
 from baton.worker.attention import key_cache_view
 from baton.worker.step_inputs import StepInputs
 
@@ -107,8 +116,72 @@ class FastDecode:
 
     def logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [sampling requests, vocab] of a decode-only step (``applies(inputs)``)."""
+        g = inputs.attn.decode_groups[0]
+        fused_head = self.head_args is not None and (
+            inputs.logits_indices.numel() == g.n and g.n <= self.head_args[4]
+        )
+        hidden = self._stack(
+            inputs, g.blocks.view(g.n, -1), g.ctx_lens, fused_head, inputs.rows_share_context
+        )
+        if fused_head:
+            return hidden  # the logits: decode_layers ran the head too
+        if inputs.logits_indices.numel() != g.n:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        return self.head(hidden)
+
+    def invariant_logits(
+        self, inputs: StepInputs, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [logits_indices, vocab] of any step, batch-invariant (executor.batch_invariant);
+        with ``want_hidden`` also every token's final normed hidden state [tokens, hidden]
+        (pooling). Needs ``inputs.token_blocks``."""
+        blocks = inputs.token_blocks
+        if blocks is None:
+            raise ExecutorError(
+                "batch-invariant step without per-token block tables: build the step inputs "
+                "with StepInputBuilder(token_tables=True)"
+            )
+        n = int(inputs.input_ids.shape[0])
+        fused = (
+            self.head_args is not None
+            and not want_hidden
+            and inputs.prompt_rows is None
+            and inputs.logits_indices.numel() == n  # every row samples, in order
+        )
+        out = self._stack(inputs, blocks, inputs.positions + 1, fused, True, invariant=True)
+        if fused:
+            return out, None
+        rows = out.index_select(0, inputs.logits_indices)
+        return self.invariant_head(rows), out if want_hidden else None
+
+    def invariant_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head on rows ``x`` through the kernel decode_layers runs it with (the same
+        sums for a row whatever the other rows)."""
+        if self.head_args is None:
+            raise ExecutorError("batch-invariant head: the LM head is not one of baton's kernels")
+        w, qtype, q8a, bias, _ = self.head_args
+        x = x.contiguous()
+        if qtype < 0:
+            y = x.new_empty(x.shape[0], w.shape[0])
+            if x.shape[0]:
+                torch.ops.baton.linear_small(x, w, y)
+            return y.add_(bias) if bias is not None else y
+        if q8a:
+            return torch.ops.baton.linear_q8a(x, w, qtype, bias)
+        return torch.ops.baton.linear_q(x, w, qtype, bias, True)
+
+    def _stack(
+        self,
+        inputs: StepInputs,
+        blocks: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        fused_head: bool,
+        shared_context: bool,
+        invariant: bool = False,
+    ) -> torch.Tensor:
+        """decode_layers over the step's tokens, one row each (``blocks`` [tokens, blocks] and
+        ``ctx_lens`` [tokens]): the final normed hidden states, or the logits when ``fused_head``."""
         a = inputs.attn
-        g = a.decode_groups[0]
         if a.kv_caches is not self._caches:
             self._k = [key_cache_view(c) for c in a.kv_caches]
             self._v = [c[1] for c in a.kv_caches]
@@ -119,11 +192,10 @@ class FastDecode:
             sin = self.sin_table.index_select(0, inputs.positions)
         else:
             cos, sin = (t[0].contiguous() for t in self.rotary(h[None], inputs.positions[None]))
-        fused_head = self.head_args is not None and (
-            inputs.logits_indices.numel() == g.n and g.n <= self.head_args[4]
+        head = (
+            self.head_args[:4] if fused_head and self.head_args is not None else (None, -1, 0, None)
         )
-        head = self.head_args[:4] if fused_head else (None, -1, 0, None)
-        hidden = torch.ops.baton.decode_layers(
+        out = torch.ops.baton.decode_layers(
             h,
             cos,
             sin,
@@ -135,8 +207,8 @@ class FastDecode:
             self._k,
             self._v,
             a.slot_mapping,
-            g.blocks.view(g.n, -1),
-            g.ctx_lens,
+            blocks,
+            ctx_lens,
             self.num_heads,
             self.num_kv_heads,
             self.eps,
@@ -144,29 +216,53 @@ class FastDecode:
             self.quant_max_rows,
             self.float_max_rows,
             *head,
-            inputs.rows_share_context,
+            shared_context,
+            invariant,
         )
         self.steps += 1
-        if fused_head:
-            return hidden  # the logits: decode_layers ran the head too
-        if inputs.logits_indices.numel() != g.n:
-            hidden = hidden.index_select(0, inputs.logits_indices)
-        return self.head(hidden)
+        return out
 
 
 def build_fast_decode(
-    model: torch.nn.Module, device: torch.device, kernels: bool, max_positions: int
+    model: torch.nn.Module,
+    device: torch.device,
+    kernels: bool,
+    max_positions: int,
+    invariant: bool = False,
 ) -> FastDecode | None:
     """The fast decode path for ``model`` (positions below ``max_positions``), or None (debug
-    log: why) when it does not apply."""
+    log: why) when it does not apply. ``invariant`` (executor.batch_invariant): it must apply
+    to every step, else an ExecutorError naming why."""
     try:
         fast = _build(model, device, kernels)
+        static = getattr(fast.rotary, "rope_type", None) in STATIC_ROPE_TYPES
+        if invariant:
+            _check_invariant(fast, static)
     except Unsupported as e:
+        if invariant:
+            raise ExecutorError(
+                f"executor.batch_invariant = true: this model cannot run batch-invariant: {e}. "
+                "Use a model the native layer stack runs (Llama, Qwen2, Mistral without sliding "
+                "window; float32 or GGUF blocks on CPU) or set batch_invariant = false"
+            ) from None
         log.debug("fast decode off, transformers' modules run every step: %s", e)
         return None
-    if getattr(fast.rotary, "rope_type", None) in STATIC_ROPE_TYPES:
+    if static:
         fast.cos_table, fast.sin_table = _rotary_tables(fast.rotary, fast.embed, max_positions)
     return fast
+
+
+def _check_invariant(fast: FastDecode, static_rope: bool) -> None:
+    """Raise Unsupported where batch-invariant steps cannot run on ``fast``."""
+    if not static_rope:
+        raise Unsupported(
+            f"rope_type {getattr(fast.rotary, 'rope_type', None)!r} depends on the sequence "
+            f"length (only {', '.join(sorted(STATIC_ROPE_TYPES))} are tabulated per position)"
+        )
+    if fast.head_args is None:
+        raise Unsupported(f"the LM head {type(fast.head).__name__} is not one of baton's kernels")
+    if not hasattr(torch.ops.baton, "linear_small"):
+        raise Unsupported("baton's C++ kernels are not built")
 
 
 def _rotary_tables(

@@ -134,6 +134,8 @@ class ModelRunner:
         self.num_blocks = 0
         self._pending: PendingStep | None = None
         self.fast_decode: FastDecode | None = None
+        #: executor.batch_invariant: every step runs fast_decode's invariant path
+        self.invariant = cfg.executor.batch_invariant
         #: The adapted layers and the adapters read (lora.enable_lora); None: LoRA off.
         self.lora: LoRAModel | None = None
         self.pooler = Pooler("last", cfg.model.pooling_normalize)  # the model's own: load_model
@@ -184,7 +186,11 @@ class ModelRunner:
         self.fast_decode = self._fast_decode()
         self.lora = self._lora()  # after fast_decode: it took the layers' weights as they are
         self.inputs = StepInputBuilder(
-            self.input_batch, self.max_num_tokens, self.device, kernels=self.kernels
+            self.input_batch,
+            self.max_num_tokens,
+            self.device,
+            kernels=self.kernels,
+            token_tables=self.invariant,
         )
         self.sampler = Sampler(self.device, self.cfg.model.seed)
 
@@ -241,14 +247,28 @@ class ModelRunner:
         if not self.cfg.executor.fast_decode:
             return None
         cls = type(self)
+        why = None
         if (cls.forward, cls.prepare_model) != (ModelRunner.forward, ModelRunner.prepare_model):
-            log.debug("fast decode off: %s runs a cut or sharded model", cls.__name__)
+            why = f"{cls.__name__} runs a cut or sharded model"
+        elif type(self.hooks) is not ModelRunnerHooks:
+            why = f"hooks {type(self.hooks).__name__} change the model"
+        elif self.invariant and not self.kernels:
+            why = f"baton's C++ kernels are off on {self.device} in {self.dtype}"
+        if why is not None:
+            if self.invariant:
+                raise ExecutorError(
+                    f"executor.batch_invariant = true cannot hold: {why} (the invariant path is "
+                    "the native layer stack of a whole model on one CPU rank, float32); set "
+                    "batch_invariant = false"
+                )
+            log.debug("fast decode off: %s", why)
             return None
-        if type(self.hooks) is not ModelRunnerHooks:
-            log.debug("fast decode off: hooks %s change the model", type(self.hooks).__name__)
-            return None
-        fast = build_fast_decode(self.model, self.device, self.kernels, self.max_model_len)
-        if fast is not None:
+        fast = build_fast_decode(
+            self.model, self.device, self.kernels, self.max_model_len, invariant=self.invariant
+        )
+        if fast is not None and self.invariant:
+            log.info("batch-invariant: every step runs the native layer stack (batch_invariant)")
+        elif fast is not None:
             log.info("decode-only steps run the layer stack in one native call (fast_decode)")
         return fast
 
@@ -695,6 +715,11 @@ class ModelRunner:
 
     def _forward_model(self, inputs: StepInputs, adapters: bool) -> torch.Tensor:
         fast = self.fast_decode
+        if self.invariant and fast is not None:  # every step (adapters: refused by the config)
+            logits, hidden = fast.invariant_logits(inputs, want_hidden=self.pooler.capturing)
+            if hidden is not None:
+                self.pooler.captured(hidden)
+            return logits
         if (
             fast is not None
             and not adapters  # its native stack has no LoRA: steps with adapters run the modules

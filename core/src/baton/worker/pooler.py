@@ -133,6 +133,12 @@ class Pooler:
             handle.remove()
             self.capturing = False
 
+    def captured(self, hidden: torch.Tensor) -> None:
+        """The step's final hidden states [tokens, hidden] computed without the model's modules
+        (batch-invariant steps), in place of what the capture hook records."""
+        if self.capturing:
+            self._hidden = hidden
+
     def pool(self, spans: list[Span]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Add the captured hidden states to each span's request; the vectors of those whose
         prompt ended this step, and the requests that failed (-> "ExceptionType: message")."""

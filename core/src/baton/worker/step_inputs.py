@@ -69,6 +69,9 @@ class StepInputs:
     prompt_rows: PromptRows | None = None
     #: [T] the LoRA adapter id of each token (0: none); None when no token has one
     lora_ids: np.ndarray | None = None
+    #: [T, blocks] int64 each token's request's blocks (batch-invariant steps: every token is a
+    #: row of the native layer stack); None unless the builder was made with token_tables
+    token_blocks: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -79,12 +82,19 @@ class StepInputBuilder:
     """Builds StepInputs; owns the staging buffers sized by max_num_batched_tokens."""
 
     def __init__(
-        self, batch: InputBatch, max_num_tokens: int, device: torch.device, kernels: bool = False
+        self,
+        batch: InputBatch,
+        max_num_tokens: int,
+        device: torch.device,
+        kernels: bool = False,
+        token_tables: bool = False,
     ) -> None:
         self.batch = batch
         self.device = device
         #: attention runs through the C++ kernels: one decode group (they read no padding)
         self.kernels = kernels
+        #: build StepInputs.token_blocks (executor.batch_invariant)
+        self.token_tables = token_tables
         self.max_num_tokens = max_num_tokens
         pin = device.type == "cuda"
         # CPU staging buffers; on CPU they are the step tensors themselves (sliced).
@@ -193,6 +203,10 @@ class StepInputBuilder:
         )
         blocks = b.block_table[token_rows, positions // bs]
         np.add(blocks * bs, positions % bs, out=self._slots_np[:total])
+        token_blocks = None
+        if self.token_tables:  # blocks up to the step's longest context, for every token
+            nb = int(positions.max()) // bs + 1
+            token_blocks = self._to_device(torch.from_numpy(b.block_table[token_rows, :nb]))
 
         nd = len(seg_req)
         groups = self._decode_groups(rows_o[:nd], end_o[:nd])
@@ -237,6 +251,7 @@ class StepInputBuilder:
             rows_share_context=len(seg_req) > len(dec),
             prompt_rows=prompt_rows[0] if prompt_rows is not None else None,
             lora_ids=lora_ids,
+            token_blocks=token_blocks,
         )
 
     def _prompt_rows(
