@@ -352,6 +352,9 @@ class ServerSection(_Section):
     a Jinja file's path, or the template itself (text with `{`, `}` or a newline); a path that
     does not exist is refused at start-up. A request's own `chat_template` still overrides it
     (allow_client_chat_template)."""
+    playground: bool = True
+    """Serve the chat playground at `/` (a static page whose requests go to /v1 like any client's,
+    with the API key it asks for); off: `/` is a 404. The engine dashboard at /dashboard stays."""
 
     @pydantic.field_validator("api_key")
     @classmethod
