@@ -406,6 +406,9 @@ class ServerSection(_Section):
     batch_priority: int = Field(100, ge=0, le=2**63 - 1)
     """The priority batch lines run at (or later, if a line asks): with scheduler.policy
     "priority" (lower first) they wait behind interactive requests (priority 0 by default)."""
+    playground: bool = True
+    """Serve the chat playground at `/` (a static page whose requests go to /v1 like any client's,
+    with the API key it asks for); off: `/` is a 404. The engine dashboard at /dashboard stays."""
 
     @pydantic.field_validator("api_key")
     @classmethod

@@ -1,7 +1,7 @@
 """The FastAPI app: /v1 routes and the dev endpoints /sleep, /wake_up, /is_sleeping (and
 /start_profile, /stop_profile with observability.profile_dir; /v1/load_lora_adapter,
 /v1/unload_lora_adapter with server.allow_runtime_lora_updating) behind the optional API key;
-/health, /metrics, /version.
+/health, /metrics, /version; the playground at / and the dashboard at /dashboard (web_pages).
 
 Around the routes, outermost first: CORS (when server.cors_origins is set),
 RequestIdMiddleware (X-Request-Id in and out), UnhandledErrors (an unexpected
@@ -47,6 +47,7 @@ from baton_openai.request_id import RequestIdMiddleware
 from baton_openai.responses import router as responses_router
 from baton_openai.tokenize import router as tokenize_router
 from baton_openai.unhandled import UnhandledErrors
+from baton_openai.web_pages import install_web_pages
 
 #: /health reports a wedged engine (503) once a health check has gone unanswered this long.
 HEALTH_TIMEOUT_S = 10.0
@@ -188,4 +189,5 @@ def build_app(
     if cfg.lora.enable_lora and srv.allow_runtime_lora_updating:
         app.include_router(lora_router, dependencies=auth)
     app.include_router(ops_router)
+    install_web_pages(app, cfg, auth)  # the playground at / and /dashboard
     return app

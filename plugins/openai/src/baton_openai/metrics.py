@@ -233,6 +233,8 @@ class PrometheusStatLogger:
         self.model_name = config.server.served_model_name or config.model.name
         names = settings.metric_names if isinstance(settings, PrometheusSettings) else "baton"
         schemes = ["baton", "vllm"] if names == "both" else [names]
+        #: The metric-name prefix of the first scheme (what the dashboard reads).
+        self.prefix = PREFIXES[schemes[0]]
         labels = ["model_name", "engine"]
         spec = config.speculative.method != "none"
         self._num_spec_positions = config.speculative.num_tokens if spec else 0
