@@ -10,10 +10,12 @@ from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.testing import FakeExecutor
 from baton.testing.conformance.executor import ExecutorConformance
+from tests.core.test_uniproc_executor import ghost_step
 
 
 class TestFakeExecutorConformance(ExecutorConformance):
     rpc_method = "check_health"
+    worker_memory = False  # no worker: it runs no model
 
     @pytest.fixture
     def executor(self, config: BatonConfig):
@@ -33,7 +35,7 @@ class TestFakeExecutorConformance(ExecutorConformance):
     importlib.util.find_spec("baton.executor.uniproc") is None, reason="uniproc not built"
 )
 class TestUniprocConformance(ExecutorConformance):
-    rpc_method = "check_health"
+    rpc_method = "memory_usage"
 
     def engine_config(self) -> BatonConfig:
         from baton.testing.tiny_model import tiny_model
@@ -53,9 +55,6 @@ class TestUniprocConformance(ExecutorConformance):
         ex.shutdown()
 
     def inject_failure(self, executor) -> bool:
-        def boom(worker) -> None:
-            raise RuntimeError("injected worker failure")
-
-        with pytest.raises(ExecutorError, match="injected worker failure"):
-            executor.collective_rpc(boom)
+        with pytest.raises(ExecutorError, match="ghost"):
+            executor.execute_model(ghost_step())
         return True

@@ -55,24 +55,33 @@ class TestTimedConformance(ParallelConformance):
         assert all(seconds > 0 for _, seconds in times)
 
 
+#: Three prompts of 9, 22 and 35 token ids for the greedy comparisons with uniproc.
+PROMPTS = [
+    {"prompt_token_ids": [3 + (7 * i + 5 * j) % 200 for j in range(9 + 13 * i)]} for i in range(3)
+]
+
+
+def tiny_llm(backend: str) -> LLM:
+    """An LLM on the tiny random model with executor ``backend``, on one CPU thread."""
+    return LLM(
+        model=str(tiny_model("llama")),
+        executor=backend,
+        device="cpu",
+        num_threads=1,
+        kv_cache_memory="16MiB",
+        max_model_len=256,
+    )
+
+
+def greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
 def test_greedy_tokens_equal_uniproc():
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [
-        {"prompt_token_ids": [3 + (7 * i + 5 * j) % 200 for j in range(9 + 13 * i)]}
-        for i in range(3)
-    ]
     out = {}
     for backend in ("uniproc", "timed"):
-        with LLM(
-            model=str(tiny_model("llama")),
-            executor=backend,
-            device="cpu",
-            num_threads=1,
-            kv_cache_memory="16MiB",
-            max_model_len=256,
-        ) as llm:
-            out[backend] = [
-                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
-            ]
+        with tiny_llm(backend) as llm:
+            out[backend] = greedy(llm, 12)
     assert out["timed"] == out["uniproc"]
     assert all(len(t) == 12 for t in out["timed"])

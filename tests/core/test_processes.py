@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -50,3 +52,30 @@ def test_alive():
     p.start()
     p.join(60)
     assert not processes.alive(p.pid)
+
+
+UNGUARDED = """
+from baton import processes
+
+
+def noop():
+    pass
+
+
+p = processes.start(noop, (), name="baton-unguarded")  # at import: no __main__ guard
+p.join(120)
+print("exitcode", p.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_script_without_the_main_guard_is_told_to_add_it(method, tmp_path):
+    """The child imports the script again; its own start is refused with the fix, by name."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, processes.START_METHOD_ENV: method}
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert "exitcode 1" in run.stdout, (run.stdout, run.stderr)
+    assert "ConfigError" in run.stderr and 'if __name__ == "__main__":' in run.stderr

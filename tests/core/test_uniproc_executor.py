@@ -93,20 +93,24 @@ def test_collective_rpc(executor):
         executor.collective_rpc("no_such_method")
 
 
-def test_failure_marks_the_executor_dead_and_calls_back_once(executor):
-    executor.initialize_kv_cache(KVCacheConfig(num_blocks=16, block_size=4))
-    seen: list[BaseException] = []
-    executor.register_failure_callback(seen.append)
-    executor.check_health()
-    bad = SchedulerOutput(
+def ghost_step() -> SchedulerOutput:
+    """A step for a request the worker never saw: it fails the step, and the executor."""
+    return SchedulerOutput(
         scheduled_cached_reqs=CachedRequestData(
             req_ids=["ghost"], new_token_ids=[[1]], new_block_ids=[[]], num_computed_tokens=[0]
         ),
         num_scheduled_tokens={"ghost": 1},
         total_num_scheduled_tokens=1,
     )
+
+
+def test_failure_marks_the_executor_dead_and_calls_back_once(executor):
+    executor.initialize_kv_cache(KVCacheConfig(num_blocks=16, block_size=4))
+    seen: list[BaseException] = []
+    executor.register_failure_callback(seen.append)
+    executor.check_health()
     with pytest.raises(ExecutorError, match="ghost"):
-        executor.execute_model(bad, non_block=True).result(timeout=30)
+        executor.execute_model(ghost_step(), non_block=True).result(timeout=30)
     assert len(seen) == 1 and "ghost" in str(seen[0])
     with pytest.raises(ExecutorError):
         executor.check_health()

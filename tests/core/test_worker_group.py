@@ -2,39 +2,32 @@
 worker processes: the broadcast reaches the ranks it names and each call gets its own Future;
 a worker that dies, reports an error or hangs fails the group once (pending calls raise
 ExecutorError, the failure callbacks run once, later calls raise); a wait that times out leaves
-the group healthy. ``GroupExecutor``, an executor built on the group alone (not on
-MultiprocExecutor) running baton's stock runner in one worker, passes the executor conformance
-suite: docs/writing-a-plugin.md's example, run from the page."""
+the group healthy; a worker's call error (``Member.reply_call_error``) fails that call alone.
+docs/writing-a-plugin.md's executor on the group alone is tested in test_docs_examples.py."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
-import re
 import signal
-import sys
 import threading
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from baton.config import BatonConfig
-from baton.errors import BatonError, ExecutorError
+from baton.errors import BatonError, ExecutorError, InvalidRequestError
 from baton.executor.group import WorkerGroup
 from baton.executor.member import READY, SHUTDOWN, MemberLink
-from baton.executor.multiproc import MultiprocExecutor
 from baton.executor.workers import pick_transport
-from baton.testing.conformance.executor import ExecutorConformance
 
 pytestmark = pytest.mark.timeout(300)
 
-ECHO, SILENT, BROKEN = 1, 2, 3
+ECHO, SILENT, BROKEN, REFUSED = 1, 2, 3, 4
 
 
 def echo_worker(link: MemberLink, greeting: str) -> None:
-    """ECHO: answer (rank, the payload); SILENT: never answer; BROKEN: report an error."""
+    """ECHO: answer (rank, the payload); SILENT: never answer; BROKEN: report an error (the
+    group fails); REFUSED: fail that call alone."""
     member = link.join()
     member.ready((link.rank, greeting))
     while True:
@@ -51,6 +44,8 @@ def echo_worker(link: MemberLink, greeting: str) -> None:
             member.reply(ECHO, msg.call_id, [pickle.dumps((link.rank, bytes(msg.payload[0])))])
         elif msg.kind == BROKEN:
             member.reply_error(BROKEN, msg.call_id, f"worker {link.rank} is broken")
+        elif msg.kind == REFUSED:
+            member.reply_call_error(REFUSED, msg.call_id, "InvalidRequestError: not this one")
 
 
 @pytest.fixture
@@ -94,8 +89,10 @@ def test_a_dead_worker_fails_pending_calls_and_the_group_once(group: WorkerGroup
     os.kill(group.pids()[1], signal.SIGKILL)
     assert done.wait(10), "the death was not noticed"
     for future in (pending, chained):
-        with pytest.raises(ExecutorError, match=r"worker 1 \(pid \d+\) exited"):
+        with pytest.raises(ExecutorError, match=r"worker 1 \(pid \d+\) exited") as e:
             future.result(10)
+        assert "engine" not in str(e.value)  # the transport's word for its peers, not ours
+    assert "engine" not in str(told[0])
     with pytest.raises(ExecutorError, match="failed earlier"):
         group.call(ECHO, [b"late"])
     with pytest.raises(ExecutorError, match="exited"):
@@ -104,6 +101,20 @@ def test_a_dead_worker_fails_pending_calls_and_the_group_once(group: WorkerGroup
     late: list[BaseException] = []
     group.register_failure_callback(late.append)  # registered after it: told at once
     assert len(told) == 1 and late == told
+
+
+def test_a_call_error_fails_that_call_alone(group: WorkerGroup) -> None:
+    failed: list[BaseException] = []
+    group.register_failure_callback(failed.append)
+    refused = group.call(REFUSED, to=[1])
+    everyone = group.call(REFUSED)  # the first rank's error settles it; later answers dropped
+    with pytest.raises(InvalidRequestError, match=r"^worker 1: not this one$"):
+        refused.result(30)
+    with pytest.raises(InvalidRequestError, match=r"^worker \d: not this one$"):
+        everyone.result(30)
+    group.check_health()
+    assert group.call(ECHO, [b"on"]).result(30) == [(0, b"on"), (1, b"on"), (2, b"on")]
+    assert not failed and group.latch.failure is None
 
 
 def test_a_worker_error_fails_the_group(group: WorkerGroup) -> None:
@@ -122,49 +133,3 @@ def test_an_unanswered_call_past_fail_after_is_a_hang(group: WorkerGroup) -> Non
     with pytest.raises(ExecutorError, match=r"a silent call was not answered within 0\.3 s"):
         future.result(30)
     assert group.shutdown() and not group.shutdown()  # once
-
-
-# ---------------------------------------------------------------- an executor on the group alone
-
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
-BLOCK = re.compile(r"^```python example=group\n(.*?)^```[ \t]*$", re.S | re.M)
-MODULE = "baton_docs_group"
-
-
-@pytest.fixture(scope="module")
-def page_module(tmp_path_factory: pytest.TempPathFactory):
-    """docs/writing-a-plugin.md's GroupExecutor, importable here and in spawned workers."""
-    [code] = BLOCK.findall(PAGE.read_text())
-    folder = tmp_path_factory.mktemp("page")
-    (folder / f"{MODULE}.py").write_text(code)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(folder))  # spawn passes sys.path on to the worker
-        yield importlib.import_module(MODULE)
-    sys.modules.pop(MODULE, None)
-
-
-class TestGroupExecutor(ExecutorConformance):
-    """The page's executor, built on WorkerGroup alone, answers the executor suite."""
-
-    pytestmark = [*ExecutorConformance.pytestmark, pytest.mark.slow]  # a worker per test
-
-    def engine_config(self) -> BatonConfig:
-        from baton.testing.tiny_model import tiny_model
-
-        return (
-            super()
-            .engine_config()
-            .replace(model=str(tiny_model("llama")), kv_cache_memory="64MiB", num_threads=1)
-        )
-
-    @pytest.fixture
-    def executor(self, config: BatonConfig, page_module: Any):
-        ex = page_module.GroupExecutor(config)
-        assert isinstance(ex.group, WorkerGroup) and not isinstance(ex, MultiprocExecutor)
-        yield ex
-        ex.shutdown()
-        assert all(not p.is_alive() for p in ex.group.procs), "the worker outlived shutdown"
-
-    def inject_failure(self, executor: Any) -> bool:
-        os.kill(executor.group.pids()[0], signal.SIGKILL)
-        return True

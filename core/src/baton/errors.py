@@ -92,3 +92,16 @@ def error_from_message(message: str) -> BaseException:
     if isinstance(cls, type) and issubclass(cls, BatonError):
         return cls(text)
     return BatonError(message)
+
+
+def worker_error(rank: int, message: str) -> BaseException:
+    """The error worker ``rank`` sent as ``"ClassName: text"`` for one call, rebuilt with the
+    worker named (``ClassName: worker 0: text``): a baton error keeps its type, any other is an
+    ``ExecutorError``."""
+    name, sep, text = message.partition(": ")
+    if not sep:
+        return ExecutorError(f"worker {rank}: {message}")
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, BatonError) and cls is not BatonError:
+        return error_from_message(f"{name}: worker {rank}: {text}")
+    return ExecutorError(f"{name}: worker {rank}: {text}")

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         ModelRunnerOutput,
         SchedulerOutput,
         SchedulerStats,
+        WorkerMemory,
     )
     from baton.request import Request
     from baton.routing.types import EngineLoad, RouteRequest
@@ -182,8 +183,8 @@ class Executor(Protocol):
 
     Optional: ``sleep(level)`` / ``wake_up()`` (see ``Sleepable``); without them the
     engine's ``sleep`` utility is refused with an ExecutorError naming the executor.
-    ``collective_rpc`` with a method name reaches the workers' ``baton.worker.worker.Worker``
-    methods (``memory_usage`` answers the engine's ``get_memory_usage``).
+    ``collective_rpc`` reaches each worker, a ``Worker`` (``memory_usage`` answers the
+    engine's ``get_memory_usage``).
     """
 
     #: > 1 makes the core use step_with_batch_queue (pipeline parallel).
@@ -228,7 +229,11 @@ class Executor(Protocol):
         kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        """Call ``method`` on every worker; one result per worker."""
+        """Call ``method`` on every worker (a ``Worker``): a name, ``worker.<method>(*args,
+        **kwargs)``, or a callable, ``method(worker, *args, **kwargs)``; one result per worker,
+        in rank order. A target that raises fails this call alone (a ``BatonError`` naming the
+        worker: ``baton.errors.worker_error``); the executor stays healthy. ``timeout``
+        seconds unanswered raise ExecutorError, the executor stays healthy too."""
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         """``callback(error)`` runs (once, from any thread) when a worker dies or the executor fails."""
@@ -281,6 +286,42 @@ class ModelRunner(Protocol):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample the step whose ``execute_model`` returned None, applying the bitmask."""
+
+
+@runtime_checkable
+class Worker(Protocol):
+    """The worker-side contract: what the engine calls on each of an executor's workers.
+
+    The engine reaches a worker only through its executor's ``collective_rpc``, which gets
+    either a method name, called as ``worker.<name>(*args, **kwargs)``, or a callable, called
+    as ``fn(worker, *args, **kwargs)``: ``baton.rpc.run_worker_rpc`` (``LLM.collective_rpc``:
+    the methods on ``baton.rpc.WORKER_RPC_METHODS`` and registered functions, which read
+    ``worker.model_runner``). An executor whose worker loop is its own hands every call this
+    object (``baton.runner.load_worker`` makes baton's, around any runner factory); the
+    stock executors' workers are baton's.
+
+    Optional, each reached by an engine utility call of the same name (a worker without it
+    fails that call alone): ``start_profile()`` / ``stop_profile() -> str`` (the trace's
+    path), ``save_sharded_state(path, pattern, max_size) -> list[str]``, ``add_lora(request)
+    -> bool`` / ``remove_lora(lora_id) -> bool`` / ``list_loras() -> list[int]``, and
+    ``sleep(level)`` / ``wake_up()`` / ``can_sleep() -> bool`` when the executor passes the
+    engine's ``sleep`` on (``Sleepable``).
+    """
+
+    #: The runner this worker drives (``ModelRunner``); None before it is made.
+    model_runner: ModelRunner | None
+
+    def memory_usage(self) -> WorkerMemory:
+        """This worker's memory, measured in its process (the engine's ``get_memory_usage``)."""
+
+    def get_model_info(self) -> ModelInfo:
+        """The loaded model's limits: the runner's ``model_info``."""
+
+    def get_model_capabilities(self) -> ModelCapabilities:
+        """What the loaded model allows: the runner's ``get_model_capabilities()``."""
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """The KV bytes per block this worker's runner needs."""
 
 
 @runtime_checkable

@@ -63,7 +63,16 @@ def start(
     target: Callable[..., None], args: Sequence[Any], name: str, daemon: bool | None = None
 ) -> Any:
     """Start ``target(*args)`` (both pickled: define ``target`` at module level) in a new
-    process with this process's current environment; the started ``Process``."""
+    process with this process's current environment; the started ``Process``.
+
+    ConfigError when called while a child process imports the parent's main module (a
+    script that starts baton's processes without ``if __name__ == "__main__":``)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ConfigError(
+            f"baton cannot start {name!r} while this process is importing its parent's main "
+            "module: the script starts baton's processes (an executor's workers, an engine "
+            'process) at import; put its code under `if __name__ == "__main__":`'
+        )
     p = context().Process(
         target=_run, args=(name, dict(os.environ), target, tuple(args)), name=name, daemon=daemon
     )

@@ -53,12 +53,17 @@ def worker_rpc_names() -> list[str]:
     return sorted(WORKER_RPC_METHODS | set(_registered))
 
 
+def _call_method(worker: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    return getattr(worker, name)(*args, **kwargs)  # AttributeError: a worker without it
+
+
 def run_worker_rpc(
     worker: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[bool, Any]:
-    """In a worker: ``(True, result)`` of the named target, or ``(False, "Type: message")``."""
+    """In a worker (a ``baton.interfaces.Worker``): ``(True, result)`` of the named target, or
+    ``(False, "Type: message")`` (the engine's ``collective_rpc`` raises it, naming the rank)."""
     if name in WORKER_RPC_METHODS:
-        fn: Callable[..., Any] = getattr(worker, name)
+        fn: Callable[..., Any] = functools.partial(_call_method, worker, name)
     elif name in _registered:
         fn = functools.partial(_registered[name], worker)
     else:

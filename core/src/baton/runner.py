@@ -16,6 +16,11 @@ layer stack. They pass ``StockRunner(MyHooks)``; ``MyHooks`` subclasses
 
 A runner that is not baton's implements ``baton.interfaces.ModelRunner`` and is
 passed as its own factory (a class taking ``(config, device)`` is one).
+
+An executor that runs its own worker loop (on ``baton.executor.group.WorkerGroup``)
+builds each worker with ``load_worker(config, runner)``: baton's worker
+(``baton.interfaces.Worker``) around the runner, what every call of the engine's
+``collective_rpc`` is handed.
 Factories and hooks travel to spawned worker processes by pickle: define them at
 module level.
 """
@@ -33,7 +38,8 @@ if TYPE_CHECKING:
     import torch
 
     from baton.config import BatonConfig
-    from baton.interfaces import ModelRunner
+    from baton.interfaces import ModelRunner, RunnerFactory
+    from baton.worker.worker import Worker as StockWorker
 
 
 class KVShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,6 +117,26 @@ class StockRunner:
 
     def __repr__(self) -> str:
         return f"StockRunner({getattr(self.hooks, '__qualname__', self.hooks)!r})"
+
+
+def load_worker(
+    config: BatonConfig, runner: RunnerFactory | None = None, *, rank: int = 0
+) -> StockWorker:
+    """baton's worker for ``config``, loaded: its device chosen (``executor.device``, torch
+    threads ``executor.num_threads``), its runner made by ``runner`` (default
+    ``StockRunner()``) and the runner's ``load_model()`` done. Call it in the process (and
+    thread) that runs the steps.
+
+    It implements ``baton.interfaces.Worker`` with its optional methods (hand it to every
+    ``collective_rpc`` call) and passes the runner's own on: ``determine_available_memory()``,
+    ``initialize_kv_cache(config)``, ``execute_model(scheduler_output)``,
+    ``sample_tokens(grammar_output)``; ``rank`` is what ``memory_usage`` reports."""
+    from baton.worker.worker import Worker
+
+    worker = Worker(config, rank=rank, runner=runner)
+    worker.init_device()
+    worker.load_model()
+    return worker
 
 
 def model_config(config: BatonConfig) -> Any:

@@ -27,7 +27,7 @@ from baton.errors import (
     EngineSleepingError,
     ExecutorError,
     InvalidRequestError,
-    error_from_message,
+    worker_error,
 )
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
@@ -480,8 +480,7 @@ class EngineCore:
         )
         for rank, (ok, value) in enumerate(outcomes):
             if not ok:
-                kind, _, text = str(value).partition(": ")
-                raise error_from_message(f"{kind}: worker {rank}: {text}")
+                raise worker_error(rank, str(value))
         try:
             return [msgspec.to_builtins(value) for _, value in outcomes]
         except TypeError as e:

@@ -18,7 +18,9 @@ answer, misses its heartbeats for ``heartbeat_timeout`` seconds (a stopped or
 frozen process) or leaves a call with ``fail_after`` unanswered that long (stuck
 in its main thread): the first failure trips the group's ``FailureLatch``,
 every pending call's Future raises ``ExecutorError``, the failure callbacks run
-once, and every later call raises. ``shutdown`` asks the workers to exit,
+once, and every later call raises. A worker that answers one call with
+``Member.reply_call_error`` fails that call alone: its Future raises the
+worker's error (``baton.errors.worker_error``) and the group goes on. ``shutdown`` asks the workers to exit,
 kills those that do not, and ends the threads.
 """
 
@@ -38,10 +40,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from baton import processes
-from baton.errors import BatonError, ExecutorError
+from baton.errors import BatonError, ExecutorError, worker_error
 from baton.executor.heartbeat import Heartbeats
 from baton.executor.latch import FailureLatch
-from baton.executor.member import READY, REPLY, SHUTDOWN, MemberLink, request_header
+from baton.executor.member import (
+    CALL_FAILED,
+    GROUP_FAILED,
+    READY,
+    REPLY,
+    SHUTDOWN,
+    MemberLink,
+    request_header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +285,7 @@ class WorkerGroup:
         self.latch.notify(error, callbacks)
 
     def pids(self) -> list[int]:
+        """Each started worker's process id, in rank order (``start`` starts them all)."""
         return [p.pid for p in self.procs if p.pid is not None]
 
     def dead_workers(self) -> str | None:
@@ -334,11 +345,9 @@ class WorkerGroup:
                 frames = self.channel.recv(timeout=WATCH_INTERVAL)
             except BatonError as e:
                 if not self.latch.closed:
-                    self.fail(
-                        ExecutorError(
-                            f"the worker channel failed: {e}; {self._exited_workers() or ''}"
-                        )
-                    )
+                    # the transport names its peers as engines: a worker's exit says it better
+                    dead = self._exited_workers()
+                    self.fail(ExecutorError(dead or f"the worker channel failed: {e}"))
                 return
             now = time.monotonic()
             if now >= next_check:
@@ -348,14 +357,20 @@ class WorkerGroup:
                 self._answer(frames)
 
     def _answer(self, frames: list[Any]) -> None:
-        _, call_id, rank, ok = REPLY.unpack(bytes(frames[0]))
-        if not ok:
+        _, call_id, rank, status = REPLY.unpack(bytes(frames[0]))
+        if status == GROUP_FAILED:
             self.fail(ExecutorError(bytes(frames[1]).decode(errors="replace")))
             return
         with self._lock:
             call = self._calls.get(call_id)
+            if status == CALL_FAILED:  # this call alone fails, at its first error
+                call = self._calls.pop(call_id, None)
         if call is None:
-            return  # its waiter timed out or the group failed
+            return  # its waiter timed out, the group failed, or another rank failed the call
+        if status == CALL_FAILED:
+            text = bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else ""
+            self._settle(call, None, worker_error(rank, text))
+            return
         try:
             value = call.decode(list(frames[1:]))
         except Exception as e:

@@ -4,9 +4,11 @@
 ``link.join()`` starts the process's heartbeat and connects its end of the
 group's channel, a ``Member``. The member then answers the group's start-up call
 once (``ready``) and serves calls: ``recv`` gives the next ``Message`` (the
-same frames every addressed rank received), ``reply`` answers it, ``reply_error``
-reports a failure, which fails the whole group. A ``SHUTDOWN`` message asks the
-process to exit.
+same frames every addressed rank received), ``reply`` answers it,
+``reply_call_error`` answers it with an error that fails that call alone (a
+utility call: ``collective_rpc``), ``reply_error`` reports a failure of the
+worker itself, which fails the whole group (a step). A ``SHUTDOWN`` message
+asks the process to exit.
 
 On the wire a call is ``[request header, *payload]`` and an answer
 ``[reply header, *payload]``; the payload frames are whatever the executor and
@@ -23,8 +25,11 @@ from baton.executor.heartbeat import Heartbeats
 
 #: kind (u8), call id (u64), time.monotonic() at send (f64)
 REQUEST = struct.Struct("<BQd")
-#: kind (u8), call id (u64), rank (u16), ok (u8)
+#: kind (u8), call id (u64), rank (u16), status (u8: OK, CALL_FAILED or GROUP_FAILED)
 REPLY = struct.Struct("<BQHB")
+
+#: A reply's status: the answer; the call failed here (the group goes on); the worker failed.
+GROUP_FAILED, OK, CALL_FAILED = 0, 1, 2
 
 #: The kind of the start-up call every worker answers once, with ``Member.ready``.
 READY = 0
@@ -36,8 +41,8 @@ def request_header(kind: int, call_id: int, sent_at: float) -> bytes:
     return REQUEST.pack(kind, call_id, sent_at)
 
 
-def reply_header(kind: int, call_id: int, rank: int, ok: bool = True) -> bytes:
-    return REPLY.pack(kind, call_id, rank, 1 if ok else 0)
+def reply_header(kind: int, call_id: int, rank: int, status: int = OK) -> bytes:
+    return REPLY.pack(kind, call_id, rank, status)
 
 
 class Message(NamedTuple):
@@ -90,9 +95,18 @@ class Member:
         """Answer call ``call_id`` (of ``kind``) with ``payload`` frames."""
         self.channel.send([reply_header(kind, call_id, self.rank), *payload])
 
+    def reply_call_error(self, kind: int, call_id: int, text: str) -> None:
+        """Answer call ``call_id`` with an error, ``text`` as ``"ClassName: message"``: that
+        call's Future raises it (a baton error keeps its type, rebuilt by
+        ``baton.errors.worker_error`` with this rank named); the group and its other calls go
+        on. For a call whose failure leaves the worker sound (a ``collective_rpc`` target)."""
+        self.channel.send([reply_header(kind, call_id, self.rank, CALL_FAILED), text.encode()])
+
     def reply_error(self, kind: int, call_id: int, text: str) -> None:
-        """Report that call ``call_id`` failed here: the group fails with ``text``."""
-        self.channel.send([reply_header(kind, call_id, self.rank, ok=False), text.encode()])
+        """Report that this worker failed on call ``call_id``: the group fails with ``text``
+        (every pending call raises, later calls too). For a step, or a fault that leaves the
+        worker's state unknown."""
+        self.channel.send([reply_header(kind, call_id, self.rank, GROUP_FAILED), text.encode()])
 
     def ready(self, value: Any) -> None:
         """Answer the start-up call with ``value`` (pickled)."""

@@ -16,7 +16,9 @@ leaves a step unanswered for ``step_timeout`` seconds (stuck in its main
 thread): every pending call raises ExecutorError and the failure callbacks run
 once. Step results are resolved on the group's completer thread, so a callback
 that calls ``sample_tokens`` (the core's batch queue does) never blocks the
-reader it waits for.
+reader it waits for. A ``collective_rpc`` target that raises fails that call alone
+(the rank answers it with ``Member.reply_call_error``); a failed ``sleep``,
+``wake_up`` or ``initialize_kv_cache`` fails the executor.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 from baton.config import BatonConfig
-from baton.errors import ExecutorError
+from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.group import WorkerGroup
 from baton.executor.rank import StepCodec, check_rpc_method
@@ -201,7 +203,16 @@ class MultiprocExecutor:
         )
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        self.collective_rpc("initialize_kv_cache", (config,), timeout=self.settings.startup_timeout)
+        self._rpc_or_fail("initialize_kv_cache", config)
+
+    def _rpc_or_fail(self, method: str, *args: Any) -> list[Any]:
+        """``collective_rpc`` of a call whose failure leaves the workers' state unknown (the
+        KV cache, sleep): its error fails the executor, as a step's does."""
+        try:
+            return self.collective_rpc(method, args, timeout=self.settings.startup_timeout)
+        except BatonError as e:
+            self._group().fail(e)
+            raise
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
@@ -249,11 +260,11 @@ class MultiprocExecutor:
                 "(baton.interfaces.Sleepable): it cannot free its memory; use "
                 "baton.runner.StockRunner or implement them"
             )
-        self.collective_rpc("sleep", (level,), timeout=timeout)
+        self._rpc_or_fail("sleep", level)
 
     def wake_up(self) -> None:
         """Every rank loads its weights (its shard) and allocates its KV cache again."""
-        self.collective_rpc("wake_up", timeout=self.settings.startup_timeout)
+        self._rpc_or_fail("wake_up")
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._group().register_failure_callback(callback)

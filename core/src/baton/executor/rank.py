@@ -22,7 +22,8 @@ parts, so every executor runs the same model runner and the same step protocol:
 
 ``serve`` takes any ``member`` with ``recv(timeout)``, ``reply(kind, call_id,
 payload)`` and ``reply_error(kind, call_id, text)`` (``baton.executor.member.Member``
-is one). Every rank runs every step; only the driver (tp rank 0 of the last
+is one). A step's error fails the executor (``reply_error``); an RPC's error fails
+that call alone (the member's ``reply_call_error``). Every rank runs every step; only the driver (tp rank 0 of the last
 stage) answers EXECUTE and SAMPLE; other ranks answer nothing but errors. A
 driver whose step waits for a grammar bitmask (EXECUTE answered with no frames)
 takes no further step until that SAMPLE arrives: a later step's update would
@@ -77,7 +78,11 @@ class RankBootstrap:
 
 
 class RankMember(Protocol):
-    """What ``Rank.serve`` reads calls from and answers through (``Member`` is one)."""
+    """What ``Rank.serve`` reads calls from and answers through (``Member`` is one).
+
+    Optional: ``reply_call_error(kind, call_id, text)`` (``Member.reply_call_error``), which
+    fails one call alone; ``serve`` answers a failed RPC with it, and without it with
+    ``reply_error``, which fails the executor."""
 
     def recv(self, timeout: float | None = None) -> Message | None: ...
 
@@ -293,8 +298,7 @@ class Rank:
         self.ctx = self._init_distributed(store)
         from baton.worker.worker import Worker
 
-        self.worker = Worker(boot.config, rank=self.rank)
-        self.worker.runner_cls = boot.runner
+        self.worker = Worker(boot.config, rank=self.rank, runner=boot.runner)
         self.worker.init_device()
         self.worker.load_model()
         self._deferred: deque[Message] = deque()
@@ -373,7 +377,15 @@ class Rank:
                 answer = self.handle(Kind(kind), payload, delivery)
                 if answer is not None:
                     member.reply(kind, call_id, answer)
-            except Exception as e:  # reported; the executor fails and shuts every rank down
+            except Exception as e:
+                call_error = getattr(member, "reply_call_error", None)
+                if kind == Kind.RPC and call_error is not None:  # that call fails, not the rank
+                    log.warning(
+                        "worker %d: collective_rpc failed: %s: %s", self.rank, type(e).__name__, e
+                    )
+                    call_error(kind, call_id, f"{type(e).__name__}: {e}")
+                    continue
+                # reported; the executor fails and shuts every rank down
                 text = f"worker {self.rank} ({type(e).__name__}): {e}"
                 log.error("%s\n%s", text, "".join(traceback.format_exception(e)))
                 member.reply_error(kind, call_id, text)

@@ -4,7 +4,7 @@ Steps run on one dedicated thread, so ``execute_model(non_block=True)`` returns
 a Future at once and the engine core computes grammar bitmasks while the
 forward runs. The first failure marks the executor dead, runs the failure
 callbacks once and makes every later call raise ExecutorError (its
-``FailureLatch``).
+``FailureLatch``); a ``collective_rpc`` target that raises fails that call alone.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from baton.config import BatonConfig
-from baton.errors import BatonError, ExecutorError
+from baton.errors import BatonError, ExecutorError, worker_error
 from baton.executor.latch import FailureLatch
 from baton.hookspecs import hookimpl
 from baton.protocol import (
@@ -72,6 +72,14 @@ class UniprocExecutor:
         self._latch.check()
         return self._thread.submit(self._guarded, fn, *args, **kwargs)
 
+    @staticmethod
+    def _contained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A collective_rpc target: its exception fails the call, not the executor."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise worker_error(0, f"{type(e).__name__}: {e}") from e
+
     def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
@@ -84,12 +92,15 @@ class UniprocExecutor:
     def _call(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> Any:
-        future = self._submit(fn, *args, **kwargs)
+        return self._result(self._submit(fn, *args, **kwargs), timeout, fn)
+
+    @staticmethod
+    def _result(future: Future[Any], timeout: float | None, what: Any) -> Any:
         try:
             return future.result(timeout)
         except FutureTimeout:
             raise ExecutorError(
-                f"{getattr(fn, '__name__', fn)} did not finish within {timeout} s"
+                f"{getattr(what, '__name__', what)} did not finish within {timeout} s"
             ) from None
 
     # ------------------------------------------------------------------ Executor
@@ -147,7 +158,9 @@ class UniprocExecutor:
             def fn(*a: Any, **k: Any) -> Any:
                 return method(self.worker, *a, **k)
 
-        return [self._call(fn, *args, timeout=timeout, **(kwargs or {}))]
+        self._latch.check()
+        future = self._thread.submit(self._contained, fn, *args, **(kwargs or {}))
+        return [self._result(future, timeout, method)]
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (level 1) and the weights too (level 2): ``Worker.sleep``."""

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from baton.errors import ExecutorError
+from baton.errors import ExecutorError, worker_error
 from baton.executor.latch import FailureLatch
 from baton.hookspecs import hookimpl
 from baton.protocol import (
@@ -388,7 +388,10 @@ class FakeExecutor:
             if isinstance(method, str)
             else (lambda *a, **k: method(self, *a, **k))
         )
-        return [fn(*args, **(kwargs or {}))]
+        try:
+            return [fn(*args, **(kwargs or {}))]
+        except Exception as e:  # that call fails, the executor goes on (as the real ones)
+            raise worker_error(0, f"{type(e).__name__}: {e}") from e
 
     def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
         self._latch.register(callback)

@@ -77,6 +77,9 @@ def tune_malloc() -> bool:
 class Worker:
     """Owns the device choice and a model runner; every public method is an RPC target.
 
+    Implements ``baton.interfaces.Worker`` (with its optional methods); ``runner`` is the
+    runner factory (default: baton's stock runner).
+
     ``model_runner`` is the runner (``baton.interfaces.ModelRunner``): what a
     ``collective_rpc`` callable, called as ``method(worker, ...)``, reaches.
     """
@@ -84,9 +87,13 @@ class Worker:
     #: The runner factory init_device calls as ``runner_cls(config, device)`` (a class is one).
     runner_cls: RunnerFactory = StockModelRunner
 
-    def __init__(self, cfg: BatonConfig, rank: int = 0) -> None:
+    def __init__(
+        self, cfg: BatonConfig, rank: int = 0, runner: RunnerFactory | None = None
+    ) -> None:
         self.cfg = cfg
         self.rank = rank
+        if runner is not None:
+            self.runner_cls = runner
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self._profiler: WorkerProfiler | None = None

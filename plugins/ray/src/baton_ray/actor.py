@@ -31,6 +31,7 @@ import ray
 from baton.errors import BatonError
 from baton.executor.member import Message
 from baton_ray.cluster import prepare_actor
+from baton_ray.executor import CALL_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ class Inbox:
     def reply(self, kind: int, call_id: int, payload: list[Any] | tuple[Any, ...] = ()) -> None:
         frames = [bytes(f) if isinstance(f, memoryview | bytearray) else f for f in payload]
         self._settle(call_id, ("ok", frames))
+
+    def reply_call_error(self, kind: int, call_id: int, text: str) -> None:
+        """That call fails alone (a collective_rpc target raised); the rank stays healthy."""
+        self._settle(call_id, (CALL_FAILED, text))
 
     def reply_error(self, kind: int, call_id: int, text: str) -> None:
         if self.failure is None:
@@ -173,7 +178,8 @@ class RankActor:
     async def call(
         self, seq: int, kind: int, payload: Any, reply: bool, sent_wall: float
     ) -> tuple[str, Any] | None:
-        """Queue call ``seq``; with ``reply``, its answer: ("ok", frames) or ("error", why)."""
+        """Queue call ``seq``; with ``reply``, its answer: ("ok", frames), ("error", why): the
+        rank failed, or (CALL_FAILED, "Type: message"): that call alone failed."""
         inbox = self._inbox
         if inbox is None:
             return "error", "the rank has not started"

@@ -19,7 +19,8 @@ thread that resolves the sample.
 Failure: a rank that dies (its actor or its node), reports an error, leaves its
 ping unanswered for ``heartbeat_timeout`` seconds or a step unanswered for
 ``step_timeout`` seconds fails the executor: pending calls raise ExecutorError,
-the failure callbacks run once, later calls raise. ``shutdown`` stops the
+the failure callbacks run once, later calls raise. A ``collective_rpc`` target
+that raises fails that call alone (as ``MultiprocExecutor``'s). ``shutdown`` stops the
 ranks, kills the actors, removes the placement group and stops Ray if it
 started it.
 """
@@ -40,7 +41,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from baton.config import BatonConfig
-from baton.errors import ExecutorError
+from baton.errors import BatonError, ExecutorError, worker_error
 from baton.executor.latch import FailureLatch
 from baton.executor.rank import (
     StepCodec,
@@ -93,6 +94,9 @@ class _Call:
 
 
 _MISSING = object()
+
+#: A rank's answer status for a call that failed there alone (the ``Inbox`` sends it).
+CALL_FAILED = "call_error"
 
 
 class RayExecutor:
@@ -336,6 +340,12 @@ class RayExecutor:
         except Exception as e:  # the actor or its node died, or the call could not run
             self._fail(ExecutorError(f"worker {rank} died: {type(e).__name__}: {e}"))
             return
+        if status == CALL_FAILED:  # this call alone fails, at its first error
+            with self._lock:
+                if self._calls.pop(call.id, None) is None:
+                    return  # failed or timed out meanwhile, or another rank failed it
+            self._settle(call, None, worker_error(rank, str(value)))
+            return
         if status != "ok":
             self._fail(ExecutorError(str(value)))
             return
@@ -448,7 +458,16 @@ class RayExecutor:
         )
 
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        self.collective_rpc("initialize_kv_cache", (config,), timeout=self.settings.startup_timeout)
+        self._rpc_or_fail("initialize_kv_cache", config)
+
+    def _rpc_or_fail(self, method: str, *args: Any) -> list[Any]:
+        """``collective_rpc`` of a call whose failure leaves the ranks' state unknown (the KV
+        cache, sleep): its error fails the executor, as a step's does."""
+        try:
+            return self.collective_rpc(method, args, timeout=self.settings.startup_timeout)
+        except BatonError as e:
+            self._fail(e)
+            raise
 
     def sleep(self, level: int) -> None:
         """Every rank frees its KV cache (level 1) and its weights too (level 2)."""
@@ -458,11 +477,11 @@ class RayExecutor:
                 f"executor 'ray': its runner ({self.runner!r}) has no sleep()/wake_up() "
                 "(baton.interfaces.Sleepable): it cannot free its memory"
             )
-        self.collective_rpc("sleep", (level,), timeout=timeout)
+        self._rpc_or_fail("sleep", level)
 
     def wake_up(self) -> None:
         """Every rank loads its weights (its shard) and allocates its KV cache again."""
-        self.collective_rpc("wake_up", timeout=self.settings.startup_timeout)
+        self._rpc_or_fail("wake_up")
 
     def parallel_stats(self, timeline: bool = False) -> list[dict[str, Any]]:
         """Each rank's per-step timings (as ``MultiprocExecutor.parallel_stats``)."""

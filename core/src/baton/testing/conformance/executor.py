@@ -13,8 +13,9 @@ The suite sizes the KV cache itself (``initialize_kv_cache``) and drives the
 executor with the real ``Scheduler``: blocking and ``non_block`` (Future)
 steps, the ``None`` + ``sample_tokens`` path of structured output (a bitmask
 that allows one token), finished and preempted request ids (a tight cache and
-aborts), ``collective_rpc``, failure callbacks, ``check_health`` and an
-idempotent ``shutdown``. Override ``inject_failure`` to let the suite check
+aborts), ``collective_rpc`` (a target that raises fails that call alone;
+``memory_usage`` answers with a WorkerMemory per worker), failure callbacks,
+``check_health`` and an idempotent ``shutdown``. Override ``inject_failure`` to let the suite check
 that a failure reaches the callbacks; set ``exact_tokens = False`` if your
 executor's greedy tokens may change with batch composition.
 """
@@ -28,13 +29,14 @@ from typing import Any, ClassVar
 import pytest
 
 from baton.config import BatonConfig
-from baton.errors import ExecutorError
-from baton.interfaces import Executor
+from baton.errors import BatonError, ExecutorError
+from baton.interfaces import Executor, Sleepable
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
     KVCacheSpec,
     SchedulerOutput,
+    WorkerMemory,
 )
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
@@ -82,6 +84,9 @@ class ExecutorConformance:
     num_blocks: ClassVar[int] = 96
     #: The token the structured-output test allows.
     grammar_token: ClassVar[int] = 7
+    #: Each worker answers ``collective_rpc("memory_usage")`` with a WorkerMemory (the engine's
+    #: ``get_memory_usage``; ``baton.interfaces.Worker``).
+    worker_memory: ClassVar[bool] = True
 
     def engine_config(self) -> BatonConfig:
         return BatonConfig.load(
@@ -287,6 +292,36 @@ class ExecutorConformance:
         if self.rpc_method is not None:
             assert len(executor.collective_rpc(self.rpc_method)) == workers
 
+    def test_a_failing_collective_rpc_fails_that_call_alone(
+        self, executor: Any, config: BatonConfig
+    ) -> None:
+        """A target that raises fails its call with a BatonError naming the worker; the
+        executor stays healthy: later calls, ``sleep`` / ``wake_up`` and steps still work."""
+        workers = len(executor.get_kv_cache_specs())
+        sched = self.scheduler(executor, config)
+        with pytest.raises(BatonError, match=r"worker \d+: on purpose"):
+            executor.collective_rpc(_fail)
+        executor.check_health()
+        assert executor.collective_rpc(_add, args=(1,)) == [1] * workers
+        if isinstance(executor, Sleepable):
+            executor.sleep(1)
+            executor.wake_up()
+        tokens = self.run(executor, sched, self.requests("r", [(9, 3)]))
+        assert len(tokens["r0"]) == 3
+        executor.check_health()
+
+    def test_memory_usage(self, executor: Any, config: BatonConfig) -> None:
+        """``collective_rpc("memory_usage")`` (the engine's ``get_memory_usage``): one
+        WorkerMemory per worker, in rank order, measured in the worker's process."""
+        if not self.worker_memory:
+            pytest.skip("this executor's workers do not measure their memory (worker_memory)")
+        workers = len(executor.get_kv_cache_specs())
+        self.init_cache(executor, config)
+        memory = executor.collective_rpc("memory_usage")
+        assert all(isinstance(m, WorkerMemory) for m in memory), memory
+        assert [m.rank for m in memory] == list(range(workers))
+        assert all(m.pid > 0 and m.rss_bytes > 0 for m in memory), memory
+
     def test_failure_callback_and_health(self, executor: Any, config: BatonConfig) -> None:
         calls: list[BaseException] = []
         done = threading.Event()
@@ -311,6 +346,11 @@ class ExecutorConformance:
         executor.check_health()
         executor.shutdown()
         executor.shutdown()
+
+
+def _fail(worker: Any) -> None:
+    """A collective_rpc target that raises."""
+    raise ValueError("on purpose")
 
 
 def _add(worker: Any, a: int, b: int = 0) -> int:
