@@ -325,7 +325,8 @@ class ServerSection(_Section):
     served_model_name: str | None = None
     """The model name clients use; default: model.name."""
     api_key: str | None = None
-    """When set, /v1 requests must carry `Authorization: Bearer <api_key>` (empty or blank is refused)."""
+    """When set, /v1 requests must carry `Authorization: Bearer <api_key>` or (as Anthropic's
+    clients send it) `x-api-key: <api_key>`; empty or blank is refused."""
     shutdown_timeout: float = Field(0.0, ge=0)
     """On shutdown (SIGTERM/SIGINT): seconds in-flight requests may take to finish before they
     are aborted; 0 aborts them at once. The default 0 is the library's (an engine stops at once);

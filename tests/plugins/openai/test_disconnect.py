@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from .conftest import metric, wait_for
 
@@ -115,3 +116,53 @@ def test_disconnect_of_one_n2_stream_aborts_both_choices(server, client):
         what="two aborts",
     )
     wait_for(lambda: _engine_idle(server), what="the engine to free the KV blocks")
+
+
+#: /v1/responses and /v1/messages streams of a long answer (a regex makes it long whatever
+#: the model, as ignore_eos does for chat above), and the event that carries its text
+AGENT_STREAMS = {
+    "/v1/responses": (
+        {"input": "Tell me a story.", "max_output_tokens": LONG},
+        "output_text.delta",
+    ),
+    "/v1/messages": (
+        {"messages": MESSAGES, "max_tokens": LONG},
+        "content_block_delta",
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(AGENT_STREAMS))
+def test_disconnect_mid_stream_on_the_agent_apis_aborts_the_request(server, path):
+    before = server.metrics()
+    fields, text_event = AGENT_STREAMS[path]
+    body = {
+        "model": server.model,
+        "stream": True,
+        "temperature": 0,
+        "structured_outputs": {"regex": "(ab ){400}"},
+        **fields,
+    }
+    received = 0
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event:") and text_event in line:
+                received += 1
+                if received == 3:
+                    break  # leaving the block drops the connection mid-stream
+
+    def aborted() -> bool:
+        m = server.metrics()
+        return (
+            metric(m, "baton_request_success_total", finished_reason="abort")
+            - metric(before, "baton_request_success_total", finished_reason="abort")
+            == 1
+        )
+
+    wait_for(aborted, what="the abort in /metrics")
+    wait_for(lambda: _engine_idle(server), what="the engine to free the request's KV blocks")
+    generated = metric(server.metrics(), "baton_generation_tokens_total") - metric(
+        before, "baton_generation_tokens_total"
+    )
+    assert 3 <= generated < LONG

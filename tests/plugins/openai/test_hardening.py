@@ -170,6 +170,70 @@ def test_huge_chat_message_is_refused_by_a_prefix_of_the_rendered_chat(sandboxed
     assert took < 1.0, took
 
 
+#: the Responses and Messages APIs' bodies around one long user message, and how each
+#: names the field in its error shape
+AGENT_APIS = {
+    "/v1/responses": lambda text: {"input": text, "max_output_tokens": 4},
+    "/v1/messages": lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 4},
+    "/v1/messages/count_tokens": lambda text: {"messages": [{"role": "user", "content": text}]},
+}
+
+
+def api_error(path: str, body: dict) -> tuple[str, str]:
+    """(type or code, message) of an error in the shape of ``path``'s API."""
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        return body["error"]["type"], body["error"]["message"]
+    return body["error"]["code"], body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", sorted(AGENT_APIS))
+def test_huge_message_on_the_agent_apis_is_refused_by_a_prefix(server, path):
+    """A 2 MB message on /v1/responses and /v1/messages goes the chat's way: refused by a
+    prefix of the rendered chat, in the API's own error shape, /health fast meanwhile."""
+    text = "All work and no play makes Jack a dull boy. " * 45_000
+    body = AGENT_APIS[path](text) | {"model": server.model}
+    data = request_bytes("POST", path, httpx.Request("POST", "/", json=body).read())
+    r, took = timed_exchange(server.url, data)
+    assert r.status == 400, r.body
+    kind, message = api_error(path, r.json())
+    assert kind in ("context_length_exceeded", "invalid_request_error"), r.body
+    assert "model.max_model_len" in message and took < 1.0, (message, took)
+    assert not server.server.engine.errored
+
+
+@pytest.mark.parametrize("path", sorted(AGENT_APIS))
+def test_oversized_and_overlong_bodies_on_the_agent_apis_are_refused_in_their_shape(server, path):
+    too_big = request_bytes(
+        "POST", path, b"{}", headers={"content-length": str(9 * 1024**2)}
+    )  # refused from the headers: the body is never read
+    r = exchange_or_error(server.url, too_big)
+    assert isinstance(r, Response) and r.status == 413
+    kind, message = api_error(path, r.json())
+    assert kind in ("request_too_large",) and "server.max_request_bytes" in message
+    # more items than a request may carry: a 400 from the bound, before any of them is read
+    many = AGENT_APIS[path]("hi")
+    key = "input" if path == "/v1/responses" else "messages"
+    many[key] = [{"role": "user", "content": "hi"}] * 5000
+    r2 = httpx.post(f"{server.url}{path}", json={"model": server.model, **many}, timeout=60)
+    assert r2.status_code == 400, r2.text
+    assert key in api_error(path, r2.json())[1]
+
+
+def test_an_unhandled_error_under_v1_messages_is_an_anthropic_shaped_500(server, caplog):
+    async def boom() -> None:
+        raise RuntimeError("kaboom")
+
+    app_of(server).add_api_route("/v1/messages/test-boom", boom)
+    caplog.set_level(logging.ERROR)
+    r = httpx.get(f"{server.url}/v1/messages/test-boom", timeout=10)
+    assert r.status_code == 500
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+    assert "kaboom" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/messages/no-such-route", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
 @pytest.fixture
 def slow_tokenizer(monkeypatch):
     """Make a server's tokenization take ``seconds`` (a sleep first). Nothing a client sends

@@ -310,5 +310,10 @@ def test_sdk_errors_keep_their_status_and_shape(srv, client):
         "type": "error",
         "error": {"type": "authentication_error", "message": e.value.body["error"]["message"]},
     }
+    # the key as Anthropic's clients send it is taken on the OpenAI routes too
+    r = httpx.get(f"{srv.url}/v1/models", headers={"x-api-key": KEY}, timeout=10)
+    assert r.status_code == 200
+    r = httpx.get(f"{srv.url}/v1/models", headers={"x-api-key": "wrong"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(anthropic.BadRequestError):  # over the model's context
         client.messages.create(model=srv.model, messages=USER, max_tokens=10**6)

@@ -33,6 +33,14 @@ OPERATIONS = [
     ("POST", "/v1/completions", NEGATIVE),
     ("POST", "/v1/embeddings", POSITIVE),
     ("POST", "/v1/embeddings", NEGATIVE),
+    ("POST", "/v1/responses", POSITIVE),
+    ("POST", "/v1/responses", NEGATIVE),
+    ("GET", "/v1/responses/{response_id}", POSITIVE),
+    ("DELETE", "/v1/responses/{response_id}", POSITIVE),
+    ("POST", "/v1/messages", POSITIVE),
+    ("POST", "/v1/messages", NEGATIVE),
+    ("POST", "/v1/messages/count_tokens", POSITIVE),
+    ("POST", "/v1/messages/count_tokens", NEGATIVE),
     ("POST", "/tokenize", POSITIVE),
     ("POST", "/tokenize", NEGATIVE),
     ("POST", "/detokenize", POSITIVE),
@@ -95,7 +103,7 @@ def test_generated_requests_conform_and_never_reach_a_5xx(
         statuses[response.status_code] += 1
 
     run()
-    if mode is POSITIVE and path == "/v1/chat/completions":
+    if mode is POSITIVE and path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
         # some generated chats got through to the engine and back, so 200 bodies were checked
         # too (random completion prompts are nearly never runnable: ids outside the
         # vocabulary, texts longer than the context; tests/e2e/test_fuzz.py runs valid ones)

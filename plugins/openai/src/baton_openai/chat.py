@@ -1,4 +1,10 @@
-"""POST /v1/chat/completions: chat template, then one AsyncLLM request with n choices."""
+"""POST /v1/chat/completions: chat template, then one AsyncLLM request with n choices.
+
+The pipeline under the route (``start_chat``: tools, chat template, parameters, admission,
+generation; ``answer_steps``: one choice's parsed deltas) is also what /v1/responses
+(responses.py) and /v1/messages (messages.py) run their requests on, each written as a
+chat request (``as_chat``).
+"""
 
 from __future__ import annotations
 

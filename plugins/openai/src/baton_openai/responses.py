@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
 
 from baton.errors import BatonError
 from baton_openai.answer import ParsedAnswer
@@ -70,6 +71,9 @@ PARAMS = {
     "messages": "input",
 }
 Status = Literal["completed", "incomplete"]
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ItemKind = Literal["reasoning", "message", "function_call"]
+_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 
 
 def _id(prefix: str) -> str:
@@ -317,13 +321,13 @@ class _Events:
         return sse_event(kind, json.dumps(payload, ensure_ascii=False))
 
 
-def _dump(model: Any) -> dict[str, Any]:
-    return model.model_dump(exclude_none=True)  # type: ignore[no-any-return]
+def _dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(exclude_none=True)
 
 
 @dataclass
 class _OpenItem:
-    kind: Literal["reasoning", "message", "function_call"]
+    kind: ItemKind
     index: int
     id: str
     text: str = ""
@@ -339,36 +343,22 @@ class _Output:
         self.items: list[OutputItem] = []
         self.open: _OpenItem | None = None
 
-    def _item(self, o: _OpenItem, status: str) -> OutputItem:
+    def _item(self, o: _OpenItem, status: ItemStatus) -> OutputItem:
+        """The item as it stands (in progress: without its text, which the deltas carry)."""
         if o.kind == "reasoning":
-            return ReasoningOutput(id=o.id, status=status, content=[ReasoningText(text=o.text)])  # type: ignore[arg-type]
+            text = [ReasoningText(text=o.text)] if status != "in_progress" else []
+            return ReasoningOutput(id=o.id, status=status, content=text)
         if o.kind == "message":
-            return OutputMessage(
-                id=o.id,
-                status=status,
-                content=[OutputText(text=o.text)] if status != "in_progress" else [],
-            )  # type: ignore[arg-type]
+            parts = [OutputText(text=o.text)] if status != "in_progress" else []
+            return OutputMessage(id=o.id, status=status, content=parts)
         return FunctionCallOutput(
-            id=o.id,
-            call_id=o.call_id,
-            name=o.name,
-            arguments=o.text,
-            status=status,  # type: ignore[arg-type]
+            id=o.id, call_id=o.call_id, name=o.name, arguments=o.text, status=status
         )
 
-    def start(
-        self, kind: Literal["reasoning", "message", "function_call"], **names: str
-    ) -> list[bytes]:
+    def start(self, kind: ItemKind, **names: str) -> list[bytes]:
         out = self.close("completed")
-        o = self.open = _OpenItem(
-            kind,
-            len(self.items),
-            _id({"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]),
-            **names,
-        )
+        o = self.open = _OpenItem(kind, len(self.items), _id(_PREFIX[kind]), **names)
         added = _dump(self._item(o, "in_progress"))
-        if kind == "reasoning":
-            added["content"] = []
         out.append(self.emit("response.output_item.added", output_index=o.index, item=added))
         part = {"reasoning": ReasoningText(text=""), "message": OutputText(text="")}.get(kind)
         if part is not None:
@@ -383,9 +373,7 @@ class _Output:
             )
         return out
 
-    def delta(
-        self, kind: Literal["reasoning", "message", "function_call"], text: str
-    ) -> list[bytes]:
+    def delta(self, kind: ItemKind, text: str) -> list[bytes]:
         out = [] if self.open is not None and self.open.kind == kind else self.start(kind)
         o = self.open
         assert o is not None
@@ -405,7 +393,7 @@ class _Output:
             out.append(self.emit("response.function_call_arguments.delta", **where, delta=text))
         return out
 
-    def close(self, status: str) -> list[bytes]:
+    def close(self, status: ItemStatus) -> list[bytes]:
         o = self.open
         if o is None:
             return []
