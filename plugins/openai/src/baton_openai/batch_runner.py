@@ -315,10 +315,11 @@ class BatchRunner:
             if not task.cancelled() and task.exception() is not None:
                 failures.append(task.exception())  # type: ignore[arg-type]
 
+        def left() -> float:  # seconds of the completion window
+            return max(rec.expires_at - time.time(), 0.0)
+
         try:
             for index, raw in lines:
-                if time.time() > rec.expires_at:
-                    break
                 try:
                     line = parse_line(raw, rec.endpoint)
                     first = seen.setdefault(line.custom_id, index)
@@ -333,21 +334,26 @@ class BatchRunner:
                     continue
                 if index in results.answered:
                     continue
-                await slots.acquire()
+                try:
+                    await asyncio.wait_for(slots.acquire(), left())
+                except TimeoutError:
+                    break  # the window ended while every slot was busy
                 if failures:
+                    slots.release()
                     raise failures[0]  # EngineGone: stop dispatching
                 task = asyncio.ensure_future(self._line(rec, results, index, line))
                 running.add(task)
                 task.add_done_callback(finished)
             else:
                 if running:
-                    await asyncio.gather(*running)
+                    await asyncio.wait(set(running), timeout=left())
                 if failures:
                     raise failures[0]
-                return "completed"
+                if not running:
+                    return "completed"
         finally:
             for t in running:
-                t.cancel()
+                t.cancel()  # their engine requests are aborted; nothing is written for them
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
         # past the completion window: what is left is answered as expired
