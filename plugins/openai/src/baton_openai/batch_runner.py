@@ -115,6 +115,15 @@ class _Results:
                 rec.request_counts.failed += 1
 
 
+@dataclass
+class _Storage:
+    """Where a started runner keeps files and batches."""
+
+    folder: FilesFolder
+    files: FileStore
+    store: BatchStore
+
+
 class BatchRunner:
     """Every batch of a server: created, listed, cancelled, run, resumed; and its files."""
 
@@ -133,35 +142,34 @@ class BatchRunner:
         self.batches: dict[str, BatchRecord] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(max_concurrency)
-        self._folder: FilesFolder | None = None
-        self._files: FileStore | None = None
-        self._store: BatchStore | None = None
+        self._storage: _Storage | None = None
 
-    @property
-    def files(self) -> FileStore:
-        if self._files is None:
+    def _started(self) -> _Storage:
+        if self._storage is None:
             raise OpenAIError(
                 "the Files and Batch APIs are not started (the server is starting or stopping)",
                 503,
                 code="service_unavailable",
             )
-        return self._files
+        return self._storage
+
+    @property
+    def files(self) -> FileStore:
+        return self._started().files
 
     @property
     def store(self) -> BatchStore:
-        self.files  # noqa: B018 (the same 503 before start)
-        assert self._store is not None
-        return self._store
+        return self._started().store
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Take the folder (ConfigError when another server holds it), load every batch and
         resume the unfinished ones."""
-        self._folder = await asyncio.to_thread(FilesFolder.open, self.files_dir)
-        self._files = FileStore(self._folder.root, self.max_file_bytes)
-        self._store = BatchStore(self._folder.root)
-        for rec in await asyncio.to_thread(self._store.load_all):
+        folder = await asyncio.to_thread(FilesFolder.open, self.files_dir)
+        store = BatchStore(folder.root)
+        self._storage = _Storage(folder, FileStore(folder.root, self.max_file_bytes), store)
+        for rec in await asyncio.to_thread(store.load_all):
             self.batches[rec.id] = rec
             if rec.status not in FINAL:
                 log.info("resuming batch %s (%s)", rec.id, rec.status)
@@ -174,10 +182,9 @@ class BatchRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._files = self._store = None
-        if self._folder is not None:
-            await asyncio.to_thread(self._folder.close)
-            self._folder = None
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            await asyncio.to_thread(storage.folder.close)
 
     def _spawn(self, rec: BatchRecord) -> None:
         task = asyncio.ensure_future(self._run(rec))
