@@ -286,8 +286,10 @@ class BatchRunner:
             if rec.status != "cancelling":
                 final = await self._work(rec, results)
         except asyncio.CancelledError:
-            if rec.status != "cancelling":
-                raise  # the server is stopping: the batch resumes at the next start
+            if rec.status != "cancelling":  # the server is stopping: resumed at the next start
+                async with results.lock:  # after the writes already begun
+                    pass
+                raise
         except EngineGone as e:
             log.warning("batch %s paused: %s (it resumes when the server restarts)", rec.id, e)
             return
