@@ -380,6 +380,7 @@ def test_lines_in_flight_are_bounded_and_wait_behind_interactive_requests(model_
         assert 1 <= peak["n"] <= 4, peak
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_second_server_on_the_same_folder_is_refused(model_dir, tmp_path):
     folder = {"server.files_dir": str(tmp_path)}
     with running_server(model_dir, **folder), pytest.raises(RuntimeError) as e:  # noqa: SIM117
