@@ -21,6 +21,8 @@ import httpx
 import openai
 import pytest
 
+from baton_openai import batch_runner
+
 from .conftest import metric, running_server, wait_for
 from .probes import connect, read_response, request_bytes
 from .test_lifecycle import ServeProcess
@@ -303,6 +305,25 @@ def test_cancel_stops_the_lines_in_flight(model_dir, tmp_path):
             client.batches.cancel(run_to_end(client, [chat_line("z")]).id)
 
 
+def test_a_batch_past_its_window_expires_with_every_line_answered_once(
+    model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setitem(batch_runner.COMPLETION_WINDOW_S, "24h", 2)  # a 2 s window
+    with running_server(
+        model_dir, **{"server.files_dir": str(tmp_path), "server.batch_max_concurrency": 1}
+    ) as srv:
+        client = srv.client()
+        lines = [chat_line(f"e{i}", max_tokens=400, ignore_eos=True) for i in range(12)]
+        done = run_to_end(client, lines)
+        assert done.status == "expired" and done.expired_at
+        counts = done.request_counts
+        assert counts.completed + counts.failed == counts.total == 12 and counts.failed >= 1
+        out = jsonl(client, done.output_file_id)
+        errors = jsonl(client, done.error_file_id)
+        assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+        assert Counter(o["custom_id"] for o in out + errors) == Counter(f"e{i}" for i in range(12))
+
+
 def test_lines_in_flight_are_bounded_and_wait_behind_interactive_requests(model_dir, tmp_path):
     """batch_max_concurrency bounds what a batch puts in the engine; with the priority policy
     and two sequences at a time, an interactive request goes ahead of the waiting batch lines
@@ -359,6 +380,7 @@ def test_lines_in_flight_are_bounded_and_wait_behind_interactive_requests(model_
         assert 1 <= peak["n"] <= 4, peak
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_second_server_on_the_same_folder_is_refused(model_dir, tmp_path):
     folder = {"server.files_dir": str(tmp_path)}
     with running_server(model_dir, **folder), pytest.raises(RuntimeError) as e:  # noqa: SIM117

@@ -115,6 +115,15 @@ class _Results:
                 rec.request_counts.failed += 1
 
 
+@dataclass
+class _Storage:
+    """Where a started runner keeps files and batches."""
+
+    folder: FilesFolder
+    files: FileStore
+    store: BatchStore
+
+
 class BatchRunner:
     """Every batch of a server: created, listed, cancelled, run, resumed; and its files."""
 
@@ -133,35 +142,34 @@ class BatchRunner:
         self.batches: dict[str, BatchRecord] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(max_concurrency)
-        self._folder: FilesFolder | None = None
-        self._files: FileStore | None = None
-        self._store: BatchStore | None = None
+        self._storage: _Storage | None = None
 
-    @property
-    def files(self) -> FileStore:
-        if self._files is None:
+    def _started(self) -> _Storage:
+        if self._storage is None:
             raise OpenAIError(
                 "the Files and Batch APIs are not started (the server is starting or stopping)",
                 503,
                 code="service_unavailable",
             )
-        return self._files
+        return self._storage
+
+    @property
+    def files(self) -> FileStore:
+        return self._started().files
 
     @property
     def store(self) -> BatchStore:
-        self.files  # noqa: B018 (the same 503 before start)
-        assert self._store is not None
-        return self._store
+        return self._started().store
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Take the folder (ConfigError when another server holds it), load every batch and
         resume the unfinished ones."""
-        self._folder = await asyncio.to_thread(FilesFolder.open, self.files_dir)
-        self._files = FileStore(self._folder.root, self.max_file_bytes)
-        self._store = BatchStore(self._folder.root)
-        for rec in await asyncio.to_thread(self._store.load_all):
+        folder = await asyncio.to_thread(FilesFolder.open, self.files_dir)
+        store = BatchStore(folder.root)
+        self._storage = _Storage(folder, FileStore(folder.root, self.max_file_bytes), store)
+        for rec in await asyncio.to_thread(store.load_all):
             self.batches[rec.id] = rec
             if rec.status not in FINAL:
                 log.info("resuming batch %s (%s)", rec.id, rec.status)
@@ -174,10 +182,9 @@ class BatchRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._files = self._store = None
-        if self._folder is not None:
-            await asyncio.to_thread(self._folder.close)
-            self._folder = None
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            await asyncio.to_thread(storage.folder.close)
 
     def _spawn(self, rec: BatchRecord) -> None:
         task = asyncio.ensure_future(self._run(rec))
@@ -279,8 +286,10 @@ class BatchRunner:
             if rec.status != "cancelling":
                 final = await self._work(rec, results)
         except asyncio.CancelledError:
-            if rec.status != "cancelling":
-                raise  # the server is stopping: the batch resumes at the next start
+            if rec.status != "cancelling":  # the server is stopping: resumed at the next start
+                async with results.lock:  # after the writes already begun
+                    pass
+                raise
         except EngineGone as e:
             log.warning("batch %s paused: %s (it resumes when the server restarts)", rec.id, e)
             return
@@ -315,10 +324,11 @@ class BatchRunner:
             if not task.cancelled() and task.exception() is not None:
                 failures.append(task.exception())  # type: ignore[arg-type]
 
+        def left() -> float:  # seconds of the completion window
+            return max(rec.expires_at - time.time(), 0.0)
+
         try:
             for index, raw in lines:
-                if time.time() > rec.expires_at:
-                    break
                 try:
                     line = parse_line(raw, rec.endpoint)
                     first = seen.setdefault(line.custom_id, index)
@@ -333,21 +343,26 @@ class BatchRunner:
                     continue
                 if index in results.answered:
                     continue
-                await slots.acquire()
+                try:
+                    await asyncio.wait_for(slots.acquire(), left())
+                except TimeoutError:
+                    break  # the window ended while every slot was busy
                 if failures:
+                    slots.release()
                     raise failures[0]  # EngineGone: stop dispatching
                 task = asyncio.ensure_future(self._line(rec, results, index, line))
                 running.add(task)
                 task.add_done_callback(finished)
             else:
                 if running:
-                    await asyncio.gather(*running)
+                    await asyncio.wait(set(running), timeout=left())
                 if failures:
                     raise failures[0]
-                return "completed"
+                if not running:
+                    return "completed"
         finally:
             for t in running:
-                t.cancel()
+                t.cancel()  # their engine requests are aborted; nothing is written for them
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
         # past the completion window: what is left is answered as expired
