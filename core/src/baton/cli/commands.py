@@ -201,6 +201,7 @@ def plugins_command(p: argparse.ArgumentParser) -> Handler:
 #: built-in benchmark -> module with add_arguments(parser) and main(args)
 BUILTIN_BENCHES = {
     "scheduler": "baton.bench.scheduler",
+    "simulate": "baton.bench.simulate",
     "transport": "baton.bench.transport",
     "throughput": "baton.bench.throughput",
     "latency": "baton.bench.latency",
@@ -225,7 +226,7 @@ class ModuleBench:
 
 
 def bench_command(p: argparse.ArgumentParser) -> Handler:
-    """Benchmarks: scheduler, transport, throughput, latency, and those plugins register."""
+    """Benchmarks: scheduler, simulate, transport, throughput, latency, and those plugins register."""
     from baton.plugins import get_registry
 
     sub = p.add_subparsers(dest="bench", metavar="KIND", required=True)
