@@ -278,10 +278,7 @@ def test_auto_sets_no_target_until_a_step_is_measured_then_a_multiple_of_a_decod
     budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
     assert budget.auto and budget.target(8) is None and budget.prefill_tokens(8) == 2048
     budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
-    assert not budget.observe(1, 60.0)  # the first step with prompt tokens: one-time costs
-    assert budget.target(8) is None
-    budget.scheduled(2, StepShape(2048, 0, 2048 * 1024))
-    assert budget.observe(2, 2.0)
+    assert budget.observe(1, 2.0)
     decode_only = budget.model.predict(0, 8, 8 * 300)
     assert budget.target(8, 8 * 300) == pytest.approx(2.0 * decode_only)
     assert budget.prefill_tokens(0) == 2048  # a step with no decode is still not held
@@ -383,9 +380,8 @@ def test_auto_takes_the_priors_proportions_at_the_first_measured_steps_scale():
     prior = (DEFAULT.step_overhead_s, DEFAULT.prefill_s_per_token, DEFAULT.decode_s_per_token)
     assert model.coefficients == pytest.approx(tuple(5 * c for c in prior), rel=1e-6)
     budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
-    for step in (1, 2):  # the first is left out (one-time costs)
-        budget.scheduled(step, shape)
-        budget.observe(step, 5 * budget.model.predict(2048, 0, 200_000))
+    budget.scheduled(1, shape)
+    budget.observe(1, 5 * budget.model.predict(2048, 0, 200_000))
     # the next step, with 10 decodes, takes about two decode-only steps, not a full chunk
     n = budget.prefill_tokens(10, 10 * 200)
     step = budget.model.predict(n, 10, 10 * 200 + int(n * budget._pairs_per_prompt_token))

@@ -69,9 +69,6 @@ MAX_GROWTH = 2
 AUTO_MULTIPLE = 2.0
 #: ``"auto"`` sets no target until this many steps have been measured.
 AUTO_MIN_STEPS = 1
-#: ``"auto"`` leaves out the engine's first steps with prompt tokens: they pay one-time costs
-#: (first touches of the KV cache and the weights' pages; seconds, on a loaded host a minute).
-AUTO_SKIP_STEPS = 1
 #: ``"auto"``: a measured time is taken at most this many times the model's prediction and at
 #: least its inverse (a step stretched by a neighbour or a page-fault storm moves the fit by a
 #: bounded amount; a lasting change is still followed, within a few steps).
@@ -268,8 +265,6 @@ class PrefillBudget:
         self.model = model or StepTimeModel(
             prefill_scale=max_tokens, rescale_prior=auto, clip=AUTO_CLIP if auto else None
         )
-        #: Steps with prompt tokens ``"auto"`` still leaves out (``AUTO_SKIP_STEPS``).
-        self._skip = AUTO_SKIP_STEPS if auto else 0
         #: The target of the latest step with decodes, in seconds (None: none set).
         self.last_target_s: float | None = None
         #: The budget given to the latest step with decodes (None before the first).
@@ -342,9 +337,6 @@ class PrefillBudget:
                 step_id,
                 seconds,
             )
-            return False
-        if self._skip and shape.prefill_tokens:
-            self._skip -= 1
             return False
         self.model.observe(shape, seconds)
         return True
