@@ -11,3 +11,17 @@ class TestFCFSConformance(SchedulerPolicyConformance):
 
 class TestPriorityConformance(SchedulerPolicyConformance):
     name = "priority"
+
+
+class TestSLOConformance(SchedulerPolicyConformance):
+    name = "slo"
+
+
+class TestSLOKeepConformance(SchedulerPolicyConformance):
+    name = "slo"
+    settings = {"on_miss": "keep"}
+
+
+class TestFCFSLeastRecomputeConformance(SchedulerPolicyConformance):
+    name = "fcfs"
+    settings = {"victim": "least_recompute"}

@@ -387,3 +387,14 @@ def test_auto_takes_the_priors_proportions_at_the_first_measured_steps_scale():
     step = budget.model.predict(n, 10, 10 * 200 + int(n * budget._pairs_per_prompt_token))
     assert step == pytest.approx(2.0 * budget.model.predict(0, 10, 10 * 200), rel=0.05)
     assert n < 200
+
+
+def test_auto_bounds_what_one_stretched_step_teaches_the_model():
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    for step in (1, 2):
+        budget.scheduled(step, StepShape(512, 8, 60_000))
+        budget.observe(step, 1.0)
+    before = budget.model.predict(64, 8, 10_000)
+    budget.scheduled(3, StepShape(64, 8, 10_000))
+    budget.observe(3, 1000 * before)  # a neighbour stalled the machine for one step
+    assert budget.model.predict(64, 8, 10_000) < 3 * before

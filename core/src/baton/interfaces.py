@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from baton.request import Request
     from baton.routing.types import EngineLoad, RouteRequest
     from baton.sampling_params import StructuredOutputSpec
+    from baton.sched.victims import VictimCandidate
 
 Frame = bytes | bytearray | memoryview
 
@@ -111,6 +112,22 @@ class FinishAwarePolicy(Protocol):
         its last output was produced. ``request`` is read-only here as everywhere;
         ``request.num_computed_tokens`` and ``num_output_tokens`` say how far it got.
         An exception raised here fails the engine (a policy bug), not the request.
+        """
+
+
+@runtime_checkable
+class VictimAwarePolicy(Protocol):
+    """The optional data-rich victim choice of a ``SchedulerPolicy``."""
+
+    def choose_victim(self, candidates: Sequence[VictimCandidate], now: float) -> Request:
+        """Choose which running request to preempt, given what each would cost.
+
+        Called instead of ``select_victim`` when the policy has it, with one
+        ``baton.sched.victims.VictimCandidate`` per candidate ``select_victim`` would
+        get (same requests, same order): the tokens it computed (what recomputing it
+        redoes), the KV blocks it holds, its output tokens and ``max_tokens``, and
+        whether it is the requester. ``now`` is the scheduler's clock. Return one of
+        the candidates' requests.
         """
 
 

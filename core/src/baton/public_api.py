@@ -78,6 +78,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.interfaces": (
         "SchedulerPolicy",
         "FinishAwarePolicy",
+        "VictimAwarePolicy",
         "Executor",
         "ModelRunner",
         "RunnerFactory",
@@ -130,8 +131,12 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "MAX_TAG_VALUE_CHARS",
         "MAX_TENANT_CHARS",
         "MAX_DEADLINE_S",
+        "MAX_SLO_MS",
     ),
     "baton.request": ("Request", "RequestStatus"),
+    # what a policy reads about SLOs and preemption victims
+    "baton.sched.slo": ("has_slo", "ttft_deadline", "is_hopeless", "met_slo"),
+    "baton.sched.victims": ("VictimCandidate",),
     # LoRA adapters: the request's adapter, PEFT folders read without peft
     "baton.lora": ("LoRARequest", "as_lora_request", "check_lora_request"),
     "baton.lora.request": ("LoRARequest", "as_lora_request", "check_lora_request"),

@@ -119,6 +119,9 @@ class WorkloadRequest(msgspec.Struct, kw_only=True):
     arrival_time: float = 0.0
     user: str | None = None
     messages: list[dict[str, Any]] | None = None
+    #: The request's own SLO targets (``SchedulingInfo.slo_ttft_ms`` / ``slo_tpot_ms``), if any.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 class Workload(msgspec.Struct, kw_only=True):

@@ -278,7 +278,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulator")
     g.add_argument(
         "--workload",
-        help="a chat-workload JSON with arrival_time/user, or a generator: bursty-two-tenant",
+        help="a chat-workload JSON with arrival_time/user, or a generator: bursty-two-tenant, "
+        "poisson",
+    )
+    g.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=None,
+        metavar="REQ_PER_S",
+        help="the poisson generator's rate (default 1.0)",
+    )
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="every request's time-to-first-token target (one without its own): goodput",
+    )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=None,
+        help="every request's time-per-output-token target (one without its own): goodput",
     )
     g.add_argument("--save-workload", metavar="FILE", help="write the (generated) workload to FILE")
     g.add_argument(

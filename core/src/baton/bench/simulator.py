@@ -26,6 +26,7 @@ from baton.plugins import get_registry
 from baton.request import Request
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler
+from baton.scheduling_info import SchedulingInfo
 from baton.testing.fake_executor import FakeExecutor
 
 _NO_TENANT = "-"
@@ -52,6 +53,11 @@ class SimResult:
     num_preemptions: int
     duration_s: float
     prefix_cache_hit_rate: float
+    #: Goodput as the engine counts it: finished requests with an SLO, and those that met it.
+    slo_finished: int = 0
+    slo_met: int = 0
+    #: Tokens computed again after preemptions (their KV was freed and not found cached).
+    recomputed_tokens: int = 0
 
 
 def make_policy(config: BatonConfig, name: str) -> Any:
@@ -70,8 +76,13 @@ def simulate(
     noise: float = 0.0,
     check: bool = False,
     max_steps: int = 10_000_000,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
 ) -> SimResult:
-    """Replay ``workload`` with scheduler policy ``policy``; see the module docstring."""
+    """Replay ``workload`` with scheduler policy ``policy``; see the module docstring.
+
+    ``slo_ttft_ms`` / ``slo_tpot_ms``: the SLO of every request without its own
+    (``WorkloadRequest.slo_ttft_ms`` / ``slo_tpot_ms``)."""
     rng = random.Random(seed)
     ex = FakeExecutor(block_size=config.cache.block_size, num_blocks=num_blocks, check=check)
     now = 0.0
@@ -86,7 +97,7 @@ def simulate(
     times: dict[str, RequestTimes] = {}
     reqs: dict[str, Request] = {}
     params: dict[int, SamplingParams] = {}
-    steps = preemptions = queries = hits = 0
+    steps = preemptions = queries = hits = computed = 0
     while pending or sched.has_unfinished_requests():
         if steps >= max_steps:
             raise RuntimeError(f"simulation of {policy!r} did not finish in {max_steps} steps")
@@ -101,6 +112,8 @@ def simulate(
                 )
             rid = w.id or f"req-{len(times)}"
             times[rid] = RequestTimes(w.arrival_time, w.user or _NO_TENANT)
+            ttft = w.slo_ttft_ms if w.slo_ttft_ms is not None else slo_ttft_ms
+            tpot = w.slo_tpot_ms if w.slo_tpot_ms is not None else slo_tpot_ms
             req = reqs[rid] = Request(
                 rid,
                 w.prompt_token_ids,
@@ -108,6 +121,7 @@ def simulate(
                 eos_token_id=None,
                 arrival_time=w.arrival_time,
                 user=w.user,
+                scheduling=SchedulingInfo(slo_ttft_ms=ttft, slo_tpot_ms=tpot),
             )
             sched.add_request(req)
         so = sched.schedule()
@@ -127,6 +141,7 @@ def simulate(
         if noise > 0:
             dt *= rng.lognormvariate(0.0, noise)
         now += dt
+        computed += so.total_num_scheduled_tokens
         outs = sched.update_from_output(so, ex.execute_model(so))
         sched.observe_step_time(so.step_id, dt)  # as EngineCore does: the latency-aware budget
         preemptions += len(so.preempted_req_ids)
@@ -149,7 +164,18 @@ def simulate(
             raise AssertionError(f"simulation lost request {rid!r}")
     for rid, req in reqs.items():
         times[rid].num_preemptions = req.num_preemptions
-    return SimResult(policy, times, steps, preemptions, now, hits / queries if queries else 0.0)
+    return SimResult(
+        policy,
+        times,
+        steps,
+        preemptions,
+        now,
+        hits / queries if queries else 0.0,
+        sched.total_slo_finished,
+        sched.total_slo_met,
+        # every token once (the last sampled one is never fed back), less what the cache gave
+        computed + hits - sum(len(w.prompt_token_ids) + w.max_new_tokens - 1 for w in workload),
+    )
 
 
 # ----------------------------------------------------------------------------- figures
@@ -187,7 +213,15 @@ def figures(result: SimResult) -> dict[str, Any]:
         preemptions=result.num_preemptions,
         duration_s=round(result.duration_s - start, 3),
         prefix_cache_hit_rate=round(result.prefix_cache_hit_rate, 4),
+        recomputed_tokens=result.recomputed_tokens,
     )
+    if result.slo_finished:
+        out.update(
+            slo_requests=result.slo_finished,
+            slo_met=result.slo_met,
+            slo_attainment=round(result.slo_met / result.slo_finished, 4),
+            goodput_req_s=round(result.slo_met / max(result.duration_s - start, 1e-9), 4),
+        )
     tenants = sorted({r.user for r in rts})
     if len(tenants) > 1 or tenants != [_NO_TENANT]:
         out["per_tenant"] = {t: _summary([r for r in rts if r.user == t], start) for t in tenants}
@@ -209,6 +243,10 @@ ROWS = (
     ("e2e p99 s", "e2e_s_p99"),
     ("queue max s", "queue_s_max"),
     ("preemptions", "preemptions"),
+    ("recomputed tokens", "recomputed_tokens"),
+    ("SLO met / with SLO", "slo_met"),
+    ("SLO attainment", "slo_attainment"),
+    ("goodput req/s", "goodput_req_s"),
     ("steps", "steps"),
     ("prefix hit rate", "prefix_cache_hit_rate"),
 )

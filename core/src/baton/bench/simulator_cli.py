@@ -33,12 +33,14 @@ def sim_config(args: Any) -> BatonConfig:
     return BatonConfig.load(getattr(args, "config", None), **overrides)
 
 
-def load_or_generate(spec: str, seed: int) -> list[WorkloadRequest]:
+def load_or_generate(spec: str, seed: int, rate: float | None = None) -> list[WorkloadRequest]:
+    """A workload file's requests, or a generator's (``rate``: the poisson generator's)."""
     from baton.bench.common import load_workload
     from baton.bench.workloads import GENERATORS
 
     if spec in GENERATORS:
-        return GENERATORS[spec](seed=seed).requests
+        kwargs = {"rate": rate} if rate is not None and spec == "poisson" else {}
+        return GENERATORS[spec](seed=seed, **kwargs).requests
     return load_workload(spec).requests
 
 
@@ -57,7 +59,7 @@ def main(args: Any) -> int:
         print(json.dumps(msgspec_builtins(model), indent=None if args.json else 2))
         return 0
     cost = load_cost_model(args.cost_model)
-    workload = load_or_generate(args.workload, args.seed)
+    workload = load_or_generate(args.workload, args.seed, getattr(args, "arrival_rate", None))
     if args.num_requests and args.num_requests < len(workload):
         workload = sorted(workload, key=lambda w: w.arrival_time)[: args.num_requests]
     if args.save_workload:
@@ -83,6 +85,8 @@ def main(args: Any) -> int:
             seed=args.seed,
             noise=args.cost_noise,
             check=not args.no_check,
+            slo_ttft_ms=getattr(args, "slo_ttft_ms", None),
+            slo_tpot_ms=getattr(args, "slo_tpot_ms", None),
         )
         results[name] = figures(sim)
     out = {
@@ -96,6 +100,8 @@ def main(args: Any) -> int:
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "prefix_caching": config.cache.enable_prefix_caching,
             "cost_noise": args.cost_noise,
+            "slo_ttft_ms": getattr(args, "slo_ttft_ms", None),
+            "slo_tpot_ms": getattr(args, "slo_tpot_ms", None),
         },
         "cost_model": msgspec_builtins(cost),
         "policies": results,

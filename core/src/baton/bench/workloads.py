@@ -5,6 +5,11 @@ steady Poisson stream while a *batch* tenant sends bursts of long requests
 (every ``burst_every_s`` seconds, ``burst_size`` requests within a second).
 Under first come, first served the interactive requests queue behind each
 burst; the comparison of policies is about that.
+
+``poisson``: one tenant, requests arriving as a Poisson stream at ``rate`` per
+second with chat-like prompt and output lengths (workload.json's range), for
+goodput under load: at a rate above what the engine sustains the queue grows,
+and which requests meet their SLO is the policy's doing.
 """
 
 from __future__ import annotations
@@ -73,7 +78,37 @@ def bursty_two_tenant(
     )
 
 
-GENERATORS = {"bursty-two-tenant": bursty_two_tenant}
+def poisson(
+    seed: int = 0,
+    rate: float = 1.0,
+    duration_s: float = 240.0,
+    prompt: tuple[int, int] = (32, 400),
+    output: tuple[int, int] = (16, 160),
+) -> Workload:
+    """Poisson arrivals at ``rate`` requests/s for ``duration_s`` (see the module docstring)."""
+    rng = random.Random(seed)
+    reqs: list[WorkloadRequest] = []
+    t = rng.expovariate(rate)
+    while t < duration_s:
+        n = rng.randint(*prompt)
+        reqs.append(
+            WorkloadRequest(
+                id=f"req-{len(reqs)}",
+                prompt_token_ids=[rng.randrange(3, VOCAB) for _ in range(n)],
+                max_new_tokens=rng.randint(*output),
+                arrival_time=round(t, 3),
+            )
+        )
+        t += rng.expovariate(rate)
+    return Workload(
+        format="chat-workload/v1",
+        name=f"poisson-rate{rate:g}-seed{seed}",
+        requests=reqs,
+        sampling={"temperature": 0.0, "greedy": True, "ignore_eos": True},
+    )
+
+
+GENERATORS = {"bursty-two-tenant": bursty_two_tenant, "poisson": poisson}
 
 
 def write_workload(workload: Workload, path: str | Path) -> None:

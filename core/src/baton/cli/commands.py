@@ -225,6 +225,7 @@ def env_command(p: argparse.ArgumentParser) -> Handler:
 #: built-in benchmark -> module with add_arguments(parser) and main(args)
 BUILTIN_BENCHES = {
     "scheduler": "baton.bench.scheduler",
+    "simulate": "baton.bench.simulate",
     "transport": "baton.bench.transport",
     "throughput": "baton.bench.throughput",
     "latency": "baton.bench.latency",
@@ -249,7 +250,7 @@ class ModuleBench:
 
 
 def bench_command(p: argparse.ArgumentParser) -> Handler:
-    """Benchmarks: scheduler, transport, throughput, latency, and those plugins register."""
+    """Benchmarks: scheduler, simulate, transport, throughput, latency, and those plugins register."""
     from baton.plugins import get_registry
 
     sub = p.add_subparsers(dest="bench", metavar="KIND", required=True)

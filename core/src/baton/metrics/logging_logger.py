@@ -32,6 +32,9 @@ class LoggingStatLogger:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_preemptions = 0
+        #: Goodput in this interval: finished requests with an SLO, of which met it.
+        self.num_slo_finished = 0
+        self.num_slo_met = 0
         #: Speculative decoding's figures in this interval, per engine index.
         self.spec: dict[int, SpecTally] = {}
 
@@ -49,6 +52,8 @@ class LoggingStatLogger:
             self.prefix_queries += scheduler_stats.prefix_cache_queries
             self.prefix_hits += scheduler_stats.prefix_cache_hits
             self.num_preemptions += scheduler_stats.num_preemptions
+            self.num_slo_finished += scheduler_stats.num_slo_finished
+            self.num_slo_met += scheduler_stats.num_slo_met
             if scheduler_stats.spec_num_drafts:
                 tally = self.spec.get(engine_index)
                 if tally is None:
@@ -72,6 +77,14 @@ class LoggingStatLogger:
             100 * hit_rate,
             self.num_preemptions,
         )
+        if self.num_slo_finished:
+            log.info(
+                "engine %03d: SLO met by %d of %d finished requests (goodput %.2f req/s)",
+                self.engine_index,
+                self.num_slo_met,
+                self.num_slo_finished,
+                self.num_slo_met / elapsed,
+            )
         for index, tally in sorted(self.spec.items()):
             log.info("engine %03d: speculative decoding: %s", index, tally.describe())
         self._reset(now)

@@ -69,6 +69,10 @@ MAX_GROWTH = 2
 AUTO_MULTIPLE = 2.0
 #: ``"auto"`` sets no target until this many steps have been measured.
 AUTO_MIN_STEPS = 1
+#: ``"auto"``: a measured time is taken at most this many times the model's prediction and at
+#: least its inverse (a step stretched by a neighbour or a page-fault storm moves the fit by a
+#: bounded amount; a lasting change is still followed, within a few steps).
+AUTO_CLIP = 3.0
 
 
 class StepShape(msgspec.Struct, frozen=True):
@@ -98,13 +102,16 @@ class StepTimeModel:
         forget: float = FORGET,
         prior_weight: float = PRIOR_WEIGHT,
         rescale_prior: bool = False,
+        clip: float | None = None,
     ) -> None:
         """``prefill_scale`` / ``decode_scale`` / ``pairs_scale``: typical feature sizes (the
         step's token budget, its most requests, their attention pairs), at which the prior
         counts as ``prior_weight`` observed steps. ``rescale_prior``: multiply the prior by
         the first measured step's time over its prediction, so that on a machine (or model)
         several times slower or faster than the prior's the first fits keep the prior's
-        proportions instead of giving the whole difference to the least pinned coefficient."""
+        proportions instead of giving the whole difference to the least pinned coefficient.
+        ``clip``: after the first step, a measured time counts as at most ``clip`` times the
+        prediction and at least ``1 / clip`` times it (None: as measured)."""
         if not 0.0 < forget <= 1.0:
             raise ConfigError(f"StepTimeModel: forget must be in (0, 1], got {forget!r}")
         self.forget = forget
@@ -128,6 +135,7 @@ class StepTimeModel:
         self._xt = [r * p for r, p in zip(ridge, self._prior, strict=True)]
         #: The prior is a shape: the first measured step sets its scale (``rescale_prior``).
         self.rescale_prior = rescale_prior
+        self.clip = clip
         self._floor = [PRIOR_FLOOR * r for r in ridge]
         self.num_observed = 0
         self.coefficients: tuple[float, float, float] = self._prior[:3]
@@ -149,6 +157,10 @@ class StepTimeModel:
         # the shorter ones near the target, and the prior's scale stays that of a step
         if self.rescale_prior and self.num_observed == 0:
             self._scale_prior(seconds, x)
+        elif self.clip is not None:
+            predicted = self.predict(shape.prefill_tokens, shape.decode_rows, shape.attention_pairs)
+            if predicted > 0.0:
+                seconds = min(max(seconds, predicted / self.clip), predicted * self.clip)
         w = self._scale2 / max(seconds, MIN_STEP_S) ** 2
         lam = self.forget
         xx, xt = self._xx, self._xt
@@ -249,8 +261,9 @@ class PrefillBudget:
         self.multiple = multiple
         self.min_tokens = max(1, min_tokens)
         self.max_tokens = max(self.min_tokens, max_tokens)
+        auto = target_s is None
         self.model = model or StepTimeModel(
-            prefill_scale=max_tokens, rescale_prior=target_s is None
+            prefill_scale=max_tokens, rescale_prior=auto, clip=AUTO_CLIP if auto else None
         )
         #: The target of the latest step with decodes, in seconds (None: none set).
         self.last_target_s: float | None = None

@@ -28,6 +28,7 @@ from baton.protocol import FinishReason
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler
+from baton.sched.victims import VictimCandidate
 from baton.scheduling_info import SchedulingInfo
 from baton.testing.fake_executor import FakeExecutor
 
@@ -87,6 +88,27 @@ class CheckedPolicy:
         victim = self.inner.select_victim(running)
         assert any(victim is r for r in running), (
             f"select_victim returned {victim!r}, not one of the candidates"
+        )
+        self.num_victims += 1
+        return victim
+
+    def choose_victim(self, candidates: Sequence[VictimCandidate], now: float) -> Request:
+        """The data-rich victim call (``baton.sched.victims``): checks the candidates' data and
+        passes them on to a policy with ``choose_victim``, else their requests to
+        ``select_victim``."""
+        assert candidates, "choose_victim called with no candidates"
+        assert sum(c.is_requester for c in candidates) == 1, "not exactly one requester"
+        for c in candidates:
+            r = c.request
+            assert c.num_computed_tokens == r.num_computed_tokens, (r, c)
+            assert c.num_output_tokens == r.num_output_tokens and c.max_tokens == r.max_tokens
+            assert c.num_blocks > 0, f"{r!r} runs without a KV block"
+        inner = getattr(self.inner, "choose_victim", None)
+        if inner is None:
+            return self.select_victim([c.request for c in candidates])
+        victim = inner(candidates, now)
+        assert any(victim is c.request for c in candidates), (
+            f"choose_victim returned {victim!r}, not one of the candidates"
         )
         self.num_victims += 1
         return victim
@@ -283,19 +305,41 @@ def random_requests(
     priorities: Sequence[int] = (-1, 0, 1),
     users: Sequence[str | None] = USERS,
 ) -> list[Request]:
-    """A mixed workload: random lengths, priorities, users and arrival times in [0, spread_s)."""
+    """A mixed workload: random lengths, priorities, users and arrival times in [0, spread_s);
+    every other request has an SLO (some TTFT and TPOT targets easy, some impossible, so that
+    a policy reading them sees requests become hopeless)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
+        prompt_len = rng.randint(1, max_prompt)
+        max_new = rng.randint(1, max_tokens)
+        arrival = round(rng.uniform(0, spread_s), 3) if i else 0.0
+        priority = rng.choice(list(priorities))
+        user = rng.choice(list(users))
+        slo = SLO_CHOICES[i % len(SLO_CHOICES)]  # no rng draw: the workloads stay as they were
         out.append(
             make_request(
                 f"s{seed}-r{i}",
-                rng.randint(1, max_prompt),
-                rng.randint(1, max_tokens),
-                arrival_time=round(rng.uniform(0, spread_s), 3) if i else 0.0,
-                priority=rng.choice(list(priorities)),
-                user=rng.choice(list(users)),
+                prompt_len,
+                max_new,
+                arrival_time=arrival,
+                priority=priority,
+                user=user,
                 salt=seed,
+                scheduling=SchedulingInfo(
+                    priority=priority, slo_ttft_ms=slo[0], slo_tpot_ms=slo[1]
+                ),
             )
         )
     return out
+
+
+#: (slo_ttft_ms, slo_tpot_ms) of ``random_requests``, by request index: none, easy, impossible.
+SLO_CHOICES: tuple[tuple[float | None, float | None], ...] = (
+    (None, None),
+    (5000.0, 500.0),
+    (None, None),
+    (1.0, None),
+    (None, None),
+    (100.0, 1.0),
+)

@@ -90,6 +90,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        help="every request's time-to-first-token target, sent as scheduling.slo_ttft_ms; "
+        "goodput (requests that met every target given) is reported",
+    )
+    p.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        help="every request's time-per-output-token target (scheduling.slo_tpot_ms)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--per-request", action="store_true", help="include every request's record")
     add_engine_arguments(p)
@@ -111,8 +122,10 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def request_body(req: WorkloadRequest, endpoint: str, model: str) -> tuple[str, dict[str, Any]]:
-    """The path and JSON body of one workload request."""
+def request_body(
+    req: WorkloadRequest, endpoint: str, model: str, slo: dict[str, float] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of one workload request; ``slo``: its ``scheduling`` SLO fields."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": req.max_new_tokens,
@@ -121,6 +134,8 @@ def request_body(req: WorkloadRequest, endpoint: str, model: str) -> tuple[str, 
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    if slo:
+        body["scheduling"] = slo
     if endpoint == "chat":
         if req.messages is None:
             raise BatonError(
@@ -176,6 +191,7 @@ async def run_load(
     max_concurrency: int | None = None,
     seed: int = 0,
     api_key: str = "none",
+    slo: dict[str, float] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request (arrivals and concurrency as given); returns the records and the
     seconds from the first send to the last request's end."""
@@ -213,7 +229,7 @@ async def run_load(
         async def send(req: WorkloadRequest, at: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             async with gate:
-                path, body = request_body(req, endpoint, model or "")
+                path, body = request_body(req, endpoint, model or "", slo)
                 return await _one(client, path, body, req.id, req.max_new_tokens)
 
         records = await asyncio.gather(
@@ -229,6 +245,38 @@ def _pcts(values: list[float]) -> dict[str, float]:
     out = {f"p{q}": round(percentile(values, q), 5) for q in (50, 90, 99)}
     out["mean"] = round(statistics.fmean(values), 5)
     return out
+
+
+def slo_fields(ttft_ms: float | None, tpot_ms: float | None) -> dict[str, float]:
+    """The ``scheduling`` SLO fields of ``--slo-ttft-ms`` / ``--slo-tpot-ms`` (those given)."""
+    out = {"slo_ttft_ms": ttft_ms, "slo_tpot_ms": tpot_ms}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def met_slo(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """Whether a request met every target in ``slo``, as the client saw it (a failed one did not)."""
+    if r.error is not None or r.ttft_s is None or r.e2e_s is None:
+        return False
+    ttft = slo.get("slo_ttft_ms")
+    if ttft is not None and r.ttft_s * 1000.0 > ttft:
+        return False
+    tpot = slo.get("slo_tpot_ms")
+    if tpot is not None and r.output_tokens > 1:
+        return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) * 1000.0 <= tpot
+    return True
+
+
+def goodput(
+    records: Sequence[RequestRecord], duration: float, slo: dict[str, float]
+) -> dict[str, Any]:
+    """How many requests met their SLO, and their rate."""
+    met = sum(met_slo(r, slo) for r in records)
+    return {
+        **slo,
+        "met": met,
+        "attainment": round(met / len(records), 4) if records else 0.0,
+        "goodput_req_s": round(met / duration, 4) if duration > 0 else 0.0,
+    }
 
 
 def summarize(records: Sequence[RequestRecord], duration: float) -> dict[str, Any]:
@@ -325,6 +373,7 @@ def main(args: argparse.Namespace) -> int:
     server = None if args.base_url else ServeProcess(serve_argv(args))
     url = args.base_url or (server.url if server else None) or ""
     model = args.model_name or (SERVED_NAME if server else None)
+    slo = slo_fields(args.slo_ttft_ms, args.slo_tpot_ms)
     try:
         with CpuMonitor() as cpu:
             records, duration = asyncio.run(
@@ -337,6 +386,7 @@ def main(args: argparse.Namespace) -> int:
                     max_concurrency=args.max_concurrency,
                     seed=args.seed,
                     api_key=args.api_key,
+                    slo=slo,
                 )
             )
     finally:
@@ -351,6 +401,8 @@ def main(args: argparse.Namespace) -> int:
         **summarize(records, duration),
         "cpu": cpu.result,
     }
+    if slo:
+        result["goodput"] = goodput(records, duration, slo)
     if server is not None:
         result["server_exit_code"] = code
     if args.per_request:

@@ -142,6 +142,18 @@ class _Families:
         self.preemptions = Counter(
             f"{prefix}num_preemptions", "Requests preempted (recomputed).", labels, registry=r
         )
+        self.slo_requests = Counter(
+            f"{prefix}slo_requests",
+            "Finished requests with an SLO (scheduling.slo_ttft_ms / slo_tpot_ms; not aborted).",
+            labels,
+            registry=r,
+        )
+        self.slo_met = Counter(
+            f"{prefix}slo_met_requests",
+            "Finished requests that met their SLO (goodput: its rate).",
+            labels,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             f"{prefix}prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r
         )
@@ -290,6 +302,8 @@ class _EngineMetrics:
         self.prefix_queries = f.prefix_queries.labels(*labels)
         self.prefix_hits = f.prefix_hits.labels(*labels)
         self.preemptions = f.preemptions.labels(*labels)
+        self.slo_requests = f.slo_requests.labels(*labels)
+        self.slo_met = f.slo_met.labels(*labels)
         self.prompt_tokens = f.prompt_tokens.labels(*labels)
         self.generation_tokens = f.generation_tokens.labels(*labels)
         self.ttft = f.ttft.labels(*labels)
@@ -314,6 +328,9 @@ class _EngineMetrics:
                 self.prefix_hits.inc(s.prefix_cache_hits)
             if s.num_preemptions:
                 self.preemptions.inc(s.num_preemptions)
+            if s.num_slo_finished:
+                self.slo_requests.inc(s.num_slo_finished)
+                self.slo_met.inc(s.num_slo_met)
             if self.spec is not None and s.spec_num_drafts:
                 self.spec.record(s)
         if iteration_stats is not None:

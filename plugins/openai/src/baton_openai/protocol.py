@@ -153,7 +153,8 @@ class SamplingFields(SamplerFields):
     priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     scheduling: Annotated[dict[str, Any], Bounded] | None = None
     """baton's extra: what the scheduler policy may read (priority, deadline in seconds after
-    arrival, tenant, tags); its fields are checked by baton.validation, naming scheduling.<field>."""
+    arrival, tenant, tags, SLO targets slo_ttft_ms / slo_tpot_ms); its fields are checked by
+    baton.validation, naming scheduling.<field>."""
     allowed_token_ids: Annotated[list[TokenId], Bounded] | None = None
     """vLLM's: only these tokens may be generated."""
     bad_words: Annotated[list[str], Bounded] | None = None
