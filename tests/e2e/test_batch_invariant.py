@@ -28,9 +28,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, lo
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, logprobs=5)
 
 
-def needle_outputs(model: str, others: list[list[int]], at: int, **overrides) -> list[Any]:
+def needle_outputs(
+    model: str, others: list[list[int]], at: int, drafts: bool = False, **overrides
+) -> list[Any]:
     """The needles' (greedy, seeded) completions when run with ``others`` (token-id prompts,
-    each greedy with 1-40 new tokens), the needles placed at index ``at``."""
+    each greedy with 1-40 new tokens), the needles placed at index ``at``. ``drafts``: check
+    that the engine verified draft tokens (speculation on)."""
     rng = random.Random(len(others) * 31 + at)
     prompts: list[Any] = [{"prompt_token_ids": p} for p in others]
     params = [
@@ -41,6 +44,9 @@ def needle_outputs(model: str, others: list[list[int]], at: int, **overrides) ->
     params[at:at] = [GREEDY, SEEDED]
     with LLM(model=model, **{**BASE, **overrides}) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        if drafts:
+            stats = llm.get_stats()
+            assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     return [outs[at].outputs[0], outs[at + 1].outputs[0]]
 
 
@@ -88,7 +94,7 @@ def test_needle_is_bitwise_the_same_in_any_batch(tiny, alone, n, order, budget, 
                 "speculative.adaptive": False,
             }
         )
-    got = needle_outputs(tiny, others, at, **overrides)
+    got = needle_outputs(tiny, others, at, drafts=speculation is not None, **overrides)
     assert_same(got, alone, f"{n} others ({order}), budget {budget}, speculation {speculation}")
 
 
@@ -106,6 +112,7 @@ def test_needle_on_the_default_model():
         "smollm2-135m-instruct",
         others[:6],
         3,
+        drafts=True,
         max_num_batched_tokens=256,
         **{"speculative.method": "ngram", "speculative.disable_by_batch_size": None},
     )
