@@ -69,7 +69,7 @@ def ready(driver: Any) -> bool:
     return driver.execute_script("return document.body.dataset.ready === 'true';")
 
 
-def test_a_chat_streams_the_models_answer_into_the_page(server, browser):
+def test_a_chat_streams_the_models_answer_into_the_page(browser, server):
     open_page(browser, f"{server.url}/")
     wait_until(browser, ready, "the playground to load")
     assert text_of(browser, "#model-name") == server.model
@@ -103,7 +103,7 @@ def test_a_chat_streams_the_models_answer_into_the_page(server, browser):
     assert browser_errors(browser) == []
 
 
-def test_stop_aborts_the_request_in_the_engine(server, browser):
+def test_stop_aborts_the_request_in_the_engine(browser, server):
     open_page(browser, f"{server.url}/")
     wait_until(browser, ready, "the playground to load")
     before = server.metrics()
@@ -150,7 +150,7 @@ def test_stop_aborts_the_request_in_the_engine(server, browser):
     )
 
 
-def test_the_pages_ask_for_the_api_key_and_send_it(keyed_server, browser):
+def test_the_pages_ask_for_the_api_key_and_send_it(browser, keyed_server):
     open_page(browser, f"{keyed_server.url}/")
     enter_key(browser, "not-the-key")
     # refused: asked again, and nothing of the server shown meanwhile
@@ -183,7 +183,7 @@ def test_the_pages_ask_for_the_api_key_and_send_it(keyed_server, browser):
     assert browser_errors(browser) == []
 
 
-def test_the_dashboard_shows_the_queue_grow_and_drain(keyed_server, browser):
+def test_the_dashboard_shows_the_queue_grow_and_drain(browser, keyed_server):
     browser.get(f"{keyed_server.url}/dashboard")
     wait_until(browser, lambda d: ready(d) or key_asked(d), "the dashboard to load")
     if key_asked(browser):  # run alone: no key entered in this tab yet
