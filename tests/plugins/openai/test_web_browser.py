@@ -4,6 +4,7 @@ figures following a load, the API key asked for and sent. Screenshots: test-arti
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -100,6 +101,20 @@ def test_a_chat_streams_the_models_answer_into_the_page(browser, server):
     browser.refresh()
     wait_until(browser, ready, "the playground to load again")
     assert browser.execute_script("return document.querySelectorAll('.message').length") == 2
+    # structured output (xgrammar is installed): the JSON schema field constrains the answer
+    assert browser.find_element("id", "json-schema").is_displayed()
+    fill(browser, "json-schema", '{"type": "string", "enum": ["yes", "no"]}')
+    fill(browser, "extra", "{}")
+    fill(browser, "prompt", "Yes or no?")
+    browser.find_element("id", "send").click()
+    last = f"{ANSWER}:last-of-type"
+    wait_until(
+        browser,
+        lambda d: d.execute_script(f"return document.querySelector('{last}')?.dataset.done"),
+        "the structured answer",
+    )
+    assert json.loads(text_of(browser, f"{last} .content")) in ("yes", "no")
+    assert "finish: stop" in text_of(browser, f"{last} .stats")
     assert browser_errors(browser) == []
 
 
