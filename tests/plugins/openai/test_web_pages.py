@@ -101,6 +101,21 @@ def test_stats_follow_the_engine(server, client):
     assert e1["prompt_tokens"] == metric(m, "baton_prompt_tokens_total")
 
 
+def test_stats_have_one_entry_per_data_parallel_engine(model_dir):
+    with running_server(
+        model_dir, max_model_len=128, data_parallel_size=2, routing={"router": "round-robin"}
+    ) as srv:
+        client = srv.client()
+        for _ in range(2):  # one on each engine
+            client.completions.create(model=srv.model, prompt="Hi", max_tokens=4)
+        stats = httpx.get(f"{srv.url}/ui/stats").json()
+        info = httpx.get(f"{srv.url}/ui/info").json()
+    assert info["data_parallel_size"] == 2
+    assert [e["engine"] for e in stats["engines"]] == ["0", "1"]
+    assert [e["generation_tokens"] for e in stats["engines"]] == [4, 4]
+    assert [e["finished"]["length"] for e in stats["engines"]] == [1, 1]
+
+
 def test_info_lists_the_plugins_and_the_cpu_path(server):
     info = httpx.get(f"{server.url}/ui/info").json()
     assert info["model"] == server.model and info["max_model_len"] == 1024
