@@ -130,7 +130,6 @@ def test_stop_aborts_the_request_in_the_engine(browser, server):
     # streamed: part of the answer is in the page while the request still runs
     wait_until(browser, lambda d: len(text_of(d, f"{ANSWER} .content")) > 20, "streamed text")
     assert browser.find_element("id", "stop-button").is_enabled()
-    screenshot(browser, "playground")
     browser.find_element("id", "stop-button").click()
     wait_until(
         browser,
@@ -141,6 +140,8 @@ def test_stop_aborts_the_request_in_the_engine(browser, server):
         "the answer to stop",
     )
     assert "stopped" in text_of(browser, f"{ANSWER} .stats")
+    assert len(text_of(browser, f"{ANSWER} .content")) > 20  # what came before the stop stays
+    screenshot(browser, "playground")
 
     def aborted() -> bool:
         m = server.metrics()
