@@ -119,6 +119,8 @@ def test_stats_have_one_entry_per_data_parallel_engine(model_dir):
 def test_info_lists_the_plugins_and_the_cpu_path(server):
     info = httpx.get(f"{server.url}/ui/info").json()
     assert info["model"] == server.model and info["max_model_len"] == 1024
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert info["dtype"] in ("float32", "bfloat16", "float16")
     rows = {(p["kind"], p["name"]): p for p in info["plugins"]}
     prometheus = rows[("stat_logger", "prometheus")]
     assert prometheus["distribution"] == "baton-plugin-openai" and prometheus["selected"]

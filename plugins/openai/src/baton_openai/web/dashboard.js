@@ -109,8 +109,10 @@ function showInfo(info) {
   $("playground-link").classList.toggle("hidden", !info.playground);
   const facts = [
     ["model", info.model],
+    ["architecture", info.architecture],
     ["context (max_model_len)", info.max_model_len],
     ["device", info.device],
+    ["dtype", info.dtype + (info.dtype_native ? " (native)" : " (emulated through float32)")],
     ["data-parallel engines", info.data_parallel_size],
     ["CPU", info.cpu.cpu],
     ["kernel ISA", info.cpu.kernel_isa + " (" + (info.cpu.kernel_flags.join(" ") || info.cpu.error) + ")"],
