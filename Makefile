@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast bench lint clean
+.PHONY: setup browser run test test-fast bench lint clean
 
 setup: $(STAMP)
 
@@ -34,19 +34,32 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(DISTS))
 	$(PY) -m pip check || true
 	touch $(STAMP)
 
+# Chromium and its WebDriver for the browser tests (tests/plugins/openai/test_web_browser.py):
+# installed with apt when missing, as root with apt-get; elsewhere those tests skip and say why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make browser: installing chromium and chromium-driver (apt-get)"; \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } \
+			|| echo "make browser: apt-get could not install chromium and chromium-driver: the browser tests will skip"; \
+	else \
+		echo "make browser: chromium or chromedriver missing and no root apt-get to install them: the browser tests will skip"; \
+	fi
+
 run: setup
 	$(VENV)/bin/baton chat --message "What is the capital of France? Answer in one sentence." --max-tokens 48
 
 # Two passes: every test not marked serial in $(TEST_WORKERS) workers, then the serial ones alone
 # (they time the system under test: tests/conftest.py SERIAL). Both run; either failing fails,
 # and each must find tests (pytest exits 5 otherwise): to run a few files, call pytest on them.
-test: setup
+test: setup browser
 	@status=0; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) || status=$$?; \
 	$(PY) -m pytest -p no:xdist -m serial $(PYTEST_ARGS) || status=$$?; \
 	exit $$status
 
-test-fast: setup
+test-fast: setup browser
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

@@ -94,7 +94,11 @@ def screenshot(driver: Any, name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     size = driver.get_window_size()
-    height = driver.execute_script("return document.documentElement.scrollHeight")
+    # the pages scroll inside <main>, under a fixed header
+    height = driver.execute_script(
+        "const main = document.querySelector('main'), top = document.querySelector('header');"
+        "return (main ? main.scrollHeight : 0) + (top ? top.offsetHeight : 0);"
+    )
     driver.set_window_size(size["width"], max(size["height"], height + 100))
     try:
         driver.save_screenshot(str(path))

@@ -4,6 +4,7 @@ figures following a load, the API key asked for and sent. Screenshots: test-arti
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ KEY = "page-test-key"
 ANSWER = '.message[data-role="assistant"]'
 #: The dashboard test's load: requests of this many tokens, one at a time (max_num_seqs = 1).
 LOAD_REQUESTS = 4
-LOAD_TOKENS = 100
+LOAD_TOKENS = 120
 #: Seconds the load may take on a busy machine (2 shared cores).
 LOAD_TIMEOUT = 180
 
@@ -69,7 +70,7 @@ def ready(driver: Any) -> bool:
     return driver.execute_script("return document.body.dataset.ready === 'true';")
 
 
-def test_a_chat_streams_the_models_answer_into_the_page(server, browser):
+def test_a_chat_streams_the_models_answer_into_the_page(browser, server):
     open_page(browser, f"{server.url}/")
     wait_until(browser, ready, "the playground to load")
     assert text_of(browser, "#model-name") == server.model
@@ -100,10 +101,24 @@ def test_a_chat_streams_the_models_answer_into_the_page(server, browser):
     browser.refresh()
     wait_until(browser, ready, "the playground to load again")
     assert browser.execute_script("return document.querySelectorAll('.message').length") == 2
+    # structured output (xgrammar is installed): the JSON schema field constrains the answer
+    assert browser.find_element("id", "json-schema").is_displayed()
+    fill(browser, "json-schema", '{"type": "string", "enum": ["yes", "no"]}')
+    fill(browser, "extra", "{}")
+    fill(browser, "prompt", "Yes or no?")
+    browser.find_element("id", "send").click()
+    last = f"{ANSWER}:last-of-type"
+    wait_until(
+        browser,
+        lambda d: d.execute_script(f"return document.querySelector('{last}')?.dataset.done"),
+        "the structured answer",
+    )
+    assert json.loads(text_of(browser, f"{last} .content")) in ("yes", "no")
+    assert "finish: stop" in text_of(browser, f"{last} .stats")
     assert browser_errors(browser) == []
 
 
-def test_stop_aborts_the_request_in_the_engine(server, browser):
+def test_stop_aborts_the_request_in_the_engine(browser, server):
     open_page(browser, f"{server.url}/")
     wait_until(browser, ready, "the playground to load")
     before = server.metrics()
@@ -115,7 +130,6 @@ def test_stop_aborts_the_request_in_the_engine(server, browser):
     # streamed: part of the answer is in the page while the request still runs
     wait_until(browser, lambda d: len(text_of(d, f"{ANSWER} .content")) > 20, "streamed text")
     assert browser.find_element("id", "stop-button").is_enabled()
-    screenshot(browser, "playground")
     browser.find_element("id", "stop-button").click()
     wait_until(
         browser,
@@ -126,6 +140,8 @@ def test_stop_aborts_the_request_in_the_engine(server, browser):
         "the answer to stop",
     )
     assert "stopped" in text_of(browser, f"{ANSWER} .stats")
+    assert len(text_of(browser, f"{ANSWER} .content")) > 20  # what came before the stop stays
+    screenshot(browser, "playground")
 
     def aborted() -> bool:
         m = server.metrics()
@@ -150,7 +166,7 @@ def test_stop_aborts_the_request_in_the_engine(server, browser):
     )
 
 
-def test_the_pages_ask_for_the_api_key_and_send_it(keyed_server, browser):
+def test_the_pages_ask_for_the_api_key_and_send_it(browser, keyed_server):
     open_page(browser, f"{keyed_server.url}/")
     enter_key(browser, "not-the-key")
     # refused: asked again, and nothing of the server shown meanwhile
@@ -183,8 +199,8 @@ def test_the_pages_ask_for_the_api_key_and_send_it(keyed_server, browser):
     assert browser_errors(browser) == []
 
 
-def test_the_dashboard_shows_the_queue_grow_and_drain(keyed_server, browser):
-    browser.get(f"{keyed_server.url}/dashboard")
+def test_the_dashboard_shows_the_queue_grow_and_drain(browser, keyed_server):
+    browser.get(f"{keyed_server.url}/dashboard?poll=0.2")  # no load too short to be seen
     wait_until(browser, lambda d: ready(d) or key_asked(d), "the dashboard to load")
     if key_asked(browser):  # run alone: no key entered in this tab yet
         enter_key(browser, KEY)

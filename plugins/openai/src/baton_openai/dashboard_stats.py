@@ -1,14 +1,13 @@
 """The dashboard's figures, read from the prometheus stat logger's registry (what /metrics shows).
 
-Each read takes a snapshot of the registry (at most one per ``MIN_INTERVAL_S``)
-and keeps the recent ones, so rates and percentiles cover a window as Grafana's
+Each read takes a snapshot of the registry and keeps the recent ones (at most
+one per ``MIN_INTERVAL_S``), so rates and percentiles cover a window as Grafana's
 ``rate(...[1m])`` and ``histogram_quantile`` would: output tok/s over the last
 ``RATE_WINDOW_S``, the prefix-cache hit rate and TTFT / ITL percentiles over the
 last ``WINDOW_S`` (interpolated inside the histogram's buckets, as Prometheus
-does). The window a figure covers is the span between the snapshot it starts
-from and now, given in the answer: right after the server starts, or after a
-time nobody looked, it is longer than ``WINDOW_S``. Figures are per engine (the
-``engine`` label: one per data-parallel engine).
+does). The answer gives the spans the figures cover: shorter than the windows
+right after the server starts, longer after a time when nobody looked. Figures
+are per engine (the ``engine`` label: one per data-parallel engine).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from prometheus_client import CollectorRegistry
 RATE_WINDOW_S = 5.0
 #: Percentiles and the prefix-cache hit rate cover about this many seconds.
 WINDOW_S = 60.0
-#: Readers closer together than this share a snapshot (several dashboards open).
+#: Snapshots kept are at least this far apart (several dashboards open).
 MIN_INTERVAL_S = 0.5
 #: Snapshots kept at most (a window's worth at MIN_INTERVAL_S, and some).
 MAX_SNAPSHOTS = 256
@@ -110,18 +109,17 @@ class DashboardStatsSource:
         self._snapshots.append(self._snapshot())
 
     def read(self) -> DashboardStats:
-        """The figures now, against the snapshots kept (takes a new one when the last is old)."""
-        now = time.monotonic()
-        if now - self._snapshots[-1].at >= MIN_INTERVAL_S:
-            self._snapshots.append(self._snapshot())
+        """The figures now, against the snapshots kept (this one is kept too when the last kept
+        is at least MIN_INTERVAL_S old)."""
+        last = self._snapshot()
+        kept = self._snapshots
+        if last.at - kept[-1].at >= MIN_INTERVAL_S:
+            kept.append(last)
         # the oldest kept snapshot is the newest one at least a window old (or the oldest)
-        while len(self._snapshots) > 2 and self._snapshots[1].at <= now - WINDOW_S:
-            self._snapshots.popleft()
-        last = self._snapshots[-1]
-        window = self._snapshots[0]
-        rate = next(
-            (s for s in reversed(self._snapshots) if s.at <= last.at - RATE_WINDOW_S), window
-        )
+        while len(kept) > 2 and kept[1].at <= last.at - WINDOW_S:
+            kept.popleft()
+        window = kept[0]
+        rate = next((s for s in reversed(kept) if s.at <= last.at - RATE_WINDOW_S), window)
         engines = [
             _figures(
                 name, sample, rate.engines.get(name), last.at - rate.at, window.engines.get(name)
@@ -129,8 +127,8 @@ class DashboardStatsSource:
             for name, sample in sorted(last.engines.items(), key=lambda kv: int(kv[0]))
         ]
         return DashboardStats(
-            time=time.time() - (now - last.at),
-            uptime_s=now - self.started,
+            time=time.time(),
+            uptime_s=last.at - self.started,
             stats_enabled=self.registry is not None,
             rate_window_s=last.at - rate.at,
             window_s=last.at - window.at,

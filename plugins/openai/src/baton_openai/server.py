@@ -235,6 +235,9 @@ class OpenAIServer:
             port,
             self.config.server.served_model_name or self.config.model.name,
         )
+        url = f"http://{host}:{port}"
+        chat = f"{url}/ (chat playground), " if self.config.server.playground else ""
+        log.info("baton serve: open %s%s/dashboard (engine dashboard)", chat, url)
         self.started.set()
 
     async def _watch_engine(self, engine: AsyncLLM) -> None:

@@ -13,6 +13,7 @@ from baton.config import BatonConfig
 from baton.kernels.loader import ISA_ENV, KernelBuildError, isa_flags
 from baton.plugin_kinds import PLUGIN_KINDS
 from baton.plugins import get_registry
+from baton.protocol import ModelInfo
 from baton.worker.cpu_features import cpu_features
 from baton_openai import __version__ as plugin_version
 
@@ -53,7 +54,12 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     """What ``GET /ui/info`` answers (what the pages need that does not change while serving)."""
 
     model: str
+    architecture: str
     max_model_len: int
+    dtype: str
+    """What the model computes in ("" until a worker has loaded it)."""
+    dtype_native: bool
+    """The device computes ``dtype`` in hardware (not emulated through float32)."""
     version: str
     plugin_version: str
     device: str
@@ -97,11 +103,15 @@ def plugin_rows(config: BatonConfig) -> list[PluginRow]:
     return rows
 
 
-def server_info(config: BatonConfig, model_name: str, max_model_len: int) -> ServerInfo:
+def server_info(config: BatonConfig, model_name: str, model: ModelInfo) -> ServerInfo:
+    """What the pages show of a server serving ``model`` as ``model_name``."""
     registry = get_registry()
     return ServerInfo(
         model=model_name,
-        max_model_len=max_model_len,
+        architecture=model.architecture,
+        max_model_len=model.max_model_len,
+        dtype=model.dtype,
+        dtype_native=model.dtype_native,
         version=__version__,
         plugin_version=plugin_version,
         device=config.executor.device,

@@ -109,7 +109,7 @@ def install_web_pages(app: FastAPI, config: BatonConfig, auth: list[Any]) -> Non
     ctx: ServerContext = app.state.baton
     metrics = ctx.metrics
     app.state.web_pages = WebPages(
-        server_info(config, ctx.model_name, ctx.max_model_len),
+        server_info(config, ctx.model_name, ctx.engine.info),
         DashboardStatsSource(
             metrics.registry if metrics is not None else None,
             metrics.prefix if metrics is not None else "baton_",

@@ -1,8 +1,9 @@
-// The engine dashboard: polls GET /ui/stats (behind the API key) once a second and draws the
-// figures of each engine; GET /ui/info once for the model, the plugins and the CPU path.
+// The engine dashboard: polls GET /ui/stats (behind the API key) once a second (?poll=SECONDS
+// sets another period, 0.1 at least) and draws the figures of each engine; GET /ui/info once for
+// the model, the plugins and the CPU path.
 "use strict";
 
-const POLL_MS = 1000;
+const POLL_MS = Math.max(100, 1000 * (Number(new URLSearchParams(location.search).get("poll")) || 1));
 const engines = new Map(); // engine index -> {section, plots}
 
 // [figure name, label, value -> text]
@@ -108,8 +109,10 @@ function showInfo(info) {
   $("playground-link").classList.toggle("hidden", !info.playground);
   const facts = [
     ["model", info.model],
+    ["architecture", info.architecture],
     ["context (max_model_len)", info.max_model_len],
     ["device", info.device],
+    ["dtype", info.dtype + (info.dtype_native ? " (native)" : " (emulated through float32)")],
     ["data-parallel engines", info.data_parallel_size],
     ["CPU", info.cpu.cpu],
     ["kernel ISA", info.cpu.kernel_isa + " (" + (info.cpu.kernel_flags.join(" ") || info.cpu.error) + ")"],
