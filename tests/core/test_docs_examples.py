@@ -1,8 +1,8 @@
 """docs/writing-a-plugin.md's example plugins, one per kind, built from the page's own text: each
 module is installed as a plugin distribution (a module and its .dist-info on the path, here and
 in the processes baton spawns), and the page's conformance test for it runs as its author would
-run it (pytest in a fresh process), so the page cannot drift from what passes: the executor on
-WorkerGroup ("group", section 9), the speculator ("bigram", 10), the router ("sticky-user", 11,
+run it (pytest in a fresh process), so the page cannot drift from what passes: the executors on
+MultiprocExecutor ("timed") and on WorkerGroup ("group", section 9), the speculator ("bigram", 10), the router ("sticky-user", 11,
 with its two-engine AsyncLLM script) and the engine launcher ("niced", 12). The field tables of
 the docs (``<!-- fields: module.Struct -->``) list exactly their struct's fields, in order.
 
@@ -91,6 +91,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pa
 
 #: (distribution, module, the page's block name, the registered name)
 EXAMPLES = [
+    ("baton-timed", "baton_timed", "timed", "timed"),
     ("baton-group", "baton_group", "group", "group"),
     ("baton-bigram", "baton_bigram", "bigram", "bigram"),
     ("baton-sticky", "baton_sticky", "sticky", "sticky-user"),
@@ -158,6 +159,14 @@ def test_the_group_executor_serves_like_uniproc(installed):
 @pytest.mark.parametrize("block", ["bigram", "sticky", "niced"])
 def test_the_pages_plugin_passes_its_conformance_test(installed, block):
     out = installed[block].run_tests()
+    assert "skipped" not in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_the_multiproc_executor_passes_the_pages_conformance_test(installed):
+    """Section 9's first executor ("timed", on MultiprocExecutor); test_executor_example.py
+    checks its tokens against uniproc's."""
+    out = installed["timed"].run_tests(**TINY)
     assert "skipped" not in out, out[-2000:]
 
 
