@@ -216,3 +216,14 @@ def test_the_docs_field_tables_list_their_structs_fields():
     }
     for doc, m in tables:
         assert table_fields(m.group(2)) == struct_fields(m.group(1)), (doc, m.group(1))
+
+
+def test_hooks_md_names_every_field_a_router_reads():
+    """hooks.md's router section names each RouteRequest and EngineLoad field as the struct
+    spells it (it once called ``request_id`` "id" and left ``lora_int_id`` out)."""
+    hooks = (DOCS / "hooks.md").read_text()
+    section = hooks.split("## `register_routers(register)`", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", section))
+    for struct in ("baton.routing.types.RouteRequest", "baton.routing.types.EngineLoad"):
+        missing = [f for f in struct_fields(struct) if f not in named]
+        assert not missing, (struct, missing)
