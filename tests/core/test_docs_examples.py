@@ -1,7 +1,10 @@
 """docs/writing-a-plugin.md's example plugins, one per kind, built from the page's own text: each
 module is installed as a plugin distribution (a module and its .dist-info on the path, here and
 in the processes baton spawns), and the page's conformance test for it runs as its author would
-run it (pytest in a fresh process), so the page cannot drift from what passes.
+run it (pytest in a fresh process), so the page cannot drift from what passes: the executors on
+MultiprocExecutor ("timed") and on WorkerGroup ("group", section 9), the speculator ("bigram", 10), the router ("sticky-user", 11,
+with its two-engine AsyncLLM script) and the engine launcher ("niced", 12). The field tables of
+the docs (``<!-- fields: module.Struct -->``) list exactly their struct's fields, in order.
 
 The executor on WorkerGroup ("group") is also checked through ``LLM`` against ``uniproc``: the
 same greedy tokens, ``get_memory_usage`` answered alike, and a ``collective_rpc`` target that
@@ -10,6 +13,7 @@ raises fails that call only (``sleep`` / ``wake_up`` and steps go on).
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -86,7 +90,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pa
 
 
 #: (distribution, module, the page's block name, the registered name)
-EXAMPLES = [("baton-group", "baton_group", "group", "group")]
+EXAMPLES = [
+    ("baton-timed", "baton_timed", "timed", "timed"),
+    ("baton-group", "baton_group", "group", "group"),
+    ("baton-bigram", "baton_bigram", "bigram", "bigram"),
+    ("baton-sticky", "baton_sticky", "sticky", "sticky-user"),
+    ("baton-niced", "baton_niced", "niced", "niced"),
+]
 
 #: A tiny random model for the page's tests, through baton's settings variables.
 TINY = {
@@ -140,3 +150,80 @@ def test_the_group_executor_serves_like_uniproc(installed):
         ref_memory.weights_device,
     )
     assert memory.rss_bytes > 0
+
+
+# ---------------------------------------------------------------- speculator, router, launcher
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", ["bigram", "sticky", "niced"])
+def test_the_pages_plugin_passes_its_conformance_test(installed, block):
+    out = installed[block].run_tests()
+    assert "skipped" not in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_the_multiproc_executor_passes_the_pages_conformance_test(installed):
+    """Section 9's first executor ("timed", on MultiprocExecutor); test_executor_example.py
+    checks its tokens against uniproc's."""
+    out = installed["timed"].run_tests(**TINY)
+    assert "skipped" not in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_the_pages_two_engine_script_runs(installed):
+    plugin = installed["sticky"]
+    script = plugin.site / "two_engines.py"
+    script.write_text(page_block("sticky-run"))
+    env = {**os.environ, **TINY, "PYTHONPATH": os.environ["PYTHONPATH"]}
+    ran = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.strip().splitlines()[-1] == "4 answers"
+
+
+# ---------------------------------------------------------------- the docs' field tables
+
+DOCS = PAGE.parent
+FIELDS = re.compile(r"^<!-- fields: ([\w.]+) -->\n(.*?)^<!-- /fields -->", re.S | re.M)
+
+
+def struct_fields(path: str) -> list[str]:
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    if hasattr(cls, "__struct_fields__"):  # msgspec
+        return list(cls.__struct_fields__)
+    return list(cls.model_fields)  # pydantic
+
+
+def table_fields(table: str) -> list[str]:
+    """The first column's names of a markdown table (its header and rule skipped)."""
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]
+    return [re.match(r"\| `(\w+)` \|", row).group(1) for row in rows]
+
+
+def test_the_docs_field_tables_list_their_structs_fields():
+    tables = [
+        (doc.name, m) for doc in sorted(DOCS.glob("*.md")) for m in FIELDS.finditer(doc.read_text())
+    ]
+    assert {m.group(1) for _, m in tables} >= {
+        "baton.routing.types.RouteRequest",
+        "baton.routing.types.EngineLoad",
+        "baton.executor.workers.MultiprocSettings",
+        "baton.protocol.WorkerMemory",
+        "baton.scheduling_info.SchedulingInfo",
+    }
+    for doc, m in tables:
+        assert table_fields(m.group(2)) == struct_fields(m.group(1)), (doc, m.group(1))
+
+
+def test_hooks_md_names_every_field_a_router_reads():
+    """hooks.md's router section names each RouteRequest and EngineLoad field as the struct
+    spells it (it once called ``request_id`` "id" and left ``lora_int_id`` out)."""
+    hooks = (DOCS / "hooks.md").read_text()
+    section = hooks.split("## `register_routers(register)`", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", section))
+    for struct in ("baton.routing.types.RouteRequest", "baton.routing.types.EngineLoad"):
+        missing = [f for f in struct_fields(struct) if f not in named]
+        assert not missing, (struct, missing)

@@ -3,20 +3,23 @@ core reads from an executor (model_info, model_capabilities) when an older one l
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
 
 import pytest
 
+from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.errors import ExecutorError, PluginError
 from baton.executor.heartbeat import Heartbeats
 from baton.executor.latch import FailureLatch
-from baton.interfaces import RunnerFactory
+from baton.interfaces import ModelRunner, RunnerFactory, Worker
 from baton.protocol import ModelCapabilities
-from baton.runner import KVShape, ModelRunnerHooks, StockRunner
+from baton.runner import KVShape, ModelRunnerHooks, StockRunner, load_worker
 from baton.testing import FakeExecutor
+from baton.testing.tiny_model import tiny_model
 
 
 def test_latch_tells_each_callback_once_and_refuses_later_calls():
@@ -131,3 +134,29 @@ def test_tuple_capabilities_are_converted_with_a_warning_and_bad_types_refused()
 def test_the_fake_executor_has_the_members():
     ex = FakeExecutor()
     assert ex.model_info is None and ex.model_capabilities is None
+
+
+class CountingHooks(ModelRunnerHooks):
+    """Counts the forward passes (a runner factory's hooks, as an executor plugin passes them)."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def forward(self, run, num_tokens):
+        self.forwards += 1
+        return run()
+
+
+def test_load_worker_gives_the_worker_contract_around_a_runner_factory():
+    config = BatonConfig.load(
+        model=str(tiny_model("llama")), device="cpu", num_threads=1, max_model_len=128
+    )
+    worker = load_worker(config, StockRunner(CountingHooks), rank=3)
+    assert isinstance(worker, Worker) and isinstance(worker.model_runner, ModelRunner)
+    assert worker.model_runner.hooks.forwards == 0  # made, not run yet
+    assert worker.get_model_info().vocab_size > 0
+    assert worker.get_kv_cache_spec().num_layers > 0
+    memory = worker.memory_usage()
+    assert (memory.rank, memory.kv_cache_bytes) == (3, 0) and memory.weights_bytes > 0
+    assert memory.pid == os.getpid()
+    assert not isinstance(object(), Worker)

@@ -49,7 +49,7 @@ def test_the_clock_jumps_to_the_next_arrival_when_idle():
 
 
 def test_the_pages_harness_example_runs():
-    """docs/writing-a-plugin.md section 10's example, with section 3's TurnsPolicy."""
+    """docs/writing-a-plugin.md section 13's example, with section 3's TurnsPolicy."""
     import re
     from pathlib import Path
 

@@ -23,6 +23,7 @@ _SUITES = (
     "StructuredOutputConformance",
     "SpeculatorConformance",
     "RouterConformance",
+    "EngineLauncherConformance",
 )
 
 PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
@@ -236,6 +237,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.testing.conformance.structured_output": ("StructuredOutputConformance",),
     "baton.testing.conformance.speculator": ("SpeculatorConformance", "PROMPTS", "run_engine"),
     "baton.testing.conformance.router": ("RouterConformance",),
+    "baton.testing.conformance.engine_launcher": ("EngineLauncherConformance", "PROMPTS"),
 }
 
 

@@ -10,6 +10,7 @@ frontend through the transport only; the client watches it through its ``EngineH
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from baton.errors import ConfigError, PluginError
@@ -64,15 +65,20 @@ class ProcessLauncher:
         engine_index: int,
         fingerprint: list[tuple[str, str, str, str]],
     ) -> ProcessHandle:
-        from baton import processes
         from baton.engine.core_proc import run_engine_core as run
 
+        return self.start(run, (config, address, engine_index, fingerprint), engine_index)
+
+    def start(
+        self, target: Callable[..., None], args: Sequence[Any], engine_index: int
+    ) -> ProcessHandle:
+        """``target(*args)`` in a local process named for engine ``engine_index`` (forkserver or
+        spawn: ``target`` at module level); its handle. For a launcher whose process does
+        something around ``run_engine_core``."""
+        from baton import processes
+
         return ProcessHandle(
-            processes.start(
-                run,
-                (config, address, engine_index, fingerprint),
-                name=f"baton-engine-{engine_index}",
-            )
+            processes.start(target, tuple(args), name=f"baton-engine-{engine_index}")
         )
 
     def close(self) -> None:

@@ -6,6 +6,8 @@
 - ``StructuredOutputConformance`` (``.structured_output``): see that module.
 - ``SpeculatorConformance`` (``.speculator``): set ``name`` or override ``make_speculator(config)``.
 - ``RouterConformance`` (``.router``): set ``name`` or override ``make_router(config)``.
+- ``EngineLauncherConformance`` (``.engine_launcher``): set ``name`` or override
+  ``make_launcher(config)``.
 
 Each suite is a plain class of ``test_*`` methods: ``class TestMine(SchedulerPolicyConformance):
 name = "mine"`` collects them all in your test module. Names are imported lazily, so importing
@@ -24,6 +26,7 @@ _SUITES = {
     "StructuredOutputConformance": "baton.testing.conformance.structured_output",
     "SpeculatorConformance": "baton.testing.conformance.speculator",
     "RouterConformance": "baton.testing.conformance.router",
+    "EngineLauncherConformance": "baton.testing.conformance.engine_launcher",
 }
 
 __all__ = sorted(_SUITES)
