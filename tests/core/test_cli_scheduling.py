@@ -36,6 +36,8 @@ def test_chat_flags_reach_the_policy(policy_sees, capsys):
         (["--tag", "novalue"], "--tag 'novalue': use KEY=VALUE"),
         (["--deadline", "-1"], "scheduling.deadline must be in (0, "),
         (["--deadline", "nan"], "scheduling.deadline"),
+        (["--slo-ttft-ms", "0"], "scheduling.slo_ttft_ms must be in (0, "),
+        (["--slo-tpot-ms", "inf"], "scheduling.slo_tpot_ms must be in (0, "),
         (["--tenant", ""], "scheduling.tenant must have 1 to"),
         ([f"--tag=k{i}=v" for i in range(17)], "scheduling.tags has 17 entries"),
     ],
@@ -49,3 +51,11 @@ def test_bad_flags_are_refused_before_a_model_loads(command, flags, words, capsy
     err = capsys.readouterr().err
     assert err.startswith("baton: error: ") and words in err, err
     assert "missing" not in err
+
+
+def test_slo_flags_reach_the_policy(policy_sees, capsys):
+    model = str(tiny_model("llama"))
+    argv = ["generate", "--model", model, "--max-model-len", "128", "--max-tokens", "2"]
+    assert main([*argv, "--slo-ttft-ms", "2000", "--slo-tpot-ms", "80", "hi"]) == 0
+    [req] = policy_sees
+    assert (req.scheduling.slo_ttft_ms, req.scheduling.slo_tpot_ms) == (2000.0, 80.0)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from baton.bench import scheduler as bench
+from baton.bench import simulate as simulate_cli
 from baton.bench.common import WorkloadRequest, load_workload
 from baton.bench.cost_model import (
     CostModel,
@@ -240,3 +241,35 @@ def test_compare_real_reports_the_error(capsys, tmp_path):
     assert cmp["throughput_tok_s"]["error_pct"] == pytest.approx(
         100 * (sim["throughput_tok_s"] - 50) / 50, abs=0.01
     )
+
+
+def test_simulate_reports_goodput_and_recomputed_tokens_per_policy(capsys):
+    p = argparse.ArgumentParser()
+    simulate_cli.add_arguments(p)
+    args = p.parse_args(
+        [
+            "--policy",
+            "fcfs,slo",
+            "--arrival-rate",
+            "2",
+            "--num-requests",
+            "40",
+            "--slo-ttft-ms",
+            "3000",
+            "--slo-tpot-ms",
+            "500",
+            "--num-blocks",
+            "120",
+            "--max-num-seqs",
+            "16",
+            "--json",
+        ]
+    )
+    assert args.workload == "poisson"
+    assert simulate_cli.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["slo_ttft_ms"] == 3000 and out["config"]["slo_tpot_ms"] == 500
+    for f in out["policies"].values():
+        assert f["requests"] == f["slo_requests"] == 40
+        assert 0 <= f["slo_met"] <= 40 and f["slo_attainment"] == round(f["slo_met"] / 40, 4)
+        assert f["preemptions"] > 0 and f["recomputed_tokens"] > 0  # 120 blocks: churn

@@ -148,7 +148,9 @@ class CacheSection(_Section):
 
 class SchedulerSection(_Section):
     policy: str = "fcfs"
-    """Any installed scheduler policy: fcfs, priority, ... (`baton plugins`)."""
+    """Any installed scheduler policy: fcfs, priority, slo (per-request SLO deadlines), ...
+    (`baton plugins`); a policy's own settings sit in ``[scheduler.<name>]`` (docs/hooks.md:
+    ``[scheduler.fcfs] victim``, ``[scheduler.slo] on_miss``)."""
     max_num_seqs: int = Field(64, gt=0)
     """Most requests running at once."""
     max_num_batched_tokens: int = Field(2048, gt=0)
