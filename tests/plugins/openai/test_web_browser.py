@@ -66,6 +66,11 @@ def finished(driver: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in text_of(driver, "#engine-0 [data-figure=finished]").split(" / "))
 
 
+def answer_done(driver: Any, selector: str = ANSWER) -> str | None:
+    """How the answer ``selector`` matches ended: finished, stopped, or None while it runs."""
+    return driver.execute_script(f"return document.querySelector('{selector}')?.dataset.done")
+
+
 def ready(driver: Any) -> bool:
     return driver.execute_script("return document.body.dataset.ready === 'true';")
 
@@ -81,7 +86,7 @@ def test_a_chat_streams_the_models_answer_into_the_page(browser, server):
     browser.find_element("id", "send").click()
     wait_until(
         browser,
-        lambda d: d.execute_script(f"return document.querySelector('{ANSWER}')?.dataset.done"),
+        answer_done,
         "the answer to finish",
     )
     # the page shows what the API answers for the same request
@@ -110,7 +115,7 @@ def test_a_chat_streams_the_models_answer_into_the_page(browser, server):
     last = f"{ANSWER}:last-of-type"
     wait_until(
         browser,
-        lambda d: d.execute_script(f"return document.querySelector('{last}')?.dataset.done"),
+        lambda d: answer_done(d, last),
         "the structured answer",
     )
     assert json.loads(text_of(browser, f"{last} .content")) in ("yes", "no")
@@ -133,10 +138,7 @@ def test_stop_aborts_the_request_in_the_engine(browser, server):
     browser.find_element("id", "stop-button").click()
     wait_until(
         browser,
-        lambda d: (
-            d.execute_script(f"return document.querySelector('{ANSWER}')?.dataset.done")
-            == "stopped"
-        ),
+        lambda d: answer_done(d) == "stopped",
         "the answer to stop",
     )
     assert "stopped" in text_of(browser, f"{ANSWER} .stats")
@@ -184,7 +186,7 @@ def test_the_pages_ask_for_the_api_key_and_send_it(browser, keyed_server):
     browser.find_element("id", "send").click()
     wait_until(
         browser,
-        lambda d: d.execute_script(f"return document.querySelector('{ANSWER}')?.dataset.done"),
+        answer_done,
         "the answer with the key",
     )
     assert "completion tokens" in text_of(browser, f"{ANSWER} .stats")

@@ -10,7 +10,8 @@ import msgspec
 
 from baton import __version__
 from baton.config import BatonConfig
-from baton.kernels.loader import ISA_ENV, KernelBuildError, isa_flags
+from baton.errors import BatonError
+from baton.kernels.loader import ISA_ENV, isa_flags
 from baton.plugin_kinds import PLUGIN_KINDS
 from baton.plugins import get_registry
 from baton.protocol import ModelInfo
@@ -78,7 +79,7 @@ def cpu_path() -> CpuPath:
     isa = os.environ.get(ISA_ENV, "").strip().lower() or "native"
     try:
         flags, error = list(isa_flags()), None
-    except KernelBuildError as e:
+    except BatonError as e:  # an ISA the kernels do not know (KernelBuildError)
         flags, error = [], str(e)
     return CpuPath(cpu=cpu_features().describe(), kernel_isa=isa, kernel_flags=flags, error=error)
 

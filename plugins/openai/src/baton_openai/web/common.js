@@ -15,23 +15,31 @@ function authHeaders(extra) {
   return headers;
 }
 
+let keyPrompt = null; // the key dialog's pending answer, shared by every request that waits
+
 // Opens the page's key dialog; resolves once a key is entered.
 function askForKey(message) {
   const dialog = document.getElementById("key-dialog");
+  dialog.querySelector(".key-message").textContent = message;
+  if (keyPrompt) {
+    if (!dialog.open) dialog.showModal(); // closed with Escape: the requests still wait
+    return keyPrompt;
+  }
   const form = dialog.querySelector("form");
   const input = dialog.querySelector("input");
-  dialog.querySelector(".key-message").textContent = message;
   input.value = "";
-  return new Promise((resolve) => {
+  keyPrompt = new Promise((resolve) => {
     form.onsubmit = (event) => {
       event.preventDefault();
       sessionStorage.setItem(KEY_STORE, input.value.trim());
+      keyPrompt = null;
       dialog.close();
       resolve();
     };
-    if (!dialog.open) dialog.showModal();
-    input.focus();
   });
+  dialog.showModal();
+  input.focus();
+  return keyPrompt;
 }
 
 // fetch() with the key; a 401 asks for a key and tries again.
