@@ -137,3 +137,21 @@ def test_baton_env_reports_this_machine_with_amx_refused():
     if "avx512f" in got["flags"]:
         assert "avx512f" in got["build_isa"]
         assert kernels["linear_q"]["path"].startswith("AVX-512")
+
+
+@pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler: the kernels cannot build")
+def test_no_build_reports_at_once_where_nothing_is_built(tmp_path):
+    """`baton env --no-build` with an empty kernel cache: no compile, the report says why."""
+    env = {**os.environ, loader.KERNEL_DIR_ENV: str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "env", "--json", "--no-build"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert not got["kernels_built"] and got["kernels"] == []
+    assert got["kernels_error"] == "not built on this machine yet"
+    assert list(tmp_path.iterdir()) == []  # nothing compiled

@@ -195,14 +195,13 @@ def _compile(cxx: str, sources: tuple[Path, ...], out: Path, scratch: Path) -> N
     _run(_command(cxx, objects, out), ", ".join(p.name for p in sources))
 
 
-def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) -> Path:
-    """The path of the library compiled from ``sources``, compiling it if no build matches."""
+def library_path(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) -> Path:
+    """Where the library compiled from ``sources`` for this machine lives (it may not exist yet)."""
     if not sources:
         raise KernelBuildError(
             f"no kernel sources next to {__file__}: a broken install of baton-core"
         )
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         "\0".join(
             [
@@ -215,10 +214,16 @@ def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) ->
             ]
         ).encode()
     ).hexdigest()[:16]
-    folder = (directory or kernel_dir()) / key
-    lib = folder / LIBRARY
+    return (directory or kernel_dir()) / key / LIBRARY
+
+
+def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) -> Path:
+    """The path of the library compiled from ``sources``, compiling it if no build matches."""
+    lib = library_path(sources, directory)
     if lib.exists():
         return lib
+    cxx = _compiler()
+    folder = lib.parent
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same key
@@ -239,9 +244,16 @@ def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) ->
     return lib
 
 
-def load() -> bool:
-    """Build (if needed) and load the kernels once per process; False, with a warning, if they cannot be."""
+def load(build_missing: bool = True) -> bool:
+    """Build (if needed) and load the kernels once per process; False, with a warning, if they
+    cannot be. ``build_missing=False``: False (no warning) when this machine has no build yet."""
     global _loaded
+    if _loaded is None and not build_missing:
+        try:
+            if not library_path().exists():
+                return False
+        except KernelBuildError:
+            return False
     if _loaded is None:
         try:
             torch.ops.load_library(str(build()))

@@ -154,7 +154,8 @@ def _bf16_path(cpu: frozenset[str], amx: Grant) -> KernelPath:
 
 
 def collect(build_kernels: bool = True) -> CpuReport:
-    """This machine's report; ``build_kernels=False`` skips compiling the kernels if not built."""
+    """This machine's report; ``build_kernels=False``: the kernels are loaded if this machine has
+    built them, never compiled (a report that must answer at once)."""
     cpu = loader.cpu_flags()
     amx = amx_grant(cpu)
     isa = os.environ.get(loader.ISA_ENV, "native").strip().lower() or "native"
@@ -163,14 +164,12 @@ def collect(build_kernels: bool = True) -> CpuReport:
         flags = list(loader.cxx_flags())
     except loader.KernelBuildError as e:
         flags, error = [], str(e)
-    built = error is None and build_kernels and loader.load()
+    built = error is None and loader.load(build_missing=build_kernels)
     if built:
         build = frozenset(torch.ops.baton.build_isa().split())
     else:
-        error = error or (
-            "not built (--no-build)" if not build_kernels else "did not build: see log"
-        )
-        build = frozenset()
+        why = "not built on this machine yet" if not build_kernels else "did not build: see the log"
+        error, build = error or why, frozenset()
     return CpuReport(
         cpu=cpu_name(),
         arch=platform.machine(),
