@@ -168,11 +168,11 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     # for server and command plugins
     "baton.frontend.input_processor": ("InputProcessor",),
     "baton.cli.main": ("add_engine_arguments", "engine_overrides", "ENGINE_FLAGS"),
-    # the installed plugins (what `baton plugins` lists), the CPU path of the kernels: what a
-    # server shows of itself (baton-plugin-openai's dashboard)
+    # the installed plugins (what `baton plugins` lists), the CPU and each kernel's path (what
+    # `baton env` prints): what a server shows of itself (baton-plugin-openai's dashboard)
     "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
-    "baton.worker.cpu_features": ("cpu_features", "CpuFeatures"),
-    "baton.kernels.loader": ("ISA_ENV", "isa_flags"),
+    "baton.kernels.report": ("collect", "render", "CpuReport", "KernelPath"),
+    "baton.kernels.os_grant": ("Grant",),
     # for benchmark plugins (register_benches)
     "baton.bench.common": (
         "CpuMonitor",

@@ -127,8 +127,12 @@ def test_info_lists_the_plugins_and_the_cpu_path(server):
     assert prometheus["settings"] == {"metric_names": "baton"}
     assert rows[("scheduler_policy", "fcfs")]["selected"]
     assert not rows[("scheduler_policy", "priority")]["selected"]
-    assert info["cpu"]["kernel_isa"] == "native" and info["cpu"]["kernel_flags"]
-    assert info["cpu"]["cpu"].startswith(("x86_64", "aarch64"))
+    # baton env's report: the kernels the engine built, each with its path and the reason
+    cpu = info["cpu"]
+    assert cpu["kernel_isa"] == "native" and cpu["arch"] in ("x86_64", "aarch64")
+    assert cpu["kernels_built"], cpu["kernels_error"]
+    assert {"linear_q", "paged_decode"} <= {k["kernel"] for k in cpu["kernels"]}
+    assert all(k["path"] and k["why"] for k in cpu["kernels"])
 
 
 @pytest.mark.parametrize("names", ["baton", "vllm", "both"])

@@ -3,19 +3,17 @@ plugins (with their distributions and settings), the CPU path of the kernels, th
 
 from __future__ import annotations
 
-import os
+import functools
 from typing import Any
 
 import msgspec
 
 from baton import __version__
 from baton.config import BatonConfig
-from baton.errors import BatonError
-from baton.kernels.loader import ISA_ENV, isa_flags
+from baton.kernels.report import CpuReport, collect
 from baton.plugin_kinds import PLUGIN_KINDS
 from baton.plugins import get_registry
 from baton.protocol import ModelInfo
-from baton.worker.cpu_features import cpu_features
 from baton_openai import __version__ as plugin_version
 
 
@@ -39,18 +37,6 @@ class FailedPlugin(msgspec.Struct, kw_only=True):
     error: str
 
 
-class CpuPath(msgspec.Struct, kw_only=True):
-    """The CPU the server runs on and the instruction set the kernels are compiled for."""
-
-    cpu: str
-    """``CpuFeatures.describe()``: the architecture and the flags that matter."""
-    kernel_isa: str
-    """$BATON_KERNEL_ISA (native by default)."""
-    kernel_flags: list[str]
-    """The -m flags that ISA compiles with (empty, with ``error``, for an unknown one)."""
-    error: str | None = None
-
-
 class ServerInfo(msgspec.Struct, kw_only=True):
     """What ``GET /ui/info`` answers (what the pages need that does not change while serving)."""
 
@@ -69,19 +55,10 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     """A structured-output backend is installed and not turned off: JSON-schema answers work."""
     tool_call_parser: str
     playground: bool
-    cpu: CpuPath
+    cpu: CpuReport
+    """``baton env``'s report: the CPU, the OS's AMX grant, each kernel's path and why."""
     plugins: list[PluginRow]
     failed_plugins: list[FailedPlugin]
-
-
-def cpu_path() -> CpuPath:
-    """This machine's CPU and the kernels' instruction set (a richer report can replace this)."""
-    isa = os.environ.get(ISA_ENV, "").strip().lower() or "native"
-    try:
-        flags, error = list(isa_flags()), None
-    except BatonError as e:  # an ISA the kernels do not know (KernelBuildError)
-        flags, error = [], str(e)
-    return CpuPath(cpu=cpu_features().describe(), kernel_isa=isa, kernel_flags=flags, error=error)
 
 
 def plugin_rows(config: BatonConfig) -> list[PluginRow]:
@@ -104,6 +81,13 @@ def plugin_rows(config: BatonConfig) -> list[PluginRow]:
     return rows
 
 
+@functools.cache
+def cpu_report() -> CpuReport:
+    """``baton env``'s report, once per process; the kernels are loaded if this machine built
+    them (the engine has by the time a page asks), never compiled here."""
+    return collect(build_kernels=False)
+
+
 def server_info(config: BatonConfig, model_name: str, model: ModelInfo) -> ServerInfo:
     """What the pages show of a server serving ``model`` as ``model_name``."""
     registry = get_registry()
@@ -121,7 +105,7 @@ def server_info(config: BatonConfig, model_name: str, model: ModelInfo) -> Serve
         and bool(registry.names("structured_output")),
         tool_call_parser=config.server.tool_call_parser,
         playground=config.server.playground,
-        cpu=cpu_path(),
+        cpu=cpu_report(),
         plugins=plugin_rows(config),
         failed_plugins=[
             FailedPlugin(plugin=p, distribution=d, error=r) for p, d, r in registry.failed
