@@ -10,7 +10,8 @@ advances when it is scheduled; until its output is applied by
 preempted (so several SchedulerOutputs can be in flight: the pipeline-parallel
 batch queue). Optional caps bound a prompt's chunk per step
 (``long_prefill_token_threshold``) and the prompts in progress at once
-(``max_num_partial_prefills``). With ``target_step_ms`` the prompt chunks of a
+(``max_num_partial_prefills``). With ``target_step_ms`` on ("auto", the
+default: twice a decode-only step's time; or a number) the prompt chunks of a
 step, all together, are sized by ``PrefillBudget`` (``sched/step_budget.py``)
 so that the step takes about that long: the running decodes are counted first
 and always scheduled, and the engine feeds each step's measured time back
@@ -27,8 +28,12 @@ overwritten later; their blocks stay the request's).
 Admission takes the blocks of a request's whole sequence at once
 (``reserve_full_prompt``, the default), so its later prompt chunks need none.
 When a running request needs a block and none is free, the policy picks a
-victim; its blocks are freed and it is recomputed later from its tokens
-(prompt + what it generated), producing the same output. The model runner
+victim (``select_victim``, or ``choose_victim`` with each candidate's cost:
+``sched/victims.py``); its blocks are freed and it is recomputed later from its
+tokens (prompt + what it generated), producing the same output. A request's
+first token is stamped on the clock (``Request.first_token_time``), and a
+request with an SLO that finishes (not aborted) counts in the goodput figures
+of ``make_stats`` (``sched/slo.py``). The model runner
 learns of finished and preempted requests through the next SchedulerOutput
 that schedules something, or, once no request is left (an abort on an idle
 engine), through the next output even if empty: that one must reach the
