@@ -6,7 +6,8 @@ but never samples: its rows leave the step's sampling rows, and the final
 hidden states (the output of the model's base module, after its final norm)
 of its tokens are captured by a forward hook while the step runs. ``last``
 keeps the last prompt token's, ``cls`` the first's, ``mean`` a running float32
-sum over every chunk (token by token with executor.batch_invariant). After the chunk that ends its prompt, the vector
+sum over every chunk (token by token with executor.batch_invariant). After the
+chunk that ends its prompt, the vector
 (optionally cut to ``dimensions``, then L2-normalised) goes back in
 ``ModelRunnerOutput.pooler_output`` and the scheduler finishes the request.
 """
