@@ -12,9 +12,13 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 from baton import LLM, SamplingParams
+from baton.pooling_params import PoolingParams
 from baton.testing.tiny_model import tiny_model
+
+from ..core.test_pooling import ATOL, LONG, want
 
 NEEDLE = (
     "The needle is in the haystack. The needle is in the haystack. Where is the needle? "
@@ -96,6 +100,22 @@ def test_needle_is_bitwise_the_same_in_any_batch(tiny, alone, n, order, budget, 
         )
     got = needle_outputs(tiny, others, at, drafts=speculation is not None, **overrides)
     assert_same(got, alone, f"{n} others ({order}), budget {budget}, speculation {speculation}")
+
+
+def test_pooled_vectors_are_bitwise_the_same_in_any_batch(tiny):
+    """Pooling requests take their hidden states from the invariant stack: a prompt's mean-pooled
+    vector is the same bits alone and among others under a budget that chunks it, and
+    transformers' up to float noise."""
+    params = PoolingParams(pooling_type="mean", normalize=False)
+    others = random_prompts(9, seed=4, longest=60)
+    with LLM(model=tiny, **{**BASE, "max_num_batched_tokens": 256}) as llm:
+        [alone] = llm.embed([LONG], params, use_tqdm=False)
+    with LLM(model=tiny, **{**BASE, "max_num_batched_tokens": 16}) as llm:
+        outs = llm.embed([*others[:4], LONG, *others[4:]], params, use_tqdm=False)
+    assert torch.equal(outs[4].outputs.data, alone.outputs.data)
+    torch.testing.assert_close(
+        alone.outputs.data, want(tiny, LONG, "mean", normalize=False), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.slow

@@ -138,7 +138,10 @@ class ModelRunner:
         self.invariant = cfg.executor.batch_invariant
         #: The adapted layers and the adapters read (lora.enable_lora); None: LoRA off.
         self.lora: LoRAModel | None = None
-        self.pooler = Pooler("last", cfg.model.pooling_normalize)  # the model's own: load_model
+        # the model's own pooling type: load_model
+        self.pooler = Pooler(
+            "last", cfg.model.pooling_normalize, invariant=cfg.executor.batch_invariant
+        )
         #: prompt logprobs of requests whose prompt is still being computed (chunked prefill)
         self._prompt_lps: dict[str, list[TokenLogprobs]] = {}
 

@@ -6,7 +6,8 @@ but never samples: its rows leave the step's sampling rows, and the final
 hidden states (the output of the model's base module, after its final norm)
 of its tokens are captured by a forward hook while the step runs. ``last``
 keeps the last prompt token's, ``cls`` the first's, ``mean`` a running float32
-sum over every chunk. After the chunk that ends its prompt, the vector
+sum over every chunk (token by token with executor.batch_invariant). After the
+chunk that ends its prompt, the vector
 (optionally cut to ``dimensions``, then L2-normalised) goes back in
 ``ModelRunnerOutput.pooler_output`` and the scheduler finishes the request.
 """
@@ -54,9 +55,12 @@ class Span:
 class Pooler:
     """The runner's pooling requests and their partial results."""
 
-    def __init__(self, pooling_type: str, normalize: bool) -> None:
+    def __init__(self, pooling_type: str, normalize: bool, invariant: bool = False) -> None:
         self.pooling_type = pooling_type
         self.normalize = normalize
+        #: executor.batch_invariant: mean pooling adds the tokens one by one, in prompt order, so
+        #: that its sum does not depend on where the prompt's chunks end
+        self.invariant = invariant
         self.requests: dict[str, _State] = {}
         #: the hidden states captured by the running step's hook ([tokens, hidden])
         self._hidden: torch.Tensor | None = None
@@ -176,7 +180,10 @@ class Pooler:
                     "(a prefix-cache hit must not be read for it)"
                 )
             st.next_pos = span.start + span.length
-            if kind == "mean":
+            if kind == "mean" and self.invariant:
+                for row in h.float():
+                    st.total = row.clone() if st.total is None else st.total + row
+            elif kind == "mean":
                 part = h.float().sum(0)
                 st.total = part if st.total is None else st.total + part
             elif st.first is None:
