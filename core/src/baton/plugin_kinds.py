@@ -173,7 +173,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             product=interfaces.SchedulerPolicy,
             section="scheduler",
             selector="policy",
-            builtin=("fcfs", "priority"),
+            builtin=("fcfs", "priority", "slo"),
             distributions={"sjf": "baton-contrib-sjf", "fair": "baton-contrib-fair"},
         ),
         PluginKind(
@@ -264,8 +264,8 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             word="command",
             factory=CommandFactory,
             product=None,
-            builtin=("generate", "chat", "plugins", "bench", "config"),
-            distributions={"serve": "baton-plugin-openai"},
+            builtin=("generate", "chat", "plugins", "bench", "config", "env"),
+            distributions={"serve": "baton-plugin-openai", "run-batch": "baton-plugin-openai"},
         ),
         PluginKind(
             name="bench",
@@ -273,7 +273,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             word="benchmark",
             factory=BenchFactory,
             product=None,
-            builtin=("scheduler", "transport", "throughput", "latency"),
+            builtin=("scheduler", "transport", "throughput", "latency", "simulate"),
             distributions={"serve": "baton-plugin-openai"},
         ),
     )
