@@ -65,6 +65,7 @@ from baton.protocol import (
 )
 from baton.request import Request, RequestStatus
 from baton.sched.admission import check_request
+from baton.sched.forks import KVForks
 from baton.sched.pooling import take_pooled
 from baton.sched.step_budget import PrefillBudget, StepShape
 from baton.sched.stop import append_and_check_stop
@@ -182,6 +183,8 @@ class Scheduler:
             max_model_len if max_model_len is not None else config.model.max_model_len
         )
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        #: Finished requests that keep their KV for forks (beam search), and the copies owed.
+        self.forks = KVForks(self.kv)
 
         #: Every unfinished request by id (finished ones are dropped when they finish).
         self.requests: dict[str, Request] = {}
@@ -213,7 +216,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request (WAITING, or WAITING_FOR_FSM until ``request.grammar`` is set)."""
         rid = request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.forks.retained:
             raise InvalidRequestError(
                 f"request id {rid!r} is already in use by an unfinished request"
             )
@@ -226,6 +229,8 @@ class Scheduler:
         )
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
+        if request.fork_from is not None:
+            self.forks.fork(request)
         self.requests[rid] = request
         request.record_event(EngineCoreEventType.QUEUED, self.clock())
         if request.status == RequestStatus.WAITING_FOR_FSM:
@@ -247,6 +252,7 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
+                self.forks.release(rid)  # a finished request that kept its KV lets it go
                 continue
             seen_by_policy = True
             if req.status == _WAITING or req.status == _PREEMPTED:
@@ -267,7 +273,8 @@ class Scheduler:
         """Drop a finished request: blocks back to the pool, the runner told next step, the
         policy told by the next ``_tell_policy_finished``."""
         rid = req.request_id
-        self.kv.free(req)
+        if not self.forks.retain(req):
+            self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
         if self._num_sent.pop(rid, None) is not None:
@@ -469,6 +476,7 @@ class Scheduler:
         if num_scheduled or not self.requests:
             # idle (e.g. after an abort): nothing else would carry the news, so it goes now
             finished_ids, self._finished_ids = self._finished_ids, []
+            copies = self.forks.take_copies()
             if self._preempted_ids:
                 preempted[:0] = self._preempted_ids
                 self._preempted_ids = []
@@ -476,6 +484,7 @@ class Scheduler:
             # an empty output with work pending may never reach the runner (the batch
             # queue skips it): keep its news for the next output that does
             finished_ids = []
+            copies = []
             self._preempted_ids.extend(preempted)
             preempted = []
         total = self.max_num_batched_tokens - plan.budget
@@ -496,6 +505,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             structured_output_req_ids=plan.so_ids,
             scheduled_spec_decode_tokens=plan.spec,
+            kv_block_copies=copies,
         )
 
     def _admit(self, plan: _StepPlan, now: float) -> None:
