@@ -179,3 +179,20 @@ def test_bad_beam_search_params_are_refused(llm: LLM) -> None:
         llm.beam_search("hi", BeamSearchParams(beam_width=0, max_tokens=3))
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         llm.beam_search("hi", BeamSearchParams(beam_width=2, max_tokens=0))
+
+
+def test_beam_search_with_the_engine_in_its_own_process(llm: LLM, path: str) -> None:
+    # fork_from and retain_kv cross the zmq transport as EngineCoreRequest fields
+    prompts = [{"prompt_token_ids": prompt_of(n, 30 + n)} for n in PROMPT_LENGTHS]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    here = llm.beam_search(prompts, params)
+    with LLM(model=path, max_model_len=128, block_size=BLOCK_SIZE, transport="zmq") as remote:
+        there = remote.beam_search(prompts, params)
+        stats = remote.get_stats()
+    assert [[s.tokens for s in o.sequences] for o in there] == [
+        [s.tokens for s in o.sequences] for o in here
+    ]
+    for a, b in zip(here, there, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            assert x.cum_logprob == pytest.approx(y.cum_logprob, abs=TOLERANCE)
+    assert stats.num_free_blocks == stats.num_total_blocks
