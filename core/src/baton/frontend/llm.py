@@ -9,15 +9,15 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import msgspec
 from tqdm.auto import tqdm
 
-from baton.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
 from baton.engine.core import check_sleep_level
 from baton.engine.plugin_check import check_config_plugins
-from baton.errors import BatonError, EngineSleepingError, InvalidRequestError
+from baton.errors import EngineSleepingError, InvalidRequestError
+from baton.frontend.beam_run import BeamRun
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
@@ -30,7 +30,7 @@ from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
 from baton.pooling_params import PoolingParams, check_generation
-from baton.protocol import FinishReason, TokenLogprobs, WorkerMemory
+from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -160,56 +160,35 @@ class LLM:
         self._check_awake()
         check_generation(self.info)
         params.check()
-        step = SamplingParams(
-            max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width
-        )
-        whole = step.clone(max_tokens=params.max_tokens)  # the prompt's length checked with it
         tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
-        infos = [self.input_processor.validate(ids, whole) for _, ids in tokenized]
-        lora_request = self._loras(lora_request, 1)[0]
-        search = BeamSearch([ids for _, ids in tokenized], params, self.tokenizer.eos_token_id)
-        held: list[str] = []  # requests in the engine: running, or finished holding their KV
+        run = BeamRun(
+            self.input_processor,
+            [ids for _, ids in tokenized],
+            params,
+            self.tokenizer.eos_token_id,
+            self._loras(lora_request, 1)[0],
+        )
         try:
-            while not search.done:
-                sent = []
-                for index, beam in search.live_beams():
-                    rid = f"beam-{next(self._ids)}"
-                    req = self.input_processor.process(
-                        rid, beam.tokens, step, scheduling=infos[index], lora_request=lora_request
-                    )
-                    req = msgspec.structs.replace(
-                        req, retain_kv=True, fork_from=beam.parent_request_id
-                    )
+            while not run.search.done:
+                for req in run.requests(lambda: f"beam-{next(self._ids)}"):
                     self.engine.add_request(req)
-                    sent.append(rid)
                 # the new requests hold what they need of their parents' KV: the rest goes
-                self.engine.abort_requests(held)
-                held = sent
-                search.advance(list(zip(sent, self._next_logprobs(sent), strict=True)))
+                self.engine.abort_requests(run.previous)
+                run.released()
+                run.advance(self._finished(run.live))
         finally:
-            self.engine.abort_requests(held)
-        return search.outputs(self.tokenizer.decode)
+            self.engine.abort_requests(run.held)
+        return run.search.outputs(self.tokenizer.decode)
 
-    def _next_logprobs(self, request_ids: list[str]) -> list[TokenLogprobs]:
-        """Each one-token request's logprobs, once they all finished; raises if one failed."""
+    def _finished(self, request_ids: list[str]) -> dict[str, EngineCoreOutput]:
+        """The final engine outputs of ``request_ids`` (read past the output processor)."""
         wanted = set(request_ids)
-        got: dict[str, TokenLogprobs] = {}
-        while len(got) < len(wanted):
-            out = self.engine.get_output()
-            for o in out.outputs:
-                rid = o.request_id
-                if rid not in wanted or not o.finished:
-                    continue
-                if (
-                    o.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
-                    or not o.new_logprobs
-                ):
-                    raise BatonError(
-                        f"beam search request {rid!r} ended with {o.finish_reason} and no "
-                        f"logprobs: {o.error or 'aborted'}"
-                    )
-                got[rid] = o.new_logprobs[0]
-        return [got[rid] for rid in request_ids]
+        done: dict[str, EngineCoreOutput] = {}
+        while len(done) < len(wanted):
+            for o in self.engine.get_output().outputs:
+                if o.finished and o.request_id in wanted:
+                    done[o.request_id] = o
+        return done
 
     def encode(
         self,
