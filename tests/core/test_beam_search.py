@@ -5,13 +5,14 @@ and give every block back at the end."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from baton import LLM, SamplingParams
+from baton import LLM, AsyncLLM, SamplingParams
 from baton.beam_search import BeamSearchParams
 from baton.errors import InvalidRequestError
 from baton.kv.manager import KVCacheManager
@@ -195,4 +196,22 @@ def test_beam_search_with_the_engine_in_its_own_process(llm: LLM, path: str) -> 
     for a, b in zip(here, there, strict=True):
         for x, y in zip(a.sequences, b.sequences, strict=True):
             assert x.cum_logprob == pytest.approx(y.cum_logprob, abs=TOLERANCE)
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+async def test_async_beam_searches_run_together_and_match_the_offline_one(
+    llm: LLM, path: str
+) -> None:
+    prompts = [{"prompt_token_ids": prompt_of(n, 40 + n)} for n in PROMPT_LENGTHS]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    offline = await asyncio.to_thread(llm.beam_search, prompts, params)
+    engine = await AsyncLLM.create(model=path, max_model_len=128, block_size=BLOCK_SIZE)
+    try:
+        outs = await asyncio.gather(*(engine.beam_search(p, params) for p in prompts))
+        stats = await engine.get_stats()
+    finally:
+        engine.shutdown()
+    for a, b in zip(offline, outs, strict=True):
+        assert [s.tokens for s in b.sequences] == [s.tokens for s in a.sequences]
+        assert [s.text for s in b.sequences] == [s.text for s in a.sequences]
     assert stats.num_free_blocks == stats.num_total_blocks
