@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -11,6 +12,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request, Response
 
+from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.admission import Ticket
 from baton_openai.context import ServerContext
@@ -84,6 +86,8 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
         )
     engine = ctx.engine
     prompts = _prompts(req.prompt)
+    if req.use_beam_search:
+        return await _beam_search(req, raw, ctx, prompts)
     # echo with logprobs scores the prompt (vLLM: prompt_logprobs = logprobs); max_tokens=0
     # generates one token that is not returned
     prompt_lps, prompt_lps_param = req.prompt_logprobs, "prompt_logprobs"
@@ -166,6 +170,94 @@ async def _generate(
     return SSEResponse(
         _chunks(request_id, ctx.answering_model(req), req, stream, first, acc, built, echo)
     )
+
+
+#: max_tokens of a beam search that names none (OpenAI's completions default).
+BEAM_SEARCH_MAX_TOKENS = 16
+
+
+async def _beam_search(
+    req: CompletionRequest, raw: Request, ctx: ServerContext, prompts: list[Any]
+) -> Response | CompletionResponse:
+    """use_beam_search: each prompt's best n beams as its n choices, best first (vLLM's)."""
+    for param, given in (
+        ("stream", req.stream),
+        ("echo", req.echo),
+        ("logprobs", req.logprobs is not None),
+        ("prompt_logprobs", req.prompt_logprobs is not None),
+    ):
+        if given:
+            raise OpenAIError(
+                f"{param} is not supported with use_beam_search: leave one of them out",
+                param=param,
+                code="unsupported_parameter",
+            )
+    engine = ctx.engine
+    params = BeamSearchParams(
+        beam_width=req.n,
+        max_tokens=req.max_tokens or BEAM_SEARCH_MAX_TOKENS,
+        ignore_eos=req.ignore_eos,
+        temperature=req.temperature or 0.0,
+        length_penalty=req.length_penalty,
+    )
+    lora = ctx.lora_for(req)
+    ticket = ctx.queue.admit(len(prompts))  # a 429 when server.max_queued_requests are waiting
+    try:
+        ids_list = [engine.input_processor.tokenize(p)[1] for p in prompts]
+        searches = asyncio.gather(
+            *(
+                engine.beam_search({"prompt_token_ids": ids}, params, lora_request=lora)
+                for ids in ids_list
+            )
+        )
+        outs = await cancel_on_disconnect(raw, searches)
+    except BatonError as e:
+        raise from_baton_error(e) from None
+    finally:
+        ticket.close()
+    if outs is DISCONNECTED:
+        return Response(status_code=499)
+    return _beam_response(
+        engine_request_id(raw, "cmpl"),
+        ctx.answering_model(req),
+        req.n,
+        ids_list,
+        outs,
+        engine.tokenizer.eos_token_id,
+        req.ignore_eos,
+    )
+
+
+def _beam_response(
+    request_id: str,
+    model: str,
+    n: int,
+    ids_list: list[list[int]],
+    outs: list[BeamSearchOutput],
+    eos_token_id: int | None,
+    ignore_eos: bool,
+) -> CompletionResponse:
+    choices = []
+    generated = 0
+    for p, (ids, out) in enumerate(zip(ids_list, outs, strict=True)):
+        for i, seq in enumerate(out.sequences):
+            gen = seq.tokens[len(ids) :]
+            generated += len(gen)
+            stopped = bool(gen) and gen[-1] == eos_token_id and not ignore_eos
+            choices.append(
+                CompletionChoice(
+                    index=p * n + i,
+                    text=seq.text or "",
+                    finish_reason="stop" if stopped else "length",
+                )
+            )
+    prompt_tokens = sum(len(ids) for ids in ids_list)
+    usage = Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=generated,
+        total_tokens=prompt_tokens + generated,
+    )
+    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
 @dataclass

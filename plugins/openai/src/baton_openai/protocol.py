@@ -292,6 +292,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    use_beam_search: bool = False
+    """vLLM's: beam search (``AsyncLLM.beam_search``), beam_width = n; not with stream, echo
+    or logprobs."""
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    """vLLM's: a beam's score is cum_logprob / seq_len ** length_penalty (use_beam_search)."""
 
 
 # ---------------------------------------------------------------------- responses
