@@ -49,3 +49,37 @@ def test_completions_beam_search_refuses_stream(server, client):
             extra_body={"use_beam_search": True},
         )
     assert e.value.body["param"] == "stream"
+
+
+def test_chat_use_beam_search_returns_the_best_beams(server, client, model_dir):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        n=2,
+        max_completion_tokens=4,
+        extra_body={"use_beam_search": True},
+    )
+    with LLM(model=model_dir, max_model_len=MAX_MODEL_LEN) as llm:
+        ids = llm.input_processor.render_chat(messages)
+        want = llm.beam_search(
+            [{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=4)
+        )[0]
+    assert [c.message.content for c in r.choices] == [s.text for s in want.sequences]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize(
+    "extra", [{"logprobs": True}, {"response_format": {"type": "json_object"}}]
+)
+def test_chat_beam_search_refuses_what_it_cannot_honour(server, client, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=3,
+            extra_body={"use_beam_search": True},
+            **extra,
+        )
+    assert e.value.body["param"] == next(iter(extra))

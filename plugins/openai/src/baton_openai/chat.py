@@ -9,9 +9,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from baton.beam_search import BeamSearchParams
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.admission import Ticket
 from baton_openai.answer import AnswerReader, AnswerStream, tool_call_items
+from baton_openai.beam_search import (
+    beam_search_params,
+    beam_usage,
+    finish_reason,
+    run_beam_searches,
+)
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -120,6 +127,13 @@ async def create_chat_completion(
             param="prompt_logprobs",
             code="unsupported_parameter",
         )
+    beam = None
+    if req.use_beam_search:
+        beam = beam_search_params(
+            req,
+            req.max_completion_tokens or req.max_tokens,
+            {"logprobs": req.logprobs, "tools": plan is not None},
+        )
     reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
     build_messages = lambda: template_messages(req.messages)  # noqa: E731
     if plan is not None:
@@ -132,7 +146,7 @@ async def create_chat_completion(
     ticket = ctx.queue.admit()  # a 429 when server.max_queued_requests are waiting
     try:
         return await _generate(
-            req, raw, ctx, ticket, reader, build_messages, template_kwargs, client_template
+            req, raw, ctx, ticket, reader, build_messages, template_kwargs, client_template, beam
         )
     finally:
         ticket.close()  # the first output is in (or the request failed): no longer queued
@@ -147,6 +161,7 @@ async def _generate(
     build_messages: Any,
     template_kwargs: dict[str, Any],
     client_template: str | None,
+    beam: BeamSearchParams | None = None,
 ) -> Response | ChatCompletionResponse:
     pre = ctx.preprocess
     deadline = pre.deadline()  # templating, tokenization and the checks: off the event loop
@@ -162,6 +177,8 @@ async def _generate(
         err = from_baton_error(e)
         err.param = err.param or "messages"
         raise err from None
+    if beam is not None:
+        return await _beam_search(req, raw, ctx, ids, beam, reader)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -217,6 +234,45 @@ def _finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+async def _beam_search(
+    req: ChatCompletionRequest,
+    raw: Request,
+    ctx: ServerContext,
+    ids: list[int],
+    params: BeamSearchParams,
+    reader: AnswerReader,
+) -> Response | ChatCompletionResponse:
+    """use_beam_search: the n best beams as the n choices, best first (vLLM's)."""
+    outs = await run_beam_searches(ctx, raw, req, [ids], params)
+    if outs is DISCONNECTED:
+        return Response(status_code=499)
+    choices = []
+    for index, seq in enumerate(outs[0].sequences):
+        message, _ = _message(seq.text or "", reader)
+        finish = finish_reason(seq, len(ids), ctx, req.ignore_eos)
+        choices.append(ChatChoice(index=index, message=message, finish_reason=finish))
+    return ChatCompletionResponse(
+        id=engine_request_id(raw, "chatcmpl"),
+        model=ctx.answering_model(req),
+        choices=choices,
+        usage=beam_usage([ids], outs),
+    )
+
+
+def _message(text: str, reader: AnswerReader) -> tuple[ChatResponseMessage, int]:
+    """The answer's message (content, reasoning and tool calls parsed when a parser is on),
+    and how many tool calls it has."""
+    if not reader.active:
+        return ChatResponseMessage(content=text), 0
+    parsed = reader.parse(text)
+    message = ChatResponseMessage(
+        content=parsed.content,
+        reasoning_content=parsed.reasoning,
+        tool_calls=tool_call_items(parsed.calls) if parsed.calls else None,
+    )
+    return message, len(parsed.calls)
+
+
 def _response(
     request_id: str, model: str, acc: Accumulator, top: int | None, reader: AnswerReader
 ) -> ChatCompletionResponse:
@@ -224,17 +280,8 @@ def _response(
     for index in sorted(acc.choices):
         c = acc.choices[index]
         logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
-        text = "".join(c.text)
-        message = ChatResponseMessage(content=text)
-        finish = c.finish_reason
-        if reader.active:
-            parsed = reader.parse(text)
-            message = ChatResponseMessage(
-                content=parsed.content,
-                reasoning_content=parsed.reasoning,
-                tool_calls=tool_call_items(parsed.calls) if parsed.calls else None,
-            )
-            finish = _finish_reason(finish, len(parsed.calls))
+        message, calls = _message("".join(c.text), reader)
+        finish = _finish_reason(c.finish_reason, calls)
         choices.append(
             ChatChoice(
                 index=index,

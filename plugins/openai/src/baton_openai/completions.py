@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,9 +11,14 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request, Response
 
-from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.admission import Ticket
+from baton_openai.beam_search import (
+    beam_search_params,
+    beam_usage,
+    finish_reason,
+    run_beam_searches,
+)
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -172,92 +176,39 @@ async def _generate(
     )
 
 
-#: max_tokens of a beam search that names none (OpenAI's completions default).
-BEAM_SEARCH_MAX_TOKENS = 16
-
-
 async def _beam_search(
     req: CompletionRequest, raw: Request, ctx: ServerContext, prompts: list[Any]
 ) -> Response | CompletionResponse:
     """use_beam_search: each prompt's best n beams as its n choices, best first (vLLM's)."""
-    for param, given in (
-        ("stream", req.stream),
-        ("echo", req.echo),
-        ("logprobs", req.logprobs is not None),
-        ("prompt_logprobs", req.prompt_logprobs is not None),
-    ):
-        if given:
-            raise OpenAIError(
-                f"{param} is not supported with use_beam_search: leave one of them out",
-                param=param,
-                code="unsupported_parameter",
-            )
-    engine = ctx.engine
-    params = BeamSearchParams(
-        beam_width=req.n,
-        max_tokens=req.max_tokens or BEAM_SEARCH_MAX_TOKENS,
-        ignore_eos=req.ignore_eos,
-        temperature=req.temperature or 0.0,
-        length_penalty=req.length_penalty,
+    params = beam_search_params(
+        req, req.max_tokens, {"echo": req.echo, "logprobs": req.logprobs is not None}
     )
-    lora = ctx.lora_for(req)
     ticket = ctx.queue.admit(len(prompts))  # a 429 when server.max_queued_requests are waiting
     try:
-        ids_list = [engine.input_processor.tokenize(p)[1] for p in prompts]
-        searches = asyncio.gather(
-            *(
-                engine.beam_search({"prompt_token_ids": ids}, params, lora_request=lora)
-                for ids in ids_list
-            )
-        )
-        outs = await cancel_on_disconnect(raw, searches)
-    except BatonError as e:
-        raise from_baton_error(e) from None
+        try:
+            ids_list = [ctx.engine.input_processor.tokenize(p)[1] for p in prompts]
+        except InvalidRequestError as e:
+            raise from_baton_error(e) from None
+        outs = await run_beam_searches(ctx, raw, req, ids_list, params)
     finally:
         ticket.close()
     if outs is DISCONNECTED:
         return Response(status_code=499)
-    return _beam_response(
-        engine_request_id(raw, "cmpl"),
-        ctx.answering_model(req),
-        req.n,
-        ids_list,
-        outs,
-        engine.tokenizer.eos_token_id,
-        req.ignore_eos,
+    choices = [
+        CompletionChoice(
+            index=p * req.n + i,
+            text=seq.text or "",
+            finish_reason=finish_reason(seq, len(ids), ctx, req.ignore_eos),
+        )
+        for p, (ids, out) in enumerate(zip(ids_list, outs, strict=True))
+        for i, seq in enumerate(out.sequences)
+    ]
+    return CompletionResponse(
+        id=engine_request_id(raw, "cmpl"),
+        model=ctx.answering_model(req),
+        choices=choices,
+        usage=beam_usage(ids_list, outs),
     )
-
-
-def _beam_response(
-    request_id: str,
-    model: str,
-    n: int,
-    ids_list: list[list[int]],
-    outs: list[BeamSearchOutput],
-    eos_token_id: int | None,
-    ignore_eos: bool,
-) -> CompletionResponse:
-    choices = []
-    generated = 0
-    for p, (ids, out) in enumerate(zip(ids_list, outs, strict=True)):
-        for i, seq in enumerate(out.sequences):
-            gen = seq.tokens[len(ids) :]
-            generated += len(gen)
-            stopped = bool(gen) and gen[-1] == eos_token_id and not ignore_eos
-            choices.append(
-                CompletionChoice(
-                    index=p * n + i,
-                    text=seq.text or "",
-                    finish_reason="stop" if stopped else "length",
-                )
-            )
-    prompt_tokens = sum(len(ids) for ids in ids_list)
-    usage = Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=generated,
-        total_tokens=prompt_tokens + generated,
-    )
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
 @dataclass
