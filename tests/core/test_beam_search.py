@@ -215,3 +215,28 @@ async def test_async_beam_searches_run_together_and_match_the_offline_one(
         assert [s.tokens for s in b.sequences] == [s.tokens for s in a.sequences]
         assert [s.text for s in b.sequences] == [s.text for s in a.sequences]
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_beam_search_in_a_cache_too_small_to_keep_every_beam(
+    llm: LLM, path: str, caching: bool
+) -> None:
+    # 12 blocks of 4 tokens for 9 beams of up to 17 tokens: forks fall back to computing their
+    # prefix, finished beams' blocks are taken back for waiting ones; no deadlock, same beams
+    prompts = [{"prompt_token_ids": prompt_of(n, 50 + n)} for n in PROMPT_LENGTHS]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    want = llm.beam_search(prompts, params)
+    with LLM(
+        model=path,
+        max_model_len=32,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=40000,
+        **{"cache.enable_prefix_caching": caching},
+    ) as small:
+        assert small.get_stats().num_total_blocks == 12
+        got = small.beam_search(prompts, params)
+        stats = small.get_stats()
+    assert [[s.tokens for s in o.sequences] for o in got] == [
+        [s.tokens for s in o.sequences] for o in want
+    ]
+    assert stats.num_free_blocks == stats.num_total_blocks

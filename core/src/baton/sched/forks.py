@@ -23,6 +23,9 @@ class KVForks:
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self.retained: dict[str, Request] = {}
+        #: Retained requests whose blocks were taken back under block pressure (until aborted):
+        #: a fork from one computes its prefix instead of sharing it.
+        self.evicted: set[str] = set()
         self._copies: list[tuple[int, int]] = []
 
     def retain(self, req: Request) -> bool:
@@ -34,6 +37,7 @@ class KVForks:
 
     def release(self, request_id: str) -> bool:
         """Free a retained request's blocks; False if it holds none."""
+        self.evicted.discard(request_id)
         req = self.retained.pop(request_id, None)
         if req is None:
             return False
@@ -51,6 +55,8 @@ class KVForks:
         assert parent_id is not None
         parent = self.retained.get(parent_id)
         rid = child.request_id
+        if parent is None and parent_id in self.evicted:
+            return  # its blocks went to requests that needed them: the child computes its prefix
         if parent is None:
             raise InvalidRequestError(
                 f"request {rid!r} forks from {parent_id!r}, which is not a finished request "
@@ -73,6 +79,25 @@ class KVForks:
             return
         child.num_computed_tokens = n
         self._copies.extend(copies)
+
+    def evict_one(self) -> bool:
+        """Free the oldest retained request's blocks for a request that cannot be admitted
+        without them (finished requests must never block the ones waiting); False if none."""
+        if not self.retained:
+            return False
+        rid = next(iter(self.retained))
+        self.kv.free(self.retained.pop(rid))
+        self.evicted.add(rid)
+        return True
+
+    def unfork(self, req: Request) -> None:
+        """Give back the blocks a waiting fork holds (it could not be admitted): it computes
+        its prefix later like any waiting request. A no-op for a request holding none."""
+        if req.fork_from is None or req.status != RequestStatus.WAITING:
+            return
+        if req.request_id in self.kv.req_to_blocks:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies owed to the runner, once (they go in the next output that reaches it)."""

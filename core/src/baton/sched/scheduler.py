@@ -563,7 +563,12 @@ class Scheduler:
             # reserving the whole sequence's blocks now means its later prompt chunks never need
             # one, so it cannot preempt itself mid-prompt (it waits until they are all free)
             reserve = ntok - num_hit if self.reserve_full_prompt else n
-            if kv.allocate_slots(req, reserve, hits) is None:
+            allocated = kv.allocate_slots(req, reserve, hits)
+            while allocated is None and self.forks.evict_one():
+                allocated = kv.allocate_slots(req, reserve, hits)
+            if allocated is None:
+                # a waiting fork must not hold blocks that nobody running will ever free
+                self.forks.unfork(req)
                 break
             policy.pop(req)
             req.status = _RUNNING
