@@ -240,3 +240,24 @@ def test_beam_search_in_a_cache_too_small_to_keep_every_beam(
         [s.tokens for s in o.sequences] for o in want
     ]
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_sleep_is_refused_while_a_request_keeps_its_kv_for_forks(llm: LLM) -> None:
+    # its blocks' KV would be gone after wake_up, and a fork would copy garbage
+    llm.engine.add_request(
+        EngineCoreRequest(
+            request_id="kept",
+            prompt_token_ids=[5, 6, 7, 8, 9],
+            sampling_params=SamplingParams(max_tokens=1),
+            retain_kv=True,
+        )
+    )
+    while not any(o.request_id == "kept" and o.finished for o in llm.engine.get_output().outputs):
+        pass
+    with pytest.raises(InvalidRequestError, match="keep their KV for forks"):
+        llm.sleep()
+    llm.engine.abort_requests(["kept"])  # frees its blocks
+    llm.sleep()
+    llm.wake_up()
+    stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
