@@ -25,9 +25,13 @@ _LAZY = {
     "BatonConfig": "baton.config",
     "EngineCore": "baton.engine.core",
     "LoRARequest": "baton.lora.request",
+    "BeamSearchParams": "baton.beam_search",
+    "BeamSearchOutput": "baton.beam_search",
+    "BeamSearchSequence": "baton.beam_search",
 }
 
 if TYPE_CHECKING:
+    from baton.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from baton.config import BatonConfig
     from baton.engine.core import EngineCore
     from baton.frontend.async_llm import AsyncLLM
@@ -56,6 +60,9 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "AsyncLLM",
     "BatonConfig",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineCore",
     "LoRARequest",

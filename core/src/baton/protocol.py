@@ -68,6 +68,11 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):
     #: The LoRA adapter the request runs with (``lora.enable_lora``); None: the base model.
     #: Its id is mixed into the prefix-cache block hashes.
     lora_request: LoRARequest | None = None
+    #: Keep the request's KV blocks when it finishes, for forks, until it is aborted (beam search).
+    retain_kv: bool = False
+    #: A retained finished request whose computed tokens begin this prompt: the new request
+    #: shares its full KV blocks and gets a copy of its last partial one (beam search's fork).
+    fork_from: str | None = None
 
 
 class UtilityRequest(msgspec.Struct, **_STRUCT):
@@ -225,6 +230,9 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     #: request's num_scheduled_tokens is 1 + len(drafts); the runner returns the drafts it
     #: accepted followed by one token of its own.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    #: KV blocks to copy, (source id, destination id), in every layer before this step's
+    #: forward: a forked request's copy of its parent's last partial block (copy-on-write).
+    kv_block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

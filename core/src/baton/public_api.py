@@ -32,6 +32,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "LLM",
         "AsyncLLM",
         "BatonConfig",
+        "BeamSearchOutput",
+        "BeamSearchParams",
+        "BeamSearchSequence",
         "CompletionOutput",
         "Logprob",
         "PLUGIN_API_VERSION",
@@ -147,6 +150,13 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "TARGET_MODULES",
         "load_adapter",
         "read_adapter_config",
+    ),
+    "baton.beam_search": (
+        "BeamSearchParams",
+        "BeamSearchOutput",
+        "BeamSearchSequence",
+        "BeamSearch",
+        "beam_search_score",
     ),
     "baton.outputs": (
         "RequestOutput",

@@ -61,6 +61,7 @@ class Request:
         "error",
         "events",
         "first_token_time",
+        "fork_from",
         "grammar",
         "lora_key",
         "lora_request",
@@ -73,6 +74,7 @@ class Request:
         "priority",
         "prompt_token_ids",
         "request_id",
+        "retain_kv",
         "sampling_params",
         "scheduling",
         "skip_reading_prefix_cache",
@@ -96,6 +98,8 @@ class Request:
         scheduling: SchedulingInfo | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        retain_kv: bool = False,
+        fork_from: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -146,6 +150,10 @@ class Request:
         #: prefix cache: the adapter's id and the engine's registration of it (EngineCore sets it).
         self.lora_request = lora_request
         self.lora_key: str | None = None if lora_request is None else str(lora_request.lora_int_id)
+        #: Its blocks outlive its finish, for forks, until it is aborted (beam search).
+        self.retain_kv = retain_kv
+        #: The retained request it forks its KV from when added (beam search); None: none.
+        self.fork_from = fork_from
 
     @classmethod
     def from_engine_core_request(
@@ -165,6 +173,8 @@ class Request:
             req.scheduling,
             req.pooling_params,
             req.lora_request,
+            req.retain_kv,
+            req.fork_from,
         )
 
     @property

@@ -372,6 +372,12 @@ class EngineCore:
                 f"cannot sleep with {n} request(s) in flight: wait for them to finish or abort "
                 "them, then call sleep() again"
             )
+        if self.scheduler.forks.retained:
+            n = len(self.scheduler.forks.retained)
+            raise InvalidRequestError(
+                f"cannot sleep while {n} finished request(s) keep their KV for forks (a beam "
+                "search in progress): abort them or let the search finish, then call sleep() again"
+            )
         sleep = getattr(self.executor, "sleep", None)
         if not callable(sleep) or not callable(getattr(self.executor, "wake_up", None)):
             raise ExecutorError(

@@ -7,9 +7,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
 from baton.engine.core import check_sleep_level
@@ -20,6 +21,7 @@ from baton.errors import (
     InvalidRequestError,
     error_from_message,
 )
+from baton.frontend.beam_run import BeamRun
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
@@ -32,7 +34,7 @@ from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
 from baton.pooling_params import PoolingParams, check_generation
-from baton.protocol import WorkerMemory
+from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 from baton.validation import CheckedRequest
@@ -67,6 +69,8 @@ class AsyncLLM:
         self.stat_loggers = StatLoggers(config)
         self._ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
+        #: Beam searches' engine requests -> where their raw outputs go (past the processor).
+        self._raw_sinks: dict[str, Callable[[EngineCoreOutput | BaseException], None]] = {}
         self._logger_task: asyncio.Task[None] | None = None
         self.dead_error: BaseException | None = None
         self._dead = asyncio.Event()
@@ -215,6 +219,53 @@ class AsyncLLM:
             # finished requests are already gone from the processor: this only aborts live ones
             await self._abort([rid])
 
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> BeamSearchOutput:
+        """``LLM.beam_search`` for one prompt: its best ``params.beam_width`` beams, best first.
+
+        Beams fork their parent's KV in the engine (docs/architecture.md, "Beam search").
+        Cancelling the call aborts its engine requests. One engine only (not with
+        ``executor.data_parallel_size`` > 1: a beam's fork must reach its parent's engine).
+        """
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        check_generation(self.info)
+        self._one_engine("beam_search")
+        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
+        _, ids = self.input_processor.tokenize(prompt)
+        run = BeamRun(self.input_processor, [ids], params, self.tokenizer.eos_token_id, lora)
+        queue: asyncio.Queue[EngineCoreOutput | BaseException] = asyncio.Queue()
+        self._ensure_handler()
+        try:
+            while not run.search.done:
+                for req in run.requests(lambda: f"beam-{next(self._ids)}"):
+                    self._raw_sinks[req.request_id] = queue.put_nowait
+                    await self.engine.add_request_async(req)
+                # the new requests hold what they need of their parents' KV: the rest goes
+                await self.engine.abort_requests_async(run.previous)
+                for rid in run.previous:
+                    del self._raw_sinks[rid]
+                run.released()
+                done: dict[str, EngineCoreOutput] = {}
+                while len(done) < len(run.live):
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        done[item.request_id] = item
+                run.advance(done)
+        finally:
+            for rid in run.held:
+                self._raw_sinks.pop(rid, None)
+            if self.dead_error is None:
+                await self.engine.abort_requests_async(run.held)
+        return run.search.outputs(self.tokenizer.decode)[0]
+
     async def encode(
         self,
         prompt: PromptType,
@@ -349,6 +400,11 @@ class AsyncLLM:
         try:
             while True:
                 out = await self.engine.get_output_async()
+                if self._raw_sinks:
+                    for o in out.outputs:
+                        sink = self._raw_sinks.get(o.request_id)
+                        if sink is not None:
+                            sink(o)
                 stats = IterationStats(timestamp=time.monotonic())
                 processed = self.output_processor.process_outputs(out.outputs, stats)
                 if processed.reqs_to_abort:
@@ -364,6 +420,8 @@ class AsyncLLM:
         if dead:
             self.dead_error = error
             self._dead.set()
+        for sink in list(self._raw_sinks.values()):
+            sink(error)
         for state in self.output_processor.fail_unfinished(error):
             if state.sink is not None:
                 state.sink(error)  # type: ignore[arg-type]

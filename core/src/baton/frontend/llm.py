@@ -11,11 +11,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
 from baton.engine.core import check_sleep_level
 from baton.engine.plugin_check import check_config_plugins
 from baton.errors import EngineSleepingError, InvalidRequestError
+from baton.frontend.beam_run import BeamRun
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
@@ -28,7 +30,7 @@ from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins import get_registry
 from baton.pooling_params import PoolingParams, check_generation
-from baton.protocol import WorkerMemory
+from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
 from baton.scheduling_info import SchedulingInfo
 
@@ -140,6 +142,53 @@ class LLM:
         return self._run(
             tokenized, sampling_params, use_tqdm, None, None, scheduling, None, lora_request
         )
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: each prompt's best ``params.beam_width`` beams, best first.
+
+        Each step sends every live beam as a one-token request asking for the top
+        ``2 * beam_width`` logprobs; a beam's request forks the KV of the request its beam
+        grew from (shared full blocks, a copied partial last block), so no token's KV is
+        computed twice (see docs/architecture.md, "Beam search").
+        """
+        self._check_awake()
+        check_generation(self.info)
+        params.check()
+        tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
+        run = BeamRun(
+            self.input_processor,
+            [ids for _, ids in tokenized],
+            params,
+            self.tokenizer.eos_token_id,
+            self._loras(lora_request, 1)[0],
+        )
+        try:
+            while not run.search.done:
+                for req in run.requests(lambda: f"beam-{next(self._ids)}"):
+                    self.engine.add_request(req)
+                # the new requests hold what they need of their parents' KV: the rest goes
+                self.engine.abort_requests(run.previous)
+                run.released()
+                run.advance(self._finished(run.live))
+        finally:
+            self.engine.abort_requests(run.held)
+        return run.search.outputs(self.tokenizer.decode)
+
+    def _finished(self, request_ids: list[str]) -> dict[str, EngineCoreOutput]:
+        """The final engine outputs of ``request_ids`` (read past the output processor)."""
+        wanted = set(request_ids)
+        done: dict[str, EngineCoreOutput] = {}
+        while len(done) < len(wanted):
+            for o in self.engine.get_output().outputs:
+                if o.finished and o.request_id in wanted:
+                    done[o.request_id] = o
+        return done
 
     def encode(
         self,

@@ -48,6 +48,8 @@ class KVCacheManager:
         every token (``skip_reading_prefix_cache``: mean or cls pooling). Takes no reference
         yet (that happens in ``allocate_slots``) and counts no statistics.
         """
+        if request.request_id in self.req_to_blocks:
+            return _NO_BLOCKS, request.num_computed_tokens  # a fork: it holds its prefix's blocks
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return _NO_BLOCKS, 0
         if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
@@ -120,6 +122,40 @@ class KVCacheManager:
         blocks.extend(new)
         ids.extend(new_ids)
         return new_ids
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` the KV of ``parent_id``'s first ``num_tokens`` tokens (copy-on-write).
+
+        The parent's full blocks are shared (one more reference each); its partial last block,
+        which the child will write into, is copied into one new block. Returns the block copies
+        to make, (source id, destination id): [] or one; None when no block is free for the
+        copy, in which case nothing changed.
+        """
+        if child_id in self.req_to_blocks:
+            raise ValueError(
+                f"request {child_id!r} already holds KV blocks; it cannot be forked into"
+            )
+        parent = self.req_to_blocks.get(parent_id)
+        full, partial = divmod(num_tokens, self.block_size)
+        if parent is None or len(parent) < full + (partial > 0):
+            raise ValueError(
+                f"request {parent_id!r} holds no KV blocks for {num_tokens} tokens to fork"
+            )
+        pool = self.pool
+        if partial and not pool.free_queue.num_free:
+            return None
+        shared = parent[:full]
+        pool.touch(shared)  # held by the parent: only their reference counts change
+        blocks = list(shared)
+        copies: list[tuple[int, int]] = []
+        if partial:
+            (copy,) = pool.get_new_blocks(1)
+            blocks.append(copy)
+            copies.append((parent[full].block_id, copy.block_id))
+        self.req_to_blocks[child_id] = blocks
+        self.req_to_block_ids[child_id] = [b.block_id for b in blocks]
+        self.num_cached_blocks[child_id] = min(self.num_cached_blocks[parent_id], full)
+        return copies
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full blocks whose tokens are all computed (and hashed)."""

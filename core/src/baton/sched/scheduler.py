@@ -70,6 +70,7 @@ from baton.protocol import (
 )
 from baton.request import Request, RequestStatus
 from baton.sched.admission import check_request
+from baton.sched.forks import KVForks
 from baton.sched.pooling import take_pooled
 from baton.sched.slo import has_slo, met_slo
 from baton.sched.step_budget import PrefillBudget, StepShape
@@ -196,6 +197,8 @@ class Scheduler:
             max_model_len if max_model_len is not None else config.model.max_model_len
         )
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        #: Finished requests that keep their KV for forks (beam search), and the copies owed.
+        self.forks = KVForks(self.kv)
 
         #: Every unfinished request by id (finished ones are dropped when they finish).
         self.requests: dict[str, Request] = {}
@@ -231,7 +234,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request (WAITING, or WAITING_FOR_FSM until ``request.grammar`` is set)."""
         rid = request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.forks.retained:
             raise InvalidRequestError(
                 f"request id {rid!r} is already in use by an unfinished request"
             )
@@ -244,6 +247,8 @@ class Scheduler:
         )
         if self.enable_caching:
             update_block_hashes(request, self.block_size)
+        if request.fork_from is not None:
+            self.forks.fork(request)
         self.requests[rid] = request
         request.record_event(EngineCoreEventType.QUEUED, self.clock())
         if request.status == RequestStatus.WAITING_FOR_FSM:
@@ -265,6 +270,7 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
+                self.forks.release(rid)  # a finished request that kept its KV lets it go
                 continue
             seen_by_policy = True
             if req.status == _WAITING or req.status == _PREEMPTED:
@@ -285,7 +291,8 @@ class Scheduler:
         """Drop a finished request: blocks back to the pool, the runner told next step, the
         policy told by the next ``_tell_policy_finished``."""
         rid = req.request_id
-        self.kv.free(req)
+        if not self.forks.retain(req):
+            self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
         if req.status != _ABORTED and has_slo(req):
@@ -506,6 +513,7 @@ class Scheduler:
         if num_scheduled or not self.requests:
             # idle (e.g. after an abort): nothing else would carry the news, so it goes now
             finished_ids, self._finished_ids = self._finished_ids, []
+            copies = self.forks.take_copies()
             if self._preempted_ids:
                 preempted[:0] = self._preempted_ids
                 self._preempted_ids = []
@@ -513,6 +521,7 @@ class Scheduler:
             # an empty output with work pending may never reach the runner (the batch
             # queue skips it): keep its news for the next output that does
             finished_ids = []
+            copies = []
             self._preempted_ids.extend(preempted)
             preempted = []
         total = self.max_num_batched_tokens - plan.budget
@@ -533,6 +542,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             structured_output_req_ids=plan.so_ids,
             scheduled_spec_decode_tokens=plan.spec,
+            kv_block_copies=copies,
         )
 
     def _admit(self, plan: _StepPlan, now: float) -> None:
@@ -590,7 +600,12 @@ class Scheduler:
             # reserving the whole sequence's blocks now means its later prompt chunks never need
             # one, so it cannot preempt itself mid-prompt (it waits until they are all free)
             reserve = ntok - num_hit if self.reserve_full_prompt else n
-            if kv.allocate_slots(req, reserve, hits) is None:
+            allocated = kv.allocate_slots(req, reserve, hits)
+            while allocated is None and self.forks.evict_one():
+                allocated = kv.allocate_slots(req, reserve, hits)
+            if allocated is None:
+                # a waiting fork must not hold blocks that nobody running will ever free
+                self.forks.unfork(req)
                 break
             policy.pop(req)
             req.status = _RUNNING

@@ -550,6 +550,8 @@ class ModelRunner:
         A request whose preparation fails is left out of the step and reported in
         ``ModelRunnerOutput.failed``; the forward pass runs for the others.
         """
+        if scheduler_output.kv_block_copies:
+            self.copy_blocks(scheduler_output.kv_block_copies)
         failed = self.update_states(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             self._pending = None
@@ -570,6 +572,17 @@ class ModelRunner:
             self._pending = step
             return None
         return self._sample_step(step, None)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source id, destination id) in every layer: forks' copy-on-write."""
+        if not self.kv_caches:
+            raise ExecutorError("copy_blocks before initialize_kv_cache")
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            if cache is not None:  # [K/V, blocks, ...]
+                cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

@@ -20,6 +20,12 @@ from fastapi import APIRouter, Request, Response
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.admission import Ticket
 from baton_openai.answer import AnswerDelta, AnswerReader, AnswerStream, tool_call_items
+from baton_openai.beam_search import (
+    beam_search_params,
+    beam_usage,
+    finish_reason,
+    run_beam_searches,
+)
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -127,6 +133,8 @@ async def create_chat_completion(
             param="prompt_logprobs",
             code="unsupported_parameter",
         )
+    if req.use_beam_search:
+        return await _beam_chat(req, raw, client_template, template_kwargs)
     run = await start_chat(req, raw, "chatcmpl", client_template, template_kwargs)
     if run is None:
         return Response(status_code=499)
@@ -176,24 +184,60 @@ async def start_chat(
     template and parameters, admission; None when the client left first. ``kind``: the
     request id's prefix. The chat route, /v1/responses and /v1/messages all run here."""
     ctx = ServerContext.of(raw)
-    template_kwargs = dict(template_kwargs or {})
-    plan = plan_tools(req)
-    reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
-    build_messages = lambda: template_messages(req.messages)  # noqa: E731
-    if plan is not None:
-        if template_renders_tools(template_in_use(ctx, client_template)):
-            template_kwargs = {**template_kwargs, "tools": plan.template_tools()}
-        else:  # the template would drop them: the parser's instructions in the system message
-            build_messages = lambda: with_tool_instructions(  # noqa: E731
-                template_messages(req.messages), plan, ctx.tool_parser
-            )
+    prompt = _ChatPrompt.of(req, ctx, client_template, template_kwargs)
     ticket = ctx.queue.admit()  # a 429 when server.max_queued_requests are waiting
     try:
-        return await _generate(
-            req, raw, ctx, ticket, reader, build_messages, template_kwargs, client_template, kind
-        )
+        return await _generate(req, raw, ctx, ticket, prompt, kind)
     finally:
         ticket.close()  # the first output is in (or the request failed): no longer queued
+
+
+@dataclass
+class _ChatPrompt:
+    """How a chat request's prompt is rendered: its tools in the template or the system
+    message, and the reader of its answer (tool calls, reasoning)."""
+
+    req: ChatCompletionRequest
+    reader: AnswerReader
+    build_messages: Any
+    template_kwargs: dict[str, Any]
+    client_template: str | None
+
+    @classmethod
+    def of(
+        cls,
+        req: ChatCompletionRequest,
+        ctx: ServerContext,
+        client_template: str | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> _ChatPrompt:
+        kwargs = dict(template_kwargs or {})
+        plan = plan_tools(req)
+        build_messages = lambda: template_messages(req.messages)  # noqa: E731
+        if plan is not None:
+            if template_renders_tools(template_in_use(ctx, client_template)):
+                kwargs = {**kwargs, "tools": plan.template_tools()}
+            else:  # the template would drop them: the parser's instructions in the system message
+                build_messages = lambda: with_tool_instructions(  # noqa: E731
+                    template_messages(req.messages), plan, ctx.tool_parser
+                )
+        reader = AnswerReader(plan, ctx.tool_parser, ctx.reasoning_parser)
+        return cls(req, reader, build_messages, kwargs, client_template)
+
+    async def token_ids(self, ctx: ServerContext, deadline: float) -> list[int]:
+        """The rendered, tokenized prompt (off the event loop); a 400 naming ``messages``."""
+        try:
+            return await ctx.preprocess.chat_ids(
+                self.build_messages,
+                self.req.add_generation_prompt,
+                self.template_kwargs,
+                self.client_template,
+                deadline=deadline,
+            )
+        except InvalidRequestError as e:  # a ContextLengthError keeps its own code
+            err = from_baton_error(e)
+            err.param = err.param or "messages"
+            raise err from None
 
 
 async def _generate(
@@ -201,26 +245,13 @@ async def _generate(
     raw: Request,
     ctx: ServerContext,
     ticket: Ticket,
-    reader: AnswerReader,
-    build_messages: Any,
-    template_kwargs: dict[str, Any],
-    client_template: str | None,
+    prompt: _ChatPrompt,
     kind: str,
 ) -> ChatRun | None:
     pre = ctx.preprocess
     deadline = pre.deadline()  # templating, tokenization and the checks: off the event loop
-    try:
-        ids = await pre.chat_ids(
-            build_messages,
-            req.add_generation_prompt,
-            template_kwargs,
-            client_template,
-            deadline=deadline,
-        )
-    except InvalidRequestError as e:  # a ContextLengthError keeps its own code
-        err = from_baton_error(e)
-        err.param = err.param or "messages"
-        raise err from None
+    ids = await prompt.token_ids(ctx, deadline)
+    reader = prompt.reader
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -297,23 +328,63 @@ def _finish_reason(reason: str | None, calls: int) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+async def _beam_chat(
+    req: ChatCompletionRequest,
+    raw: Request,
+    client_template: str | None,
+    template_kwargs: dict[str, Any] | None,
+) -> Response | ChatCompletionResponse:
+    """use_beam_search: the n best beams as the n choices, best first (vLLM's)."""
+    ctx = ServerContext.of(raw)
+    prompt = _ChatPrompt.of(req, ctx, client_template, template_kwargs)
+    params = beam_search_params(
+        req,
+        req.max_completion_tokens or req.max_tokens,
+        {"logprobs": req.logprobs, "tools": prompt.reader.plan is not None},
+    )
+    ticket = ctx.queue.admit()  # a 429 when server.max_queued_requests are waiting
+    try:
+        ids = await prompt.token_ids(ctx, ctx.preprocess.deadline())
+    finally:
+        ticket.close()
+    outs = await run_beam_searches(ctx, raw, req, [ids], params)
+    if outs is DISCONNECTED:
+        return Response(status_code=499)
+    choices = []
+    for index, seq in enumerate(outs[0].sequences):
+        message, _ = _message(seq.text or "", prompt.reader)
+        finish = finish_reason(seq, len(ids), ctx, req.ignore_eos)
+        choices.append(ChatChoice(index=index, message=message, finish_reason=finish))
+    return ChatCompletionResponse(
+        id=engine_request_id(raw, "chatcmpl"),
+        model=ctx.answering_model(req),
+        choices=choices,
+        usage=beam_usage([ids], outs),
+    )
+
+
+def _message(text: str, reader: AnswerReader) -> tuple[ChatResponseMessage, int]:
+    """The answer's message (content, reasoning and tool calls parsed when a parser is on),
+    and how many tool calls it has."""
+    if not reader.active:
+        return ChatResponseMessage(content=text), 0
+    parsed = reader.parse(text)
+    message = ChatResponseMessage(
+        content=parsed.content,
+        reasoning_content=parsed.reasoning,
+        tool_calls=tool_call_items(parsed.calls) if parsed.calls else None,
+    )
+    return message, len(parsed.calls)
+
+
 def _response(run: ChatRun) -> ChatCompletionResponse:
     acc, top, reader = run.acc, run.top, run.reader
     choices = []
     for index in sorted(acc.choices):
         c = acc.choices[index]
         logprobs = chat_logprobs(c.token_ids, c.logprobs, top) if top is not None else None
-        text = "".join(c.text)
-        message = ChatResponseMessage(content=text)
-        finish = c.finish_reason
-        if reader.active:
-            parsed = reader.parse(text)
-            message = ChatResponseMessage(
-                content=parsed.content,
-                reasoning_content=parsed.reasoning,
-                tool_calls=tool_call_items(parsed.calls) if parsed.calls else None,
-            )
-            finish = _finish_reason(finish, len(parsed.calls))
+        message, calls = _message("".join(c.text), reader)
+        finish = _finish_reason(c.finish_reason, calls)
         choices.append(
             ChatChoice(
                 index=index,

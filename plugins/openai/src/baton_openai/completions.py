@@ -13,6 +13,12 @@ from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
 from baton_openai.admission import Ticket
+from baton_openai.beam_search import (
+    beam_search_params,
+    beam_usage,
+    finish_reason,
+    run_beam_searches,
+)
 from baton_openai.context import ServerContext
 from baton_openai.errors import OpenAIError, from_baton_error
 from baton_openai.generation import Accumulator, Item, collect, first_output, merge, to_openai_error
@@ -84,6 +90,8 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
         )
     engine = ctx.engine
     prompts = _prompts(req.prompt)
+    if req.use_beam_search:
+        return await _beam_search(req, raw, ctx, prompts)
     # echo with logprobs scores the prompt (vLLM: prompt_logprobs = logprobs); max_tokens=0
     # generates one token that is not returned
     prompt_lps, prompt_lps_param = req.prompt_logprobs, "prompt_logprobs"
@@ -165,6 +173,41 @@ async def _generate(
         return Response(status_code=499)
     return SSEResponse(
         _chunks(request_id, ctx.answering_model(req), req, stream, first, acc, built, echo)
+    )
+
+
+async def _beam_search(
+    req: CompletionRequest, raw: Request, ctx: ServerContext, prompts: list[Any]
+) -> Response | CompletionResponse:
+    """use_beam_search: each prompt's best n beams as its n choices, best first (vLLM's)."""
+    params = beam_search_params(
+        req, req.max_tokens, {"echo": req.echo, "logprobs": req.logprobs is not None}
+    )
+    ticket = ctx.queue.admit(len(prompts))  # a 429 when server.max_queued_requests are waiting
+    try:
+        try:
+            ids_list = [ctx.engine.input_processor.tokenize(p)[1] for p in prompts]
+        except InvalidRequestError as e:
+            raise from_baton_error(e) from None
+        outs = await run_beam_searches(ctx, raw, req, ids_list, params)
+    finally:
+        ticket.close()
+    if outs is DISCONNECTED:
+        return Response(status_code=499)
+    choices = [
+        CompletionChoice(
+            index=p * req.n + i,
+            text=seq.text or "",
+            finish_reason=finish_reason(seq, len(ids), ctx, req.ignore_eos),
+        )
+        for p, (ids, out) in enumerate(zip(ids_list, outs, strict=True))
+        for i, seq in enumerate(out.sequences)
+    ]
+    return CompletionResponse(
+        id=engine_request_id(raw, "cmpl"),
+        model=ctx.answering_model(req),
+        choices=choices,
+        usage=beam_usage(ids_list, outs),
     )
 
 

@@ -217,7 +217,17 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class BeamSearchFields(SamplingFields):
+    """vLLM's beam search extension of the chat and completion requests."""
+
+    use_beam_search: bool = False
+    """Beam search (``AsyncLLM.beam_search``) with beam_width = n: the n best beams are the
+    choices; not with stream, logprobs or constraints on the output."""
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    """A beam's score is cum_logprob / seq_len ** length_penalty (use_beam_search)."""
+
+
+class ChatCompletionRequest(BeamSearchFields):
     messages: Annotated[
         list[ChatMessage],
         Field(min_length=1, max_length=MAX_MESSAGES),
@@ -295,7 +305,7 @@ def _prompt_error(got: str) -> PydanticCustomError:
     )
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(BeamSearchFields):
     prompt: Annotated[Any, PlainValidator(prompt_shape, json_schema_input_type=PromptInput)]
     max_tokens: int | None = Field(None, ge=0, lt=MAX_INT32)
     """0 only with echo: the prompt comes back alone (with its logprobs), as vLLM does."""
