@@ -171,8 +171,8 @@ def test_config_check_json(tmp_path, capsys):
     ("argv", "fragment"),
     [
         (
-            ["--set", "scheduler.fcfs.x=1"],
-            "scheduler.fcfs: scheduler policy 'fcfs' takes no settings",
+            ["--policy", "priority", "--set", "scheduler.priority.x=1"],
+            "scheduler.priority: scheduler policy 'priority' takes no settings",
         ),
         (["--policy", "nope"], "scheduler policy 'nope' is not installed"),
         (["--set", "cache.block_size=0"], "cache.block_size: Input should be greater than 0"),
@@ -243,11 +243,11 @@ def test_generate_refuses_a_bad_config_before_loading_anything(tmp_path):
         "import sys\n"
         "from baton.cli.main import main\n"
         f"rc = main(['generate', 'hi', '--model', {str(tmp_path / 'nowhere')!r},"
-        " '--set', 'scheduler.fcfs.x=1'])\n"
+        " '--policy', 'priority', '--set', 'scheduler.priority.x=1'])\n"
         "print(rc, 'transformers' in sys.modules)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.stdout.split() == ["1", "False"], proc.stderr
-    assert "scheduler.fcfs: scheduler policy 'fcfs' takes no settings" in proc.stderr
+    assert "scheduler.priority: scheduler policy 'priority' takes no settings" in proc.stderr
