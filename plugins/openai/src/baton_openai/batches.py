@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
-from baton_openai.batch_store import BatchRecord
+from baton_openai.batch_store import BatchRecord, Status
 from baton_openai.files import MAX_LIST, page, runner_of
 from baton_openai.openapi import error_responses
 from baton_openai.protocol import STRICT
@@ -68,16 +68,7 @@ class BatchModel(BaseModel):
     endpoint: str
     input_file_id: str
     completion_window: str
-    status: Literal[
-        "validating",
-        "failed",
-        "in_progress",
-        "finalizing",
-        "completed",
-        "expired",
-        "cancelling",
-        "cancelled",
-    ]
+    status: Status
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: BatchErrorsModel | None = None
