@@ -28,6 +28,25 @@ from baton_openai.server import OpenAIServer
 
 MAX_MODEL_LEN = 1024
 
+#: The tool fixtures every API's tool tests share, each test writing them in its API's shape.
+#: Tight enough that a random model constrained by it finishes quickly (no free text, no
+#: optional whitespace: any_whitespace is off on these servers).
+FORECAST = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "tomorrow": {"type": "boolean"}},
+    "required": ["unit", "tomorrow"],
+    "additionalProperties": False,
+}
+#: get_weather's parameters where the city is one of two (the answer is checked against it).
+WEATHER_CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+#: A hermes tool call of get_weather, as the model writes it.
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
 
 class ServerThread:
     """OpenAIServer.run() on its own event loop in a thread; ``stop()`` returns its exit code."""

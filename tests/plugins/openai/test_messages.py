@@ -17,25 +17,13 @@ import httpx
 import jsonschema
 import pytest
 
-from .conftest import ServerThread, running_server
+from .conftest import CALL, FORECAST, WEATHER_CITY, ServerThread, running_server
 
-#: Tight enough that a random model constrained by it finishes quickly (any_whitespace off).
-FORECAST = {
-    "type": "object",
-    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "tomorrow": {"type": "boolean"}},
-    "required": ["unit", "tomorrow"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "name": "get_weather",
         "description": "The weather in a city.",
-        "input_schema": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
+        "input_schema": WEATHER_CITY,
     },
     {"name": "forecast", "input_schema": FORECAST},
 ]
@@ -43,7 +31,6 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 KEY = "sk-anthropic-test"
 #: the SDK has no temperature argument (any more); the API still takes it
 GREEDY = {"temperature": 0}
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 #: vLLM's structured_outputs makes the answer this text: reasoning, text, then a call
 FORCED = {
     "structured_outputs": {"choice": [f"<think>It is in France.</think>Let me check.\n{CALL}"]}

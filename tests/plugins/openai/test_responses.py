@@ -26,29 +26,17 @@ from baton_openai.protocol import ChatMessage
 from baton_openai.response_store import ResponseStore
 from baton_openai.responses_protocol import ResponseObject
 
-from .conftest import ServerThread, running_server
+from .conftest import CALL, FORECAST, WEATHER_CITY, ServerThread, running_server
 
-FORECAST = {
-    "type": "object",
-    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "tomorrow": {"type": "boolean"}},
-    "required": ["unit", "tomorrow"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
         "name": "get_weather",
         "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_CITY,
     },
     {"type": "function", "name": "forecast", "parameters": FORECAST},
 ]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 FORCED = {
     "structured_outputs": {"choice": [f"<think>Paris is in France.</think>Let me check.\n{CALL}"]}
 }

@@ -23,17 +23,9 @@ import pytest
 from baton_openai.protocol import ChatTool
 from baton_openai.tool_parsers import HermesToolParser
 
-from .conftest import ServerThread, running_server
+from .conftest import CALL, FORECAST, ServerThread, running_server
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-#: Tight enough that a random model constrained by it finishes quickly (no free text, no
-#: optional whitespace: any_whitespace is off on these servers).
-FORECAST = {
-    "type": "object",
-    "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "tomorrow": {"type": "boolean"}},
-    "required": ["unit", "tomorrow"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
@@ -49,7 +41,6 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
 ]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
