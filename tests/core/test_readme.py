@@ -1,6 +1,7 @@
-"""The README's plugin table names every plugin kind of the kind registry and every plugin
-`baton plugins --json` reports, with how each kind is selected, so it cannot drift again
-(issue 31: it once lacked `router`, `engine_launcher` and `bench`)."""
+"""The plugin-kind tables of README.md and docs/architecture.md name every plugin kind of the
+kind registry, how each is selected, and (the README's) every plugin `baton plugins --json`
+reports, so they cannot drift again (issue 31: the README once lacked `router`,
+`engine_launcher` and `bench`)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from pathlib import Path
 # The kind registry: the one line to change when it moves.
 from baton.plugin_kinds import PLUGIN_KINDS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 CODE = re.compile(r"`([^`]+)`")
 
 
-def readme_rows(marker: str) -> list[list[str]]:
-    """The cells of each body row of the README table between ``<!-- marker ... -->`` and
-    ``<!-- /marker -->`` (its header and rule skipped)."""
+def table_rows(page: Path, marker: str) -> list[list[str]]:
+    """The cells of each body row of the table between ``<!-- marker ... -->`` and
+    ``<!-- /marker -->`` in ``page`` (its header and rule skipped)."""
     found = re.search(
-        rf"^<!-- {marker}\b.*?-->\n(.*?)^<!-- /{marker} -->", README.read_text(), re.S | re.M
+        rf"^<!-- {marker}\b.*?-->\n(.*?)^<!-- /{marker} -->", page.read_text(), re.S | re.M
     )
-    assert found, f"README.md lost its <!-- {marker} --> table markers"
+    assert found, f"{page.name} lost its <!-- {marker} --> table markers"
     lines = [line for line in found.group(1).splitlines() if line.startswith("|")][2:]
     return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
 
@@ -33,38 +36,49 @@ def code_names(cell: str) -> set[str]:
     return set(CODE.findall(cell))
 
 
-def kind_rows() -> dict[str, list[str]]:
-    """The plugin-kinds table by kind: its first cell's code name -> the row's cells."""
+def kind_rows(page: Path) -> dict[str, list[str]]:
+    """A page's plugin-kinds table by kind: its first cell's code name -> the row's cells."""
     rows: dict[str, list[str]] = {}
-    for cells in readme_rows("plugin-kinds"):
+    for cells in table_rows(page, "plugin-kinds"):
         kind = CODE.search(cells[0])
-        assert kind, f"README plugin-kinds row without a `kind`: {cells}"
-        assert kind.group(1) not in rows, f"README names kind {kind.group(1)!r} twice"
+        assert kind, f"{page.name}: a plugin-kinds row without a `kind`: {cells}"
+        assert kind.group(1) not in rows, f"{page.name} names kind {kind.group(1)!r} twice"
         rows[kind.group(1)] = cells
     return rows
 
 
 def plugin_names(cells: list[str]) -> set[str]:
-    """The names of a kind's row: its built-in and other distributions' columns."""
+    """The plugin names of a README row: its built-in and other distributions' columns."""
     return code_names(cells[2]) | code_names(cells[3])
 
 
-def test_the_readme_has_one_row_per_plugin_kind():
-    assert set(kind_rows()) == set(PLUGIN_KINDS)
-
-
-def test_each_row_says_how_its_kind_is_selected():
-    rows = kind_rows()
+def assert_selected_by(page: Path, rows: dict[str, list[str]], column: int) -> None:
     for kind in PLUGIN_KINDS.values():
-        selected_by = code_names(rows[kind.name][1])
+        selected_by = code_names(rows[kind.name][column])
         if kind.section is not None:
-            assert selected_by == {kind.selector_path()}, (kind.name, selected_by)
+            assert selected_by == {kind.selector_path()}, (page.name, kind.name, selected_by)
         else:  # commands and benchmarks: the `baton` command line picks them
             assert selected_by and all(s.startswith("baton ") for s in selected_by), kind.name
 
 
-def test_each_row_names_its_kinds_known_plugins_and_their_distributions():
-    rows = kind_rows()
+def test_the_readme_has_one_row_per_plugin_kind_and_says_how_it_is_selected():
+    rows = kind_rows(README)
+    assert set(rows) == set(PLUGIN_KINDS)
+    assert_selected_by(README, rows, column=1)
+
+
+def test_architecture_md_names_each_kinds_hook_selector_and_product():
+    rows = kind_rows(ARCHITECTURE)
+    assert set(rows) == set(PLUGIN_KINDS)
+    assert_selected_by(ARCHITECTURE, rows, column=2)
+    for kind in PLUGIN_KINDS.values():
+        assert code_names(rows[kind.name][1]) == {kind.hook}, kind.name
+        if kind.product is not None:
+            assert kind.product.__name__ in code_names(rows[kind.name][3]), kind.name
+
+
+def test_each_readme_row_names_its_kinds_known_plugins_and_their_distributions():
+    rows = kind_rows(README)
     for kind in PLUGIN_KINDS.values():
         cells = rows[kind.name]
         missing = (set(kind.builtin) | set(kind.distributions)) - plugin_names(cells)
@@ -86,7 +100,7 @@ def test_the_readme_names_every_plugin_baton_plugins_reports():
     )
     report = json.loads(listed.stdout)
     assert not report["failed"], report["failed"]
-    rows = kind_rows()
+    rows = kind_rows(README)
     for plugin in report["plugins"]:
         kind, name, dist = plugin["kind"], plugin["name"], plugin["distribution"]
         assert kind in rows, f"README's plugin table has no row for kind {kind!r}"
@@ -96,5 +110,5 @@ def test_the_readme_names_every_plugin_baton_plugins_reports():
 
 
 def test_the_readme_lists_the_config_command():
-    assert "config" in plugin_names(kind_rows()["command"])
+    assert "config" in plugin_names(kind_rows(README)["command"])
     assert "baton config check" in README.read_text()

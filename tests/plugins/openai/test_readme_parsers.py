@@ -9,14 +9,14 @@ import re
 
 from baton_openai import hookspecs
 from baton_openai.parsers import ParserRegistry
-from tests.core.test_readme import code_names, readme_rows
+from tests.core.test_readme import README, code_names, table_rows
 
 SELECTED_BY = re.compile(r"Selected by ``([\w.]+)``")
 
 
 def parser_rows() -> dict[str, list[str]]:
     """The parser-kinds table by hook: its second cell's code name -> the row's cells."""
-    return {next(iter(code_names(cells[1]))): cells for cells in readme_rows("parser-kinds")}
+    return {next(iter(code_names(cells[1]))): cells for cells in table_rows(README, "parser-kinds")}
 
 
 def hookspec_functions() -> dict[str, object]:
