@@ -91,14 +91,8 @@ def test_the_readme_names_every_plugin_baton_plugins_reports():
     """Every (kind, name) of `baton plugins --json` (a fresh process, as a user runs it, with
     every distribution this checkout installs), and the distribution of those outside
     baton-core."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "baton.cli.main", "plugins", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    report = json.loads(listed.stdout)
+    cli = [sys.executable, "-m", "baton.cli.main", "plugins", "--json"]
+    report = json.loads(subprocess.check_output(cli, text=True, timeout=120))
     assert not report["failed"], report["failed"]
     rows = kind_rows(README)
     for plugin in report["plugins"]:
