@@ -41,6 +41,10 @@ with a ``finished(request)`` method is told once of every request it was given
 has left it; the call is made once the scheduler's books are settled (at the
 end of ``finish_requests`` / ``update_from_output``), so a policy that raises
 there fails the engine rather than the request.
+
+Jobs of their own: admission (``sched/admission.py``), the update from a step's
+output (``sched/step_update.py``), the step's plan (``sched/step_plan.py``), stats
+(``sched/counters.py``), stop checks, forks, victims, the prompt-token budget.
 """
 
 from __future__ import annotations
@@ -536,9 +540,8 @@ class Scheduler:
                 continue
             del in_flight[rid]
             req = self.requests[rid]
-            if (
-                failed and rid in failed
-            ):  # the runner left it out: its KV for this step is unwritten
+            # the runner left it out: its KV for this step is unwritten
+            if failed and rid in failed:
                 outputs.append(self._finish_with_error(req, failed[rid]))
                 continue
             try:
