@@ -117,16 +117,16 @@ def test_sampling_fault_fails_one_row(llm, reference, monkeypatch):
 
 
 def test_scheduler_update_fault_fails_one_request(llm, reference, monkeypatch):
-    from baton.sched import scheduler
+    from baton.sched import step_update
 
-    check = scheduler.append_and_check_stop
+    check = step_update.append_and_check_stop
 
     def faulty(req, new, max_model_len):
         if req.sampling_params.seed == MAGIC:
             raise ValueError("injected stop-check fault")
         return check(req, new, max_model_len)
 
-    monkeypatch.setattr(scheduler, "append_and_check_stop", faulty)
+    monkeypatch.setattr(step_update, "append_and_check_stop", faulty)
     run_with_bad(llm, reference, bad_params(), "ValueError: injected stop-check fault")
 
 
@@ -418,20 +418,20 @@ def test_scheduler_finishes_runner_failures_also_mid_prompt_chunk():
 
 
 def test_scheduler_update_fault_fails_only_that_request(monkeypatch):
-    from baton.sched import scheduler
+    from baton.sched import step_update
 
     sched = make_scheduler()
     for rid in ("x", "y"):
         sched.add_request(make_request(rid, 5, max_tokens=4))
     so = sched.schedule()
-    check = scheduler.append_and_check_stop
+    check = step_update.append_and_check_stop
 
     def faulty(req, new, max_model_len):
         if req.request_id == "x":
             raise KeyError("injected")
         return check(req, new, max_model_len)
 
-    monkeypatch.setattr(scheduler, "append_and_check_stop", faulty)
+    monkeypatch.setattr(step_update, "append_and_check_stop", faulty)
     out = ModelRunnerOutput(req_ids=["x", "y"], sampled_token_ids=[[7], [8]])
     outs = {o.request_id: o for o in sched.update_from_output(so, out)}
     assert (

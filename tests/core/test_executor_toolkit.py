@@ -1,4 +1,4 @@
-"""The executor toolkit's small parts: the failure latch, heartbeats, runner factories, and what the
+"""The executor toolkit's small parts: the failure latch, the call book, heartbeats, runner factories, and what the
 core reads from an executor (model_info, model_capabilities) when an older one lacks them."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.errors import ExecutorError, PluginError
+from baton.executor.calls import CallBook
 from baton.executor.heartbeat import Heartbeats
 from baton.executor.latch import FailureLatch
 from baton.interfaces import ModelRunner, RunnerFactory, Worker
@@ -71,6 +72,77 @@ def test_trip_latches_at_once_and_notify_tells_later():
         latch.check()  # refused before anyone was told
     latch.notify(ExecutorError("x"), callbacks)
     assert told.is_set()
+
+
+def test_call_book_settles_each_call_once_in_rank_order():
+    book = CallBook("demo", kind_names={1: "step"}, hangs="a worker hangs", serial_decode=True)
+    book.start()
+    try:
+        every = book.new(1, [0, 1, 2], decode=lambda raw: raw * 10)
+        one = book.new(1, [0, 1, 2], decode=int, reply_from=1)
+        for rank in (2, 0):
+            book.answer(every, rank, rank + 1)
+        assert not every.future.done()
+        book.answer(every, 1, 2)
+        book.answer(every, 1, 99)  # a late duplicate is ignored
+        assert every.future.result(1) == [10, 20, 30]
+        book.answer(one, 1, "7")
+        assert one.future.result(1) == 7
+        # a rank's error fails that call alone; the book goes on
+        failing = book.new(1, [0, 1], decode=int)
+        book.fail_call(failing.id, ExecutorError("worker 1: ValueError: no"))
+        book.answer(failing, 0, "1")  # after the failure: ignored
+        with pytest.raises(ExecutorError, match="worker 1: ValueError: no"):
+            failing.future.result(1)
+        book.latch.check()
+        # a chained call resolves on the completer thread
+        chained = book.new(1, [0], decode=int, chained=True)
+        where: list[str] = []
+        called = threading.Event()
+        chained.future.add_done_callback(
+            lambda f: (where.append(threading.current_thread().name), called.set())
+        )
+        book.answer(chained, 0, "3")
+        assert chained.future.result(1) == [3]
+        assert called.wait(1) and where == ["baton-demo-done"]
+    finally:
+        assert book.close() is True
+        assert book.close() is False
+        book.stop()
+
+
+def test_call_book_fails_the_group_on_an_unreadable_answer_a_late_call_and_a_timeout():
+    book = CallBook("demo", kind_names={1: "step"}, hangs="a worker hangs (step_timeout)")
+    book.start()
+    failures: list[BaseException] = []
+    book.latch.register(failures.append)
+    waited = book.new(1, [0], decode=int)
+    with pytest.raises(ExecutorError, match=r"demo: timed out after 0\.05 s waiting for a step"):
+        book.wait(waited.future, 0.05, "a step")
+    book.answer(waited, 0, "1")  # dropped: a late answer is ignored
+    assert not waited.future.done() and not failures
+    late = book.new(1, [0], decode=int, fail_after=0.01)
+    assert book.check_deadlines(time.monotonic()) is False
+    assert book.check_deadlines(time.monotonic() + 1.0) is True
+    with pytest.raises(
+        ExecutorError, match=r"a step call was not answered within 0\.01 s: a worker hangs"
+    ):
+        late.future.result(1)
+    assert len(failures) == 1
+    with pytest.raises(ExecutorError):  # later calls are refused
+        book.new(1, [0], decode=int)
+    book.close()
+    book.stop()
+
+    other = CallBook("demo", kind_names={}, hangs="")
+    bad = other.new(1, [0], decode=int)
+    other.answer(bad, 0, "not a number")
+    with pytest.raises(
+        ExecutorError, match="demo executor failed: worker 0 sent an unreadable answer"
+    ):
+        bad.future.result(1)
+    other.close()
+    other.stop()
 
 
 def test_heartbeats_find_silent_workers():

@@ -643,4 +643,4 @@ def test_randomized_runs_match_a_roomy_sequential_reference(seed):
         else:
             assert got == ref.tokens[rid], rid
     assert s.kv.num_free_blocks == s.kv.num_total_blocks and not s.requests
-    assert not s._in_flight and not s._num_sent
+    assert not s._in_flight and not s.num_sent

@@ -16,6 +16,7 @@ from baton.errors import EngineDeadError, ExecutorError
 from baton.processes import is_helper
 from baton.testing.conformance.executor import ExecutorConformance
 from baton.testing.faults import kill_on_first_output
+from baton.testing.tiny_model import tiny_model
 from tests.e2e.conftest import _children
 from tests.e2e.parity import PROMPTS, assert_parity
 
@@ -143,8 +144,6 @@ class ParallelConformance(ExecutorConformance):
     overrides: dict[str, Any] = {}
 
     def engine_config(self):
-        from baton.testing.tiny_model import tiny_model
-
         return (
             super()
             .engine_config()
@@ -184,7 +183,6 @@ def tiny_executor(name: str, settings: dict[str, Any] | None = None, **parallel:
     the engine builds it (registry entry, ``[executor.<name>]`` settings)."""
     from baton.config import BatonConfig
     from baton.plugins import get_registry
-    from baton.testing.tiny_model import tiny_model
 
     cfg = BatonConfig.load(
         model=str(tiny_model("llama")),
@@ -292,3 +290,61 @@ def check_prompt_logprobs(model_dir: Path, tokenizer: Any, **parallel: Any) -> N
                 assert got == pytest.approx(want, abs=1e-4)
     assert set(ours[1].outputs[0].token_ids) <= {11, 12}
     assert ours[2].outputs[0].token_ids == [13] * 4
+
+
+class ParallelFailures:
+    """A worker killed, hung or stopped: the executor fails fast, the engine reports
+    EngineDeadError, nothing is left. Subclasses set ``executor`` and ``parallel`` (the layout)
+    and override the ``transport`` fixture with the transports to run the engine over."""
+
+    executor: str = ""
+    parallel: dict[str, Any] = {}
+
+    @pytest.fixture(params=["inproc"])
+    def transport(self, request: Any) -> str:
+        return str(request.param)
+
+    def test_sigkill_of_a_worker_is_engine_dead_within_5_s(self, transport, no_leaks):
+        sigkill_worker_is_engine_dead(
+            str(tiny_model("llama")), transport, executor=self.executor, **self.parallel
+        )
+
+    def test_a_hung_worker_fails_the_executor_after_step_timeout(self, no_leaks):
+        ex = tiny_executor(self.executor, {"step_timeout": 2.0}, **self.parallel)
+        try:
+            check_hang_is_detected(ex)
+        finally:
+            ex.shutdown()
+
+    def test_a_stopped_worker_is_detected_by_its_heartbeat_within_5_s(self, no_leaks):
+        ex = tiny_executor(self.executor, **self.parallel)  # default step_timeout: 120 s
+        try:
+            check_stopped_worker_is_detected(ex)
+        finally:
+            ex.shutdown()
+
+
+class ParallelParity:
+    """Greedy parity with the uniproc executor on the 16-prompt parity set (chunked prefill and
+    prefix caching on), a bfloat16 cache's, and prompt logprobs with token constraints.
+    Subclasses set ``executor`` and ``parallel``; the ``arch`` fixture names the tiny models."""
+
+    executor: str = ""
+    parallel: dict[str, Any] = {}
+
+    @pytest.fixture(params=["llama"])
+    def arch(self, request: Any) -> str:
+        return str(request.param)
+
+    def test_matches_uniproc(self, arch, tokenizer):
+        check_parity(tiny_model(arch), tokenizer, executor=self.executor, **self.parallel)
+
+    def test_with_a_bfloat16_cache_matches_uniproc(self, tokenizer):
+        check_cache_dtype_parity(
+            tiny_model("llama"), tokenizer, "bfloat16", executor=self.executor, **self.parallel
+        )
+
+    def test_prompt_logprobs_and_token_constraints_match_uniproc(self, tokenizer):
+        check_prompt_logprobs(
+            tiny_model("llama"), tokenizer, executor=self.executor, **self.parallel
+        )

@@ -213,6 +213,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "load_worker",
     ),
     "baton.executor.group": ("WorkerGroup",),
+    "baton.executor.calls": ("CallBook", "Call"),
     "baton.executor.member": ("MemberLink", "Member", "Message", "READY", "SHUTDOWN"),
     "baton.executor.multiproc": ("MultiprocExecutor",),
     "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),

@@ -8,31 +8,20 @@ tokens (tests/e2e/parity.py's rule); anything else fails.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from baton.testing.tiny_model import tiny_model
-from tests.plugins.parallel_common import (
-    check_cache_dtype_parity,
-    check_parity,
-    check_prompt_logprobs,
-)
+from tests.plugins.parallel_common import ParallelParity, check_parity
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases are sharded too
-def test_tp2_matches_uniproc(arch, tokenizer):
-    check_parity(tiny_model(arch), tokenizer, executor="cuda-tp", tensor_parallel_size=2)
+class TestTP2Parity(ParallelParity):
+    executor = "cuda-tp"
+    parallel = {"tensor_parallel_size": 2}
 
-
-def test_tp2_with_a_bfloat16_cache_matches_uniproc(tokenizer):
-    check_cache_dtype_parity(
-        tiny_model("llama"), tokenizer, "bfloat16", executor="cuda-tp", tensor_parallel_size=2
-    )
-
-
-def test_tp2_prompt_logprobs_and_token_constraints_match_uniproc(tokenizer):
-    check_prompt_logprobs(
-        tiny_model("llama"), tokenizer, executor="cuda-tp", tensor_parallel_size=2
-    )
+    @pytest.fixture(params=["llama", "qwen2"])  # qwen2: q/k/v biases are sharded too
+    def arch(self, request: Any) -> str:
+        return str(request.param)
 
 
 @pytest.mark.slow

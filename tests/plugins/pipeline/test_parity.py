@@ -10,27 +10,12 @@ from __future__ import annotations
 import pytest
 
 from baton.testing.tiny_model import tiny_model
-from tests.plugins.parallel_common import (
-    check_cache_dtype_parity,
-    check_parity,
-    check_prompt_logprobs,
-)
+from tests.plugins.parallel_common import ParallelParity, check_parity
 
 
-def test_pp2_matches_uniproc(tokenizer):
-    check_parity(tiny_model("llama"), tokenizer, executor="pipeline", pipeline_parallel_size=2)
-
-
-def test_pp2_with_a_bfloat16_cache_matches_uniproc(tokenizer):
-    check_cache_dtype_parity(
-        tiny_model("llama"), tokenizer, "bfloat16", executor="pipeline", pipeline_parallel_size=2
-    )
-
-
-def test_pp2_prompt_logprobs_and_token_constraints_match_uniproc(tokenizer):
-    check_prompt_logprobs(
-        tiny_model("llama"), tokenizer, executor="pipeline", pipeline_parallel_size=2
-    )
+class TestPP2Parity(ParallelParity):
+    executor = "pipeline"
+    parallel = {"pipeline_parallel_size": 2}
 
 
 @pytest.mark.slow

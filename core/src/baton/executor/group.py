@@ -26,23 +26,20 @@ kills those that do not, and ends the threads.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import os
 import pickle
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from baton import processes
 from baton.errors import BatonError, ExecutorError, worker_error
+from baton.executor.calls import CallBook
 from baton.executor.heartbeat import Heartbeats
-from baton.executor.latch import FailureLatch
 from baton.executor.member import (
     CALL_FAILED,
     GROUP_FAILED,
@@ -62,44 +59,6 @@ WATCH_INTERVAL = 0.05
 def unpickle_first(frames: list[Any]) -> Any:
     """The default answer decoder: the first frame unpickled (None for an empty answer)."""
     return pickle.loads(frames[0]) if frames else None
-
-
-class _Call:
-    """A call waiting for answers from ``expect`` ranks."""
-
-    __slots__ = (
-        "chained",
-        "deadline",
-        "decode",
-        "expect",
-        "fail_after",
-        "future",
-        "id",
-        "kind",
-        "one",
-        "results",
-    )
-
-    def __init__(
-        self,
-        call_id: int,
-        kind: int,
-        expect: set[int],
-        fail_after: float | None,
-        decode: Callable[[list[Any]], Any],
-        one: bool,
-        chained: bool,
-    ) -> None:
-        self.id = call_id
-        self.kind = kind
-        self.expect = expect
-        self.fail_after = fail_after
-        self.deadline = time.monotonic() + fail_after if fail_after else None
-        self.decode = decode
-        self.one = one
-        self.chained = chained
-        self.results: dict[int, Any] = {}
-        self.future: Future[Any] = Future()
 
 
 class WorkerGroup:
@@ -126,23 +85,18 @@ class WorkerGroup:
         self.heartbeat_timeout = heartbeat_timeout
         self.kind_names = {READY: "ready", **(kind_names or {})}
         self.hang_hint = hang_hint
+        #: The pending calls, settled once; the completer thread of chained ones.
+        self.calls = CallBook(
+            name, kind_names=self.kind_names, hangs=f"a worker hangs ({hang_hint})"
+        )
         #: The first failure, the failure callbacks, the closed state.
-        self.latch = FailureLatch(name)
+        self.latch = self.calls.latch
         #: Each worker's last heartbeat, watched by the reader thread.
         self.heartbeats = Heartbeats(world_size)
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._calls: dict[int, _Call] = {}
-        self._ids = itertools.count(1)
-        self._done: queue.SimpleQueue[tuple[Future[Any], Any, BaseException | None] | None] = (
-            queue.SimpleQueue()
-        )
         self._reader = threading.Thread(
             target=self._read_loop, name=f"baton-{name}-reader", daemon=True
-        )
-        self._completer = threading.Thread(
-            target=self._complete_loop, name=f"baton-{name}-done", daemon=True
         )
         self.channel: Any = transport.create_client(world_size)
 
@@ -163,11 +117,9 @@ class WorkerGroup:
             raise ExecutorError(
                 f"{self.name}: {len(args)} worker arguments for {self.world_size} workers"
             )
-        ready = self._new_call(
-            READY, set(range(self.world_size)), None, unpickle_first, False, False, call_id=0
-        )
+        ready = self.calls.new(READY, range(self.world_size), decode=unpickle_first, call_id=0)
         self._reader.start()
-        self._completer.start()
+        self.calls.start()
         for rank, arg in enumerate(args):
             link = MemberLink(
                 group=self.name,
@@ -209,48 +161,21 @@ class WorkerGroup:
         if not 0 < kind < SHUTDOWN:
             raise ExecutorError(f"{self.name}: call kind {kind} is reserved (use 1 to 254)")
         ranks = list(range(self.world_size)) if to is None else list(to)
-        expect = set(ranks) if reply_from is None else {reply_from}
-        call = self._new_call(kind, expect, fail_after, decode, reply_from is not None, chained)
+        call = self.calls.new(
+            kind,
+            ranks,
+            decode=decode,
+            reply_from=reply_from,
+            fail_after=fail_after,
+            chained=chained,
+        )
         self._send([request_header(kind, call.id, time.monotonic()), *payload], ranks)
         return call.future
 
     def wait(self, future: Future[Any], timeout: float | None, what: str) -> Any:
         """``future.result(timeout)``; on timeout the call is dropped (a late answer is ignored)
         and ExecutorError says what was awaited. The group stays healthy."""
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            with self._lock:
-                for call_id, call in list(self._calls.items()):
-                    if call.future is future:
-                        del self._calls[call_id]
-            raise ExecutorError(
-                f"{self.name}: timed out after {timeout} s waiting for {what}"
-            ) from None
-
-    def _new_call(
-        self,
-        kind: int,
-        expect: set[int],
-        fail_after: float | None,
-        decode: Callable[[list[Any]], Any],
-        one: bool,
-        chained: bool,
-        call_id: int | None = None,
-    ) -> _Call:
-        with self._lock:
-            self.latch.check()
-            call = _Call(
-                next(self._ids) if call_id is None else call_id,
-                kind,
-                expect,
-                fail_after,
-                decode,
-                one,
-                chained,
-            )
-            self._calls[call.id] = call
-        return call
+        return self.calls.wait(future, timeout, what)
 
     def _send(self, frames: list[Any], ranks: list[int]) -> None:
         with self._send_lock:
@@ -275,14 +200,7 @@ class WorkerGroup:
     def fail(self, error: BaseException) -> None:
         """Fail the group with ``error`` (the first failure wins): pending calls raise
         ExecutorError, the failure callbacks run once, later calls raise."""
-        with self._lock:  # latched with the pending calls taken: no call slips in between
-            callbacks = self.latch.trip(error)
-            if callbacks is None:
-                return
-            calls, self._calls = list(self._calls.values()), {}
-        for c in calls:
-            self._settle(c, None, ExecutorError(f"the {self.name} executor failed: {error}"))
-        self.latch.notify(error, callbacks)
+        self.calls.fail(error)
 
     def pids(self) -> list[int]:
         """Each started worker's process id, in rank order (``start`` starts them all)."""
@@ -324,19 +242,9 @@ class WorkerGroup:
                 )
             )
             return
-        with self._lock:
-            late = [c for c in self._calls.values() if c.deadline is not None and now > c.deadline]
-        if late:
-            call = late[0]
-            kind = self.kind_names.get(call.kind, f"kind-{call.kind}")
-            self.fail(
-                ExecutorError(
-                    f"a {kind} call was not answered within {call.fail_after} s: "
-                    f"a worker hangs ({self.hang_hint})"
-                )
-            )
+        self.calls.check_deadlines(now)
 
-    # ------------------------------------------------------------------ reader, completer
+    # ------------------------------------------------------------------ reader
 
     def _read_loop(self) -> None:
         next_check = 0.0
@@ -360,49 +268,11 @@ class WorkerGroup:
         _, call_id, rank, status = REPLY.unpack(bytes(frames[0]))
         if status == GROUP_FAILED:
             self.fail(ExecutorError(bytes(frames[1]).decode(errors="replace")))
-            return
-        with self._lock:
-            call = self._calls.get(call_id)
-            if status == CALL_FAILED:  # this call alone fails, at its first error
-                call = self._calls.pop(call_id, None)
-        if call is None:
-            return  # its waiter timed out, the group failed, or another rank failed the call
-        if status == CALL_FAILED:
+        elif status == CALL_FAILED:  # this call alone fails, at its first error
             text = bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else ""
-            self._settle(call, None, worker_error(rank, text))
-            return
-        try:
-            value = call.decode(list(frames[1:]))
-        except Exception as e:
-            self.fail(ExecutorError(f"worker {rank} sent an unreadable answer: {e}"))
-            return
-        call.results[rank] = value
-        if not call.expect.issubset(call.results):
-            return
-        with self._lock:
-            if self._calls.pop(call_id, None) is None:
-                return  # failed or timed out meanwhile: settled elsewhere
-        self._settle(
-            call, value if call.one else [call.results[r] for r in sorted(call.expect)], None
-        )
-
-    def _settle(self, call: _Call, value: Any, error: BaseException | None) -> None:
-        """Resolve a call's Future once: a chained one on the completer thread."""
-        if call.chained:
-            self._done.put((call.future, value, error))
-        elif error is not None:
-            call.future.set_exception(error)
-        else:
-            call.future.set_result(value)
-
-    def _complete_loop(self) -> None:
-        while (item := self._done.get()) is not None:
-            future, value, error = item
-            if not future.done():
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(value)
+            self.calls.fail_call(call_id, worker_error(rank, text))
+        elif (call := self.calls.get(call_id)) is not None:
+            self.calls.answer(call, rank, list(frames[1:]))
 
     # ------------------------------------------------------------------ shutdown
 
@@ -410,13 +280,9 @@ class WorkerGroup:
         """Ask the workers to exit (``grace`` seconds, 1 after a failure), kill the rest, end the
         threads and close the channel; pending calls raise ExecutorError. False when it was
         shut down already."""
-        with self._lock:
-            if not self.latch.close():
-                return False
-            healthy = self.latch.failure is None
-            calls, self._calls = list(self._calls.values()), {}
-        for c in calls:
-            self._settle(c, None, ExecutorError(f"the {self.name} executor is shut down"))
+        if not self.calls.close():
+            return False
+        healthy = self.latch.failure is None
         alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
         if alive:
             try:
@@ -434,9 +300,8 @@ class WorkerGroup:
                 log.warning("%s: worker pid %s did not exit; killing it", self.name, p.pid)
                 p.kill()
                 p.join(timeout=5)
-        self._done.put(None)
-        for t in (self._reader, self._completer):
-            if t.is_alive() and t is not threading.current_thread():
-                t.join(timeout=2)
+        self.calls.stop()
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(timeout=2)
         self.channel.close()
         return True

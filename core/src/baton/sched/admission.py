@@ -1,15 +1,23 @@
-"""What the scheduler refuses at ``add_request``: requests that could never run to completion."""
+"""Admission: what the scheduler refuses at ``add_request`` (requests that could never run to
+completion), and which waiting requests each step admits (``admit_waiting``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from baton.errors import InvalidRequestError
+from baton.protocol import EngineCoreEventType, NewRequestData
+from baton.request import RequestStatus
 from baton.validation import check_context_length
 
 if TYPE_CHECKING:
+    from baton.kv.block_pool import KVBlock
     from baton.kv.manager import KVCacheManager
     from baton.request import Request
+    from baton.sched.scheduler import Scheduler
+    from baton.sched.step_plan import StepPlan
+
+_RUNNING = RequestStatus.RUNNING
 
 
 def check_request(
@@ -42,3 +50,111 @@ def check_request(
             f"({kv.num_total_blocks} blocks of {kv.block_size}); lower max_tokens, "
             "model.max_model_len, or give the cache more memory"
         )
+
+
+def admit_waiting(sched: Scheduler, plan: StepPlan, now: float) -> None:
+    """Admit waiting requests, in the policy's order, while budget, seats and blocks last."""
+    policy = sched.policy
+    running = sched.running
+    max_partial = sched.max_num_partial_prefills
+    # prompts admitted but not computed to their end by the steps scheduled so far
+    num_partial = (
+        sum(1 for r in running if r.status == _RUNNING and r.num_computed_tokens < r.num_tokens)
+        if max_partial is not None
+        else 0
+    )
+    loras: set[int] | None = None  # the running requests' adapters, once one is asked about
+    while (
+        plan.budget > 0
+        and plan.prefill > 0
+        and len(running) < sched.max_num_seqs
+        and len(plan.num_scheduled) < sched.max_num_seqs_per_batch
+    ):
+        req = policy.peek(now)
+        if req is None:
+            break
+        lora_id = req.lora_id
+        if lora_id and sched.max_loras is not None:
+            if loras is None:
+                loras = {r.lora_id for r in running if r.status == _RUNNING} - {0}
+            if lora_id not in loras and len(loras) >= sched.max_loras:
+                break  # its adapter would be one too many in a batch: it waits its turn
+        hits, num_hit = sched.kv.get_computed_blocks(req)
+        ntok = req.num_tokens
+        n = _chunk(sched, plan, ntok - num_hit)
+        if n is None:
+            break
+        if max_partial is not None and num_hit + n < ntok:
+            if num_partial >= max_partial:
+                break  # it would be one partial prefill too many: it waits its turn
+            num_partial += 1
+        if not _allocate(sched, req, ntok - num_hit if sched.reserve_full_prompt else n, hits):
+            break
+        _start_running(sched, plan, req, num_hit, n, now)
+        if lora_id and loras is not None:
+            loras.add(lora_id)
+
+
+def _chunk(sched: Scheduler, plan: StepPlan, n: int) -> int | None:
+    """The tokens to compute this step of a waiting request with ``n`` left; None: it waits."""
+    long_prefill = sched.long_prefill_token_threshold
+    if long_prefill and n > long_prefill:
+        n = long_prefill
+    if n > plan.budget:
+        # without chunked prefill a prompt waits for a step it fits in whole; one that
+        # can never fit (a long request resumed after preemption) is chunked anyway
+        if not sched.enable_chunked_prefill and n <= sched.max_num_batched_tokens:
+            return None
+        n = plan.budget
+    return min(n, plan.prefill)  # the prefill cap binds only under target_step_ms
+
+
+def _allocate(sched: Scheduler, req: Request, reserve: int, hits: list[KVBlock]) -> bool:
+    """Blocks for ``reserve`` tokens of a waiting request, evicting retained forks if need be.
+
+    Reserving the whole sequence's blocks (``reserve_full_prompt``) means its later prompt
+    chunks never need one, so it cannot preempt itself mid-prompt (it waits until they are
+    all free)."""
+    kv = sched.kv
+    allocated = kv.allocate_slots(req, reserve, hits)
+    while allocated is None and sched.forks.evict_one():
+        allocated = kv.allocate_slots(req, reserve, hits)
+    if allocated is None:
+        # a waiting fork must not hold blocks that nobody running will ever free
+        sched.forks.unfork(req)
+        return False
+    return True
+
+
+def _start_running(
+    sched: Scheduler, plan: StepPlan, req: Request, num_hit: int, n: int, now: float
+) -> None:
+    """Move an admitted request to running with ``n`` tokens scheduled after ``num_hit`` hits."""
+    rid = req.request_id
+    tokens = req.all_token_ids
+    ntok = len(tokens)
+    sched.policy.pop(req)
+    req.status = _RUNNING
+    sched.running.append(req)
+    if req.num_cached_tokens < 0:
+        req.num_cached_tokens = num_hit
+    req.record_event(EngineCoreEventType.SCHEDULED, now)
+    plan.new_reqs.append(
+        NewRequestData(
+            req_id=rid,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            block_ids=list(sched.kv.get_block_ids(rid)),
+            num_computed_tokens=num_hit,
+            output_token_ids=tokens[req.num_prompt_tokens :],
+            pooling_params=req.pooling_params,
+            lora_request=req.lora_request,
+        )
+    )
+    sched.num_sent[rid] = ntok
+    plan.num_scheduled[rid] = n
+    plan.budget -= n
+    plan.prefill -= n
+    req.num_computed_tokens = num_hit + n
+    if req.grammar is not None and num_hit + n == ntok:
+        plan.so_ids.append(rid)

@@ -17,13 +17,8 @@ so that the step takes about that long: the running decodes are counted first
 and always scheduled, and the engine feeds each step's measured time back
 through ``observe_step_time``.
 
-With a speculator (``speculative.method``, ``baton.spec.drafts``) a running
-request about to decode may be scheduled with draft tokens: ``1 + k`` tokens,
-counted in the budget and given KV slots like any others, its
-``num_computed_tokens`` advanced by all of them. The runner verifies the drafts
-and returns those it accepted plus one token of its own; ``update_from_output``
-then takes the rejected ones back from ``num_computed_tokens`` (their slots are
-overwritten later; their blocks stay the request's).
+With a speculator (``speculative.method``) a running request about to decode
+may be scheduled with draft tokens (``sched/step_update.py`` says how).
 
 Admission takes the blocks of a request's whole sequence at once
 (``reserve_full_prompt``, the default), so its later prompt chunks need none.
@@ -46,6 +41,10 @@ with a ``finished(request)`` method is told once of every request it was given
 has left it; the call is made once the scheduler's books are settled (at the
 end of ``finish_requests`` / ``update_from_output``), so a policy that raises
 there fails the engine rather than the request.
+
+Jobs of their own: admission (``sched/admission.py``), the update from a step's
+output (``sched/step_update.py``), the step's plan (``sched/step_plan.py``), stats
+(``sched/counters.py``), stop checks, forks, victims, the prompt-token budget.
 """
 
 from __future__ import annotations
@@ -55,85 +54,40 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from baton.errors import ExecutorError, InvalidRequestError
+from baton.errors import InvalidRequestError
 from baton.kv.hashing import update_block_hashes
 from baton.kv.manager import KVCacheManager
 from baton.protocol import (
-    CachedRequestData,
     EngineCoreEventType,
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
 from baton.request import Request, RequestStatus
-from baton.sched.admission import check_request
+from baton.sched.admission import admit_waiting, check_request
+from baton.sched.counters import SchedulerCounters
 from baton.sched.forks import KVForks
-from baton.sched.pooling import take_pooled
 from baton.sched.slo import has_slo, met_slo
 from baton.sched.step_budget import PrefillBudget, StepShape
-from baton.sched.stop import append_and_check_stop
+from baton.sched.step_plan import StepPlan
+from baton.sched.step_update import RunnerStep, apply_step
 from baton.sched.victims import VictimCandidate
 from baton.sched.victims import candidates as victim_candidates
-from baton.spec.drafts import Drafts
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
     from baton.interfaces import SchedulerPolicy
+    from baton.spec.drafts import Drafts
 
 log = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
-_FINISHED = RequestStatus.FINISHED_STOPPED  # every status >= this one is finished
 _ERROR = RequestStatus.FINISHED_ERROR
 _ABORTED = RequestStatus.FINISHED_ABORTED
-
-
-class _StepPlan:
-    """One step's decisions while ``schedule()`` makes them."""
-
-    __slots__ = (
-        "budget",
-        "cached",
-        "new_reqs",
-        "num_scheduled",
-        "preempted",
-        "prefill",
-        "so_ids",
-        "spec",
-    )
-
-    def __init__(self, budget: int, prefill: int | None = None) -> None:
-        #: Tokens the step can still take.
-        self.budget = budget
-        #: Prompt tokens (chunks of requests with more than one token to compute) the step can
-        #: still take; without a latency target it starts at ``budget`` and never binds.
-        self.prefill = budget if prefill is None else prefill
-        self.num_scheduled: dict[str, int] = {}
-        #: Running requests scheduled: req id -> (new token ids, new block ids, computed before).
-        self.cached: dict[str, tuple[list[int], list[int], int]] = {}
-        self.new_reqs: list[NewRequestData] = []
-        #: Scheduled requests that sample under a grammar this step.
-        self.so_ids: list[str] = []
-        #: Requests preempted this step that the runner holds.
-        self.preempted: list[str] = []
-        #: Draft tokens scheduled for verification: req id -> drafts.
-        self.spec: dict[str, list[int]] = {}
-
-    def take_back(self, req: Request) -> None:
-        """Unschedule a running request scheduled earlier in this step (it was preempted)."""
-        req_id = req.request_id
-        n = self.num_scheduled.pop(req_id)
-        self.budget += n
-        if req.num_tokens - self.cached.pop(req_id)[2] > 1:  # it was a prompt chunk
-            self.prefill += n
-        if req_id in self.so_ids:
-            self.so_ids.remove(req_id)
-        self.spec.pop(req_id, None)
 
 
 class Scheduler:
@@ -162,6 +116,37 @@ class Scheduler:
             getattr(policy, "choose_victim", None)
         )
         self.clock = clock
+        self._set_limits(config, max_model_len, max_num_seqs_per_batch)
+        self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        #: Finished requests that keep their KV for forks (beam search), and the copies owed.
+        self.forks = KVForks(self.kv)
+
+        #: Every unfinished request by id (finished ones are dropped when they finish).
+        self.requests: dict[str, Request] = {}
+        #: Admitted requests in admission order; may hold finished/preempted ones until
+        #: the next filter (``_running_dirty``), so removal is never an O(n) list.remove.
+        self.running: list[Request] = []
+        self._running_dirty = False
+        self._waiting_for_fsm: dict[str, Request] = {}
+        #: req id -> step id of the SchedulerOutput it is in flight in.
+        self._in_flight: dict[str, int] = {}
+        self._steps_in_flight: set[int] = set()
+        #: req id -> how many of its tokens the runner has; present iff the runner knows it.
+        self.num_sent: dict[str, int] = {}
+        #: Runner news not yet sent: finished and preempted request ids.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        #: Finished requests the policy has not been told of yet (its finished event).
+        self._finished_for_policy: list[Request] = []
+        self._step = 0
+        self._last_num_scheduled = 0
+        #: Preemptions, goodput and prefix-cache figures for ``make_stats``.
+        self.counters = SchedulerCounters()
+
+    def _set_limits(
+        self, config: BatonConfig, max_model_len: int | None, max_num_seqs_per_batch: int | None
+    ) -> None:
+        """The scheduler's limits and switches, from ``config`` and the engine's overrides."""
         self.max_num_seqs = config.scheduler.max_num_seqs
         #: Most requests in one SchedulerOutput (None: max_num_seqs). The batch queue sets it to
         #: ceil(max_num_seqs / batches) so that running requests spread over the batches in flight.
@@ -196,38 +181,18 @@ class Scheduler:
         self.max_model_len = (
             max_model_len if max_model_len is not None else config.model.max_model_len
         )
-        self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
-        #: Finished requests that keep their KV for forks (beam search), and the copies owed.
-        self.forks = KVForks(self.kv)
 
-        #: Every unfinished request by id (finished ones are dropped when they finish).
-        self.requests: dict[str, Request] = {}
-        #: Admitted requests in admission order; may hold finished/preempted ones until
-        #: the next filter (``_running_dirty``), so removal is never an O(n) list.remove.
-        self.running: list[Request] = []
-        self._running_dirty = False
-        self._waiting_for_fsm: dict[str, Request] = {}
-        #: req id -> step id of the SchedulerOutput it is in flight in.
-        self._in_flight: dict[str, int] = {}
-        self._steps_in_flight: set[int] = set()
-        #: req id -> how many of its tokens the runner has; present iff the runner knows it.
-        self._num_sent: dict[str, int] = {}
-        #: Runner news not yet sent: finished and preempted request ids.
-        self._finished_ids: list[str] = []
-        self._preempted_ids: list[str] = []
-        #: Finished requests the policy has not been told of yet (its finished event).
-        self._finished_for_policy: list[Request] = []
-        self._step = 0
-        # figures for make_stats (deltas since its previous call)
-        self._last_num_scheduled = 0
-        self._num_preemptions = 0
-        self.total_preemptions = 0
-        self._queries_seen = 0
-        self._hits_seen = 0
-        #: Goodput: finished requests with an SLO, and of those the ones that met it
-        #: (deltas for make_stats, and totals).
-        self._slo_finished = self._slo_met = 0
-        self.total_slo_finished = self.total_slo_met = 0
+    @property
+    def total_preemptions(self) -> int:
+        return self.counters.total_preemptions
+
+    @property
+    def total_slo_finished(self) -> int:
+        return self.counters.total_slo_finished
+
+    @property
+    def total_slo_met(self) -> int:
+        return self.counters.total_slo_met
 
     # ------------------------------------------------------------- requests
 
@@ -296,12 +261,8 @@ class Scheduler:
         del self.requests[rid]
         self._running_dirty = True
         if req.status != _ABORTED and has_slo(req):
-            met = met_slo(req, self.clock())
-            self._slo_finished += 1
-            self.total_slo_finished += 1
-            self._slo_met += met
-            self.total_slo_met += met
-        if self._num_sent.pop(rid, None) is not None:
+            self.counters.slo_done(met_slo(req, self.clock()))
+        if self.num_sent.pop(rid, None) is not None:
             self._finished_ids.append(rid)
         if self.drafts is not None:
             self.drafts.finished(req)
@@ -360,8 +321,7 @@ class Scheduler:
                 if req.status == _RUNNING:
                     self._preempt(req, now, preempted)
             self._preempted_ids.extend(preempted)
-            self._num_preemptions += len(preempted)
-            self.total_preemptions += len(preempted)
+            self.counters.preempted(len(preempted))
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------- schedule
@@ -373,19 +333,19 @@ class Scheduler:
             self._release_ready_grammars()
         self._step += 1
         budget = self.max_num_batched_tokens
-        plan = _StepPlan(budget, self._prefill_cap() if self.prefill_budget is not None else None)
+        plan = StepPlan(budget, self._prefill_cap() if self.prefill_budget is not None else None)
         prefill_cap = plan.prefill
         self._schedule_running(plan, now)
         if self._running_dirty:
             self.running = [r for r in self.running if r.status == _RUNNING]
             self._running_dirty = False
         if not plan.preempted:  # blocks ran short: admitting more would only preempt again
-            self._admit(plan, now)
+            admit_waiting(self, plan, now)
         if self.prefill_budget is not None:
             prefill = prefill_cap - plan.prefill
             decode = budget - plan.budget - prefill
             self.prefill_budget.scheduled(
-                self._step, StepShape(prefill, decode, self._attention_pairs(plan))
+                self._step, StepShape(prefill, decode, plan.attention_pairs(self.requests))
             )
         return self._make_output(plan)
 
@@ -408,25 +368,16 @@ class Scheduler:
         room = self.max_num_batched_tokens - decodes
         return max(0, min(self.prefill_budget.prefill_tokens(decodes, pairs), room))
 
-    def _attention_pairs(self, plan: _StepPlan) -> int:
-        """Query-key pairs the step's attention computes (each new token times its context)."""
-        requests = self.requests
-        pairs = 0
-        for rid, n in plan.num_scheduled.items():
-            start = requests[rid].num_computed_tokens - n
-            pairs += n * start + n * (n + 1) // 2
-        return pairs
-
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """The measured wall time of step ``step_id`` (schedule to update), for the latency-aware
         budget; ignored when ``target_step_ms`` is off or the step scheduled nothing."""
         if self.prefill_budget is not None:
             self.prefill_budget.observe(step_id, seconds)
 
-    def _schedule_running(self, plan: _StepPlan, now: float) -> None:
+    def _schedule_running(self, plan: StepPlan, now: float) -> None:
         """Schedule running requests in admission order: decodes and next prompt chunks."""
         in_flight = self._in_flight
-        num_sent = self._num_sent
+        num_sent = self.num_sent
         num_scheduled = plan.num_scheduled
         per_batch = self.max_num_seqs_per_batch
         long_prefill = self.long_prefill_token_threshold
@@ -483,7 +434,7 @@ class Scheduler:
                 plan.so_ids.append(rid)
 
     def _allocate_or_preempt(
-        self, req: Request, n: int, plan: _StepPlan, now: float
+        self, req: Request, n: int, plan: StepPlan, now: float
     ) -> list[int] | None:
         """Blocks for ``n`` more tokens of a running request, preempting victims until they fit.
 
@@ -500,13 +451,12 @@ class Scheduler:
             new_ids = allocate(req, n)
         return new_ids
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         """Mark the scheduled requests in flight, attach the runner's news, build the output."""
         step_id = self._step
         num_scheduled = plan.num_scheduled
         preempted = plan.preempted
-        self._num_preemptions += len(preempted)
-        self.total_preemptions += len(preempted)
+        self.counters.preempted(len(preempted))
         if num_scheduled:
             self._in_flight.update(dict.fromkeys(num_scheduled, step_id))
             self._steps_in_flight.add(step_id)
@@ -526,116 +476,7 @@ class Scheduler:
             preempted = []
         total = self.max_num_batched_tokens - plan.budget
         self._last_num_scheduled = total
-        cached = plan.cached
-        return SchedulerOutput(
-            step_id=step_id,
-            scheduled_new_reqs=plan.new_reqs,
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=list(cached),
-                new_token_ids=[c[0] for c in cached.values()],
-                new_block_ids=[c[1] for c in cached.values()],
-                num_computed_tokens=[c[2] for c in cached.values()],
-            ),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=finished_ids,
-            preempted_req_ids=preempted,
-            structured_output_req_ids=plan.so_ids,
-            scheduled_spec_decode_tokens=plan.spec,
-            kv_block_copies=copies,
-        )
-
-    def _admit(self, plan: _StepPlan, now: float) -> None:
-        """Admit waiting requests, in the policy's order, while budget, seats and blocks last."""
-        policy = self.policy
-        kv = self.kv
-        running = self.running
-        num_scheduled = plan.num_scheduled
-        budget = plan.budget
-        prefill = plan.prefill  # >= budget without target_step_ms
-        per_batch = self.max_num_seqs_per_batch
-        long_prefill = self.long_prefill_token_threshold
-        max_partial = self.max_num_partial_prefills
-        # prompts admitted but not computed to their end by the steps scheduled so far
-        num_partial = (
-            sum(1 for r in running if r.status == _RUNNING and r.num_computed_tokens < r.num_tokens)
-            if max_partial is not None
-            else 0
-        )
-        loras: set[int] | None = None  # the running requests' adapters, once one is asked about
-        while (
-            budget > 0
-            and prefill > 0
-            and len(running) < self.max_num_seqs
-            and len(num_scheduled) < per_batch
-        ):
-            req = policy.peek(now)
-            if req is None:
-                break
-            rid = req.request_id
-            lora_id = req.lora_id
-            if lora_id and self.max_loras is not None:
-                if loras is None:
-                    loras = {r.lora_id for r in running if r.status == _RUNNING} - {0}
-                if lora_id not in loras and len(loras) >= self.max_loras:
-                    break  # its adapter would be one too many in a batch: it waits its turn
-            hits, num_hit = kv.get_computed_blocks(req)
-            tokens = req.all_token_ids
-            ntok = len(tokens)
-            n = ntok - num_hit
-            if long_prefill and n > long_prefill:
-                n = long_prefill
-            if n > budget:
-                # without chunked prefill a prompt waits for a step it fits in whole; one that
-                # can never fit (a long request resumed after preemption) is chunked anyway
-                if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
-                    break
-                n = budget
-            if n > prefill:  # binds only under target_step_ms (chunked prefill)
-                n = prefill
-            if max_partial is not None and num_hit + n < ntok:
-                if num_partial >= max_partial:
-                    break  # it would be one partial prefill too many: it waits its turn
-                num_partial += 1
-            # reserving the whole sequence's blocks now means its later prompt chunks never need
-            # one, so it cannot preempt itself mid-prompt (it waits until they are all free)
-            reserve = ntok - num_hit if self.reserve_full_prompt else n
-            allocated = kv.allocate_slots(req, reserve, hits)
-            while allocated is None and self.forks.evict_one():
-                allocated = kv.allocate_slots(req, reserve, hits)
-            if allocated is None:
-                # a waiting fork must not hold blocks that nobody running will ever free
-                self.forks.unfork(req)
-                break
-            policy.pop(req)
-            req.status = _RUNNING
-            running.append(req)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.record_event(EngineCoreEventType.SCHEDULED, now)
-            plan.new_reqs.append(
-                NewRequestData(
-                    req_id=rid,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling_params=req.sampling_params,
-                    block_ids=list(kv.get_block_ids(rid)),
-                    num_computed_tokens=num_hit,
-                    output_token_ids=tokens[req.num_prompt_tokens :],
-                    pooling_params=req.pooling_params,
-                    lora_request=req.lora_request,
-                )
-            )
-            if lora_id and loras is not None:
-                loras.add(lora_id)
-            self._num_sent[rid] = ntok
-            num_scheduled[rid] = n
-            budget -= n
-            prefill -= n
-            req.num_computed_tokens = num_hit + n
-            if req.grammar is not None and num_hit + n == ntok:
-                plan.so_ids.append(rid)
-        plan.budget = budget
-        plan.prefill = prefill
+        return plan.to_output(step_id, total, finished_ids, preempted, copies)
 
     def _preempt_for(self, req: Request, now: float, preempted: list[str]) -> Request:
         """Preempt the policy's victim among running requests not in flight (``req`` included)."""
@@ -662,7 +503,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.record_event(EngineCoreEventType.PREEMPTED, now)
-        if self._num_sent.pop(victim.request_id, None) is not None:
+        if self.num_sent.pop(victim.request_id, None) is not None:
             preempted.append(victim.request_id)
         self._running_dirty = True
         self.policy.add(victim)
@@ -688,29 +529,9 @@ class Scheduler:
         """
         step_id = scheduler_output.step_id
         self._steps_in_flight.discard(step_id)
-        failed = None
-        prompt_lps = None
-        if model_runner_output is not None:
-            failed = model_runner_output.failed
-            if model_runner_output.req_ids:
-                sampled = dict(
-                    zip(
-                        model_runner_output.req_ids,
-                        model_runner_output.sampled_token_ids,
-                        strict=True,
-                    )
-                )
-            else:
-                sampled = {}
-            logprobs = model_runner_output.logprobs
-            prompt_lps = model_runner_output.prompt_logprobs
-            pooler_output = model_runner_output.pooler_output
-        else:
-            sampled, logprobs, pooler_output = {}, None, None
+        runner = RunnerStep.of(model_runner_output)
+        failed = runner.failed
         in_flight = self._in_flight
-        requests = self.requests
-        caching = self.enable_caching
-        bs = self.block_size
         spec = scheduler_output.scheduled_spec_decode_tokens
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
@@ -718,55 +539,18 @@ class Scheduler:
             if in_flight.get(rid) != step_id:
                 continue
             del in_flight[rid]
-            req = requests[rid]
-            if (
-                failed and rid in failed
-            ):  # the runner left it out: its KV for this step is unwritten
+            req = self.requests[rid]
+            # the runner left it out: its KV for this step is unwritten
+            if failed and rid in failed:
                 outputs.append(self._finish_with_error(req, failed[rid]))
                 continue
             try:
-                tokens = req.all_token_ids
-                computed = req.num_computed_tokens
-                drafts = spec.get(rid) if spec else None
-                if drafts:  # computed: after the accepted drafts (appended below)
-                    computed, n = self._take_back_rejected(req, drafts, sampled.get(rid))
-                new = pooled = None
-                if req.pooling_params is not None and computed == len(tokens):
-                    new, pooled = [], take_pooled(req, pooler_output, step_id)
-                elif computed == len(tokens) or drafts:  # this step reached the end: it sampled
-                    new = sampled.get(rid)
-                    if not new:
-                        req.status = _ERROR
-                        req.error = f"the model runner returned no token for request {rid!r} at step {step_id}"
-                        new = []
-                    else:
-                        new = append_and_check_stop(req, new, self.max_model_len)
-                        if req.first_token_time is None:
-                            req.first_token_time = now
-                    if caching and len(tokens) // bs > len(req.block_hashes):
-                        update_block_hashes(req, bs)
-                if caching and computed // bs != (computed - n) // bs:
-                    self.kv.cache_blocks(req, computed)
-                if new is None:
-                    continue  # a prompt chunk: nothing to report yet
-                status = req.status
-                finished = status >= _FINISHED
-                events = req.events
-                if events is not None:
-                    req.events = None
-                out = EngineCoreOutput(
-                    request_id=rid,
-                    new_token_ids=new,
-                    new_logprobs=logprobs.get(rid) if logprobs else None,
-                    finish_reason=status.finish_reason if finished else None,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                    events=events,
-                    error=req.error,
-                    new_prompt_logprobs=prompt_lps.get(rid) if prompt_lps else None,
-                    pooling_output=pooled,
+                out = apply_step(
+                    self, req, n, step_id, runner, spec.get(rid) if spec else None, now
                 )
-                if finished:
+                if out is None:
+                    continue
+                if req.status.finished:
                     self._release(req)
             except Exception as e:  # a stop check, grammar or hashing fault fails this request only
                 message = f"{type(e).__name__}: {e}"
@@ -776,25 +560,6 @@ class Scheduler:
             outputs.append(out)
         self._tell_policy_finished()
         return outputs
-
-    def _take_back_rejected(
-        self, req: Request, drafts: list[int], new: list[int] | None
-    ) -> tuple[int, int]:
-        """After verifying ``drafts``: ``num_computed_tokens`` less the rejected drafts, and
-        the tokens the step really computed. The runner returned the accepted drafts and one
-        token of its own (``new``); without tokens the request fails in the caller."""
-        k = len(drafts)
-        accepted = min(k, len(new) - 1) if new else 0
-        if new and new[:accepted] != drafts[:accepted]:
-            raise ExecutorError(
-                f"request {req.request_id!r}: the runner returned {new} for drafts {drafts}: "
-                "accepted tokens must be the drafts' prefix"
-            )
-        req.num_computed_tokens -= k - accepted
-        assert self.drafts is not None
-        if new:
-            self.drafts.verified(req, k, accepted)
-        return req.num_computed_tokens, 1 + accepted
 
     def _finish_with_error(self, req: Request, message: str) -> EngineCoreOutput:
         """Finish a request that failed this step (FINISHED_ERROR, blocks released); its output."""
@@ -817,45 +582,18 @@ class Scheduler:
         ``delta=True`` (each step's stats): counters are deltas since the previous such call.
         ``delta=False`` (a snapshot, e.g. the get_stats utility): counters are totals; nothing is reset.
         """
-        kv = self.kv
-        if delta:
-            queries = kv.prefix_cache_queries - self._queries_seen
-            hits = kv.prefix_cache_hits - self._hits_seen
-            self._queries_seen, self._hits_seen = kv.prefix_cache_queries, kv.prefix_cache_hits
-            preemptions, self._num_preemptions = self._num_preemptions, 0
-            slo_finished, slo_met = self._slo_finished, self._slo_met
-            self._slo_finished = self._slo_met = 0
-        else:
-            queries, hits, preemptions = (
-                kv.prefix_cache_queries,
-                kv.prefix_cache_hits,
-                self.total_preemptions,
-            )
-            slo_finished, slo_met = self.total_slo_finished, self.total_slo_met
-        spec = None
-        if self.drafts is not None:
-            spec = self.drafts.take_step_counters() if delta else self.drafts.total
         num_running = (
             sum(1 for r in self.running if r.status == _RUNNING)
             if self._running_dirty
             else len(self.running)
         )
-        return SchedulerStats(
+        return self.counters.make_stats(
+            delta,
+            kv=self.kv,
+            drafts=self.drafts,
             step=self._step,
-            num_running_reqs=num_running,
-            num_waiting_reqs=len(self.policy) + len(self._waiting_for_fsm),
-            num_scheduled_tokens=self._last_num_scheduled,
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_total_blocks,
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-            num_preemptions=preemptions,
+            num_running=num_running,
+            num_waiting=len(self.policy) + len(self._waiting_for_fsm),
+            num_scheduled=self._last_num_scheduled,
             num_batches_in_flight=len(self._steps_in_flight),
-            spec_num_drafts=spec.num_drafts if spec else 0,
-            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
-            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-            spec_accepted_per_position=list(spec.accepted_per_position) if spec else None,
-            num_slo_finished=slo_finished,
-            num_slo_met=slo_met,
         )

@@ -28,21 +28,18 @@ started it.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError, worker_error
-from baton.executor.latch import FailureLatch
+from baton.executor.calls import Call, CallBook
 from baton.executor.rank import (
     StepCodec,
     check_rpc_method,
@@ -68,32 +65,6 @@ log = logging.getLogger(__name__)
 PING_INTERVAL = 0.5
 WATCH_INTERVAL = 0.1
 
-
-class _Call:
-    """A call waiting for the answers of ``expect`` ranks."""
-
-    __slots__ = ("chained", "deadline", "decode", "expect", "fail_after", "future", "id", "kind")
-
-    def __init__(
-        self,
-        call_id: int,
-        kind: Kind,
-        expect: list[int],
-        decode: Callable[[list[Any]], Any],
-        fail_after: float | None,
-        chained: bool,
-    ) -> None:
-        self.id = call_id
-        self.kind = kind
-        self.expect: dict[int, Any] = dict.fromkeys(expect, _MISSING)
-        self.decode = decode
-        self.fail_after = fail_after
-        self.deadline = time.monotonic() + fail_after if fail_after else None
-        self.chained = chained
-        self.future: Future[Any] = Future()
-
-
-_MISSING = object()
 
 #: A rank's answer status for a call that failed there alone (the ``Inbox`` sends it).
 CALL_FAILED = "call_error"
@@ -133,18 +104,19 @@ class RayExecutor:
         self.actors: list[Any] = []
         self.placement_group: Any = None
         self.started_ray = False
-        self._latch = FailureLatch(self.name)
+        #: The pending calls, settled once (answers arrive on Ray's threads: decoded one at a
+        #: time); the completer thread of chained ones.
+        self._calls = CallBook(
+            self.name,
+            kind_names={k: k.name.lower() for k in Kind},
+            hangs="a rank hangs (executor step_timeout)",
+            serial_decode=True,
+        )
+        self._latch = self._calls.latch
         self._codec = StepCodec()
         self._encode_lock = threading.Lock()
-        self._decode_lock = threading.Lock()  # answers arrive on Ray's threads
-        self._lock = threading.Lock()  # the pending calls
         self._submit_lock = threading.Lock()  # sequence numbers: every rank sees one order
-        self._calls: dict[int, _Call] = {}
-        self._ids = itertools.count(1)
         self._seq: list[int] = []
-        self._done: queue.SimpleQueue[tuple[Future[Any], Any, BaseException | None] | None] = (
-            queue.SimpleQueue()
-        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._ray: Any = None
@@ -161,43 +133,13 @@ class RayExecutor:
         t0 = time.monotonic()
         self.started_ray = connect(s.address, s.namespace, self.world_size * s.num_cpus)
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from baton_ray.actor import RankActor
 
         self._ray = ray
         device = self._device(ray)
         num_gpus = s.num_gpus if s.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
-        one = bundle(s.num_cpus, num_gpus, s.resources)
-        self.placement_group = placement_group(
-            [one] * self.world_size, strategy=s.placement_strategy, name=f"baton-ray-{self.id}"
-        )
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=s.placement_timeout)
-        if not ready:
-            raise ExecutorError(
-                f"executor 'ray': the cluster could not place {self.world_size} bundles of "
-                f"{one} ({s.placement_strategy}) within {s.placement_timeout} s; "
-                f"{describe_resources(ray)}"
-            )
+        self._place(num_gpus)
         t_placed = time.monotonic()
-        env = actor_env(s.env)
-        level = self.config.observability.log_level
-        self.actors = [
-            RankActor.options(
-                num_cpus=s.num_cpus,
-                num_gpus=num_gpus,
-                resources=dict(s.resources),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
-                ),
-                name=f"baton-ray-{self.id}-rank{rank}",
-                namespace=s.namespace,
-                max_restarts=0,
-                max_task_retries=0,
-            ).remote(env, level, s.nice)
-            for rank in range(self.world_size)
-        ]
+        self._start_actors(num_gpus)
         self._seq = [0] * self.world_size
         host, port = self._get(
             self.actors[0].host_store.remote(s.dist_timeout), "rank 0's rendezvous"
@@ -221,10 +163,10 @@ class RayExecutor:
         self.pids = [i.pid for i in infos]
         self.model_info = infos[self.driver].model_info
         self.model_capabilities = infos[self.driver].capabilities
-        for target, name in ((self._complete_loop, "completer"), (self._watch_loop, "watch")):
-            t = threading.Thread(target=target, name=f"baton-ray-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._calls.start()
+        watch = threading.Thread(target=self._watch_loop, name="baton-ray-watch", daemon=True)
+        watch.start()
+        self._threads.append(watch)
         now = time.monotonic()
         #: Seconds start-up took: Ray and the placement group, the actors up, the ranks loaded.
         self.startup_s = {
@@ -243,6 +185,49 @@ class RayExecutor:
             self.pids,
             self.startup_s,
         )
+
+    def _place(self, num_gpus: float) -> None:
+        """Reserve one bundle per rank (``placement_strategy``); ExecutorError when the cluster
+        cannot place them within ``placement_timeout``."""
+        from ray.util.placement_group import placement_group
+
+        s, ray = self.settings, self._ray
+        one = bundle(s.num_cpus, num_gpus, s.resources)
+        self.placement_group = placement_group(
+            [one] * self.world_size, strategy=s.placement_strategy, name=f"baton-ray-{self.id}"
+        )
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=s.placement_timeout)
+        if not ready:
+            raise ExecutorError(
+                f"executor 'ray': the cluster could not place {self.world_size} bundles of "
+                f"{one} ({s.placement_strategy}) within {s.placement_timeout} s; "
+                f"{describe_resources(ray)}"
+            )
+
+    def _start_actors(self, num_gpus: float) -> None:
+        """One ``RankActor`` per bundle of the placement group, in rank order."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from baton_ray.actor import RankActor
+
+        s = self.settings
+        env = actor_env(s.env)
+        level = self.config.observability.log_level
+        self.actors = [
+            RankActor.options(
+                num_cpus=s.num_cpus,
+                num_gpus=num_gpus,
+                resources=dict(s.resources),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank
+                ),
+                name=f"baton-ray-{self.id}-rank{rank}",
+                namespace=s.namespace,
+                max_restarts=0,
+                max_task_retries=0,
+            ).remote(env, level, s.nice)
+            for rank in range(self.world_size)
+        ]
 
     def _device(self, ray: Any) -> str:
         device = self.config.executor.device
@@ -310,11 +295,14 @@ class RayExecutor:
         """Send ``payload`` (frames, or an ObjectRef of them) to the ranks ``to`` (default all):
         a Future of their answers in rank order, or of ``reply_from``'s alone."""
         ranks = list(range(self.world_size)) if to is None else to
-        expect = ranks if reply_from is None else [reply_from]
-        with self._lock:
-            self._latch.check()
-            call = _Call(next(self._ids), kind, expect, decode, fail_after, chained)
-            self._calls[call.id] = call
+        call = self._calls.new(
+            kind,
+            ranks,
+            decode=decode,
+            reply_from=reply_from,
+            fail_after=fail_after,
+            chained=chained,
+        )
         wall = time.time()
         try:
             with self._submit_lock:
@@ -333,7 +321,7 @@ class RayExecutor:
             ref.future().add_done_callback(functools.partial(self._on_answer, call, r))
         return call.future
 
-    def _on_answer(self, call: _Call, rank: int, done: Future[Any]) -> None:
+    def _on_answer(self, call: Call, rank: int, done: Future[Any]) -> None:
         """A rank's answer (on Ray's thread): settle the call once every rank answered."""
         try:
             status, value = done.result()
@@ -341,51 +329,11 @@ class RayExecutor:
             self._fail(ExecutorError(f"worker {rank} died: {type(e).__name__}: {e}"))
             return
         if status == CALL_FAILED:  # this call alone fails, at its first error
-            with self._lock:
-                if self._calls.pop(call.id, None) is None:
-                    return  # failed or timed out meanwhile, or another rank failed it
-            self._settle(call, None, worker_error(rank, str(value)))
-            return
-        if status != "ok":
+            self._calls.fail_call(call.id, worker_error(rank, str(value)))
+        elif status != "ok":
             self._fail(ExecutorError(str(value)))
-            return
-        with self._lock:
-            if call.id not in self._calls:
-                return  # failed or timed out meanwhile
-            try:
-                with self._decode_lock:
-                    call.expect[rank] = call.decode(value)
-            except Exception as e:
-                decode_error: BaseException | None = e
-            else:
-                decode_error = None
-                if any(v is _MISSING for v in call.expect.values()):
-                    return
-                del self._calls[call.id]
-        if decode_error is not None:
-            self._fail(ExecutorError(f"worker {rank} sent an unreadable answer: {decode_error}"))
-            return
-        values = list(call.expect.values())
-        self._settle(call, values[0] if len(values) == 1 and call.kind != Kind.RPC else values)
-
-    def _settle(self, call: _Call, value: Any, error: BaseException | None = None) -> None:
-        if call.chained:
-            self._done.put((call.future, value, error))
-        elif not call.future.done():
-            if error is not None:
-                call.future.set_exception(error)
-            else:
-                call.future.set_result(value)
-
-    def _wait(self, future: Future[Any], timeout: float | None, what: str) -> Any:
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            with self._lock:
-                for call_id, call in list(self._calls.items()):
-                    if call.future is future:
-                        del self._calls[call_id]
-            raise ExecutorError(f"ray: timed out after {timeout} s waiting for {what}") from None
+        else:
+            self._calls.answer(call, rank, value)
 
     # ------------------------------------------------------------------ Executor
 
@@ -445,7 +393,7 @@ class RayExecutor:
     ) -> list[Any]:
         check_rpc_method(method)
         future = self._call(Kind.RPC, StepCodec.encode_rpc(method, args, kwargs))
-        return self._wait(  # type: ignore[no-any-return]
+        return self._calls.wait(  # type: ignore[no-any-return]
             future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"
         )
 
@@ -500,14 +448,7 @@ class RayExecutor:
 
     def _fail(self, error: BaseException) -> None:
         """The first failure wins: pending calls raise ExecutorError, the callbacks run once."""
-        with self._lock:
-            callbacks = self._latch.trip(error)
-            if callbacks is None:
-                return
-            calls, self._calls = list(self._calls.values()), {}
-        for c in calls:
-            self._settle(c, None, ExecutorError(f"the ray executor failed: {error}"))
-        self._latch.notify(error, callbacks)
+        self._calls.fail(error)
 
     def _watch_loop(self) -> None:
         """Ping every rank (its monitor thread answers); fail on a death, a reported error, a
@@ -554,38 +495,17 @@ class RayExecutor:
                     )
                 )
                 return
-            with self._lock:
-                late = [c for c in self._calls.values() if c.deadline and now > c.deadline]
-            if late:
-                self._fail(
-                    ExecutorError(
-                        f"a {late[0].kind.name.lower()} call was not answered within "
-                        f"{late[0].fail_after} s: a rank hangs (executor step_timeout)"
-                    )
-                )
+            if self._calls.check_deadlines(now):
                 return
-
-    def _complete_loop(self) -> None:
-        while (item := self._done.get()) is not None:
-            future, value, error = item
-            if not future.done():
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(value)
 
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
         """Stop the ranks, kill the actors, remove the placement group; stop Ray if this
         executor started it. Idempotent."""
-        with self._lock:
-            if not self._latch.close():
-                return
-            healthy = self._latch.failure is None
-            calls, self._calls = list(self._calls.values()), {}
-        for c in calls:
-            self._settle(c, None, ExecutorError("the ray executor is shut down"))
+        if not self._calls.close():
+            return
+        healthy = self._latch.failure is None
         self._stop.set()
         ray = self._ray
         if ray is not None and self.actors:
@@ -608,7 +528,7 @@ class RayExecutor:
             except Exception as e:
                 log.warning("ray: removing placement group: %s", e)
         self.actors = []
-        self._done.put(None)
+        self._calls.stop()
         for t in self._threads:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(timeout=2)
