@@ -330,6 +330,12 @@ class LLM:
         """Keep a loaded adapter loaded (never dropped to make room, lora.max_cpu_loras)."""
         return bool(self.engine.call_utility("pin_lora", lora_id))
 
+    def _loras(self, lora_request: Any, n: int) -> list[LoRARequest | None]:
+        return [
+            check_lora_request(x, self.config.lora.enable_lora)
+            for x in _per_prompt(lora_request, n, "lora_request")
+        ]
+
     def _metas(
         self,
         n: int,
@@ -341,10 +347,7 @@ class LLM:
     ) -> list[RequestMeta]:
         """One RequestMeta per prompt from ``generate``'s / ``encode``'s arguments (each one
         value for all prompts, or one per prompt; ``trace_headers`` one for all)."""
-        loras = [
-            check_lora_request(x, self.config.lora.enable_lora)
-            for x in _per_prompt(lora_request, n, "lora_request")
-        ]
+        loras = self._loras(lora_request, n)
         priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
         users = _per_prompt(user, n, "user")
         given = _per_prompt(scheduling, n, "scheduling")
