@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def select_device(name: str) -> torch.device:
     """``executor.device`` -> a torch device: "auto" is CUDA when available, else CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -48,6 +48,9 @@ def select_device(name: str) -> torch.device:
             raise ExecutorError(
                 f"executor.device={name!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
             )
+        if device.index is None:
+            # torch.cuda.set_device and the caching allocator's accounting need an index
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
