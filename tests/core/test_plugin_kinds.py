@@ -13,7 +13,6 @@ import pytest
 from pydantic import BaseModel
 
 from baton import hookimpl
-from baton.config import baton_config as config_module
 from baton.errors import PluginLoadError, PluginNotFoundError
 from baton.plugins import hookspecs, registry
 from baton.plugins import kinds as plugin_kinds
@@ -45,7 +44,7 @@ def test_registry_and_config_tables_derive_from_the_record():
     assert {
         (k.name, n): d for k in PLUGIN_KINDS.values() for n, d in k.distributions.items()
     } == registry.KNOWN_DISTRIBUTIONS
-    assert config_module.PLUGIN_SELECTORS == {
+    assert plugin_kinds.PLUGIN_SELECTORS == {
         "scheduler_policy": ("scheduler", "policy"),
         "executor": ("executor", "backend"),
         "engine_launcher": ("executor", "data_parallel_backend"),

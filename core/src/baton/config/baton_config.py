@@ -27,16 +27,9 @@ from baton.config import sections
 from baton.config.messages import format_validation_error
 from baton.config.overrides import deep_merge, nest_overrides
 from baton.errors import ConfigError
-from baton.plugins.kinds import BY_SECTION, PLUGIN_KINDS
+from baton.plugins.kinds import BY_SECTION
 
 CONFIG_ENV = "BATON_CONFIG"
-
-#: plugin kind -> (section, field) naming the plugin, for kinds selected by one name.
-PLUGIN_SELECTORS = {
-    k.name: (k.section, k.selector)
-    for k in PLUGIN_KINDS.values()
-    if k.section is not None and k.selector is not None and not k.many
-}
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "baton_config_file", default=None

@@ -289,6 +289,13 @@ for _k in PLUGIN_KINDS.values():
     if _k.section is not None:
         BY_SECTION.setdefault(_k.section, _k)
 
+#: plugin kind -> (section, field) naming the plugin, for kinds selected by one name.
+PLUGIN_SELECTORS: dict[str, tuple[str, str]] = {
+    k.name: (k.section, k.selector)
+    for k in PLUGIN_KINDS.values()
+    if k.section is not None and k.selector is not None and not k.many
+}
+
 
 def kind_word(kind: str) -> str:
     """How messages name a plugin of ``kind`` (the kind itself when unknown)."""
