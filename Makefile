@@ -66,8 +66,8 @@ bench: setup
 	$(PY) scripts/bench_all.py
 
 lint: setup
-	$(VENV)/bin/ruff check core plugins contrib tests scripts
-	$(VENV)/bin/ruff format --check core plugins contrib tests scripts
+	$(VENV)/bin/ruff check core plugins contrib tests scripts tools
+	$(VENV)/bin/ruff format --check core plugins contrib tests scripts tools
 
 clean:
 	rm -rf $(VENV)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.config import BATCH_INVARIANT_ENV, BatonConfig
+from baton.config import BatonConfig
+from baton.config.sections import BATCH_INVARIANT_ENV
 from baton.errors import ConfigError, ExecutorError
 from baton.quant import QType
 from baton.testing.tiny_model import tiny_model

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
+
 import pytest
 
 from baton.config import BatonConfig
@@ -138,13 +141,10 @@ def test_replace_validates():
 
 
 def test_configuration_doc_is_current():
-    from pathlib import Path
-
-    from baton.config_docs import render
-
-    doc = Path(__file__).parents[2] / "docs" / "configuration.md"
-    assert doc.read_text() == render(), (
-        "docs/configuration.md is stale: python -m baton.config_docs > docs/configuration.md"
+    root = Path(__file__).parents[2]
+    render = runpy.run_path(str(root / "tools" / "config_docs.py"))["render"]
+    assert (root / "docs" / "configuration.md").read_text() == render(), (
+        "docs/configuration.md is stale: python tools/config_docs.py > docs/configuration.md"
     )
 
 

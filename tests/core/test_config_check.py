@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from baton import hookimpl
 from baton.cli.main import add_engine_arguments, engine_overrides, main
 from baton.config import BatonConfig
-from baton.engine.plugin_check import check_config_plugins
 from baton.errors import ConfigError, PluginNotFoundError
-from baton.plugins import Plugins
+from baton.plugins.check import check_config_plugins
+from baton.plugins.registry import Plugins
 
 
 class LaxSettings(BaseModel):

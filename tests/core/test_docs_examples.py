@@ -26,7 +26,7 @@ import pytest
 
 from baton.errors import BatonError
 from baton.interfaces import Executor
-from baton.plugins import reset_plugins
+from baton.plugins.registry import reset_plugins
 from baton.protocol import ModelInfo
 from baton.testing.tiny_model import tiny_model
 from tests.core.plugin_fixtures import make_dist

@@ -15,7 +15,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.interfaces import FinishAwarePolicy, SchedulerPolicy
-from baton.plugins import Plugins
+from baton.plugins.registry import Plugins
 from baton.request import RequestStatus
 from baton.scheduling_info import SchedulingInfo
 from baton.testing.conformance import SchedulerPolicyConformance

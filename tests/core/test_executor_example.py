@@ -15,7 +15,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.config import BatonConfig
 from baton.interfaces import Executor
-from baton.plugins import reset_plugins
+from baton.plugins.registry import reset_plugins
 from baton.testing.tiny_model import tiny_model
 from tests.core.plugin_fixtures import make_dist
 from tests.plugins.parallel_common import ParallelConformance

@@ -8,7 +8,7 @@ import pytest
 
 from baton.errors import ExecutorError
 from baton.interfaces import Executor
-from baton.plugins import Plugins
+from baton.plugins.registry import Plugins
 from baton.protocol import CachedRequestData, KVCacheConfig, NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
 from baton.testing import FakeExecutor, FakeExecutorSettings, register_fake_executor

@@ -13,7 +13,7 @@ import torch
 from baton import hookimpl
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
-from baton.plugins import Plugins, get_plugins
+from baton.plugins.registry import Plugins, get_plugins
 from baton.protocol import EngineCoreRequest, ModelInfo
 from baton.sampling_params import SamplingParams, StructuredOutputSpec
 from baton.sched.policies import FCFSPolicy

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from baton import hookspecs, interfaces
+from baton import interfaces
 from baton.config import BatonConfig
-from baton.plugins import KINDS, Plugins
+from baton.plugins import hookspecs
+from baton.plugins.registry import KINDS, Plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS_MD = ROOT / "docs" / "hooks.md"
@@ -37,7 +38,7 @@ FENCE = re.compile(r"^```(\w+)(?:[ \t]+file=(\S+))?[ \t]*\n(.*?)^```[ \t]*$", re
 
 
 def hookspec_signatures() -> dict[str, str]:
-    """name -> "name(arg, ...)" for every hookspec in baton.hookspecs."""
+    """name -> "name(arg, ...)" for every hookspec in baton.plugins.hookspecs."""
     out = {}
     for name, fn in inspect.getmembers(hookspecs, inspect.isfunction):
         if hasattr(fn, "baton_spec"):
@@ -56,7 +57,7 @@ def hook_sections() -> dict[str, str]:
 
 def test_hookspecs_exist():
     sigs = hookspec_signatures()
-    assert set(sigs) == set(KINDS), "hookspecs.py and plugins.KINDS disagree"
+    assert set(sigs) == set(KINDS), "hookspecs.py and registry.KINDS disagree"
     assert all(s == f"{n}(register)" for n, s in sigs.items())
 
 

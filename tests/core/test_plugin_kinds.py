@@ -1,4 +1,4 @@
-"""One record per plugin kind (baton.plugin_kinds): the registry, config selection, hints,
+"""One record per plugin kind (baton.plugins.kinds): the registry, config selection, hints,
 hookspecs' types and docs/hooks.md's kind list all agree with it."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from baton import config as config_module
-from baton import hookimpl, hookspecs, plugin_kinds, plugins
+from baton import hookimpl
 from baton.errors import PluginLoadError, PluginNotFoundError
-from baton.plugin_kinds import PLUGIN_KINDS, Register, markdown_table
-from baton.plugins import Plugins
+from baton.plugins import hookspecs, registry
+from baton.plugins import kinds as plugin_kinds
+from baton.plugins.kinds import PLUGIN_KINDS, Register, markdown_table
+from baton.plugins.registry import Plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS_MD = ROOT / "docs" / "hooks.md"
@@ -38,12 +39,12 @@ def first_party_distributions() -> set[str]:
 
 
 def test_registry_and_config_tables_derive_from_the_record():
-    assert set(plugins.KINDS) == {k.hook for k in PLUGIN_KINDS.values()}
-    assert set(plugins.KINDS.values()) == set(PLUGIN_KINDS)
+    assert set(registry.KINDS) == {k.hook for k in PLUGIN_KINDS.values()}
+    assert set(registry.KINDS.values()) == set(PLUGIN_KINDS)
     assert {
         (k.name, n): d for k in PLUGIN_KINDS.values() for n, d in k.distributions.items()
-    } == plugins.KNOWN_DISTRIBUTIONS
-    assert config_module.PLUGIN_SELECTORS == {
+    } == registry.KNOWN_DISTRIBUTIONS
+    assert plugin_kinds.PLUGIN_SELECTORS == {
         "scheduler_policy": ("scheduler", "policy"),
         "executor": ("executor", "backend"),
         "engine_launcher": ("executor", "data_parallel_backend"),
@@ -57,7 +58,7 @@ def test_registry_and_config_tables_derive_from_the_record():
         for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
         if hasattr(fn, "baton_spec")
     }
-    assert hooks == set(plugins.KINDS)
+    assert hooks == set(registry.KINDS)
 
 
 def test_every_distribution_in_the_record_is_a_first_party_folder():
@@ -119,10 +120,12 @@ def test_installed_factories_take_their_protocols_arguments(kind):
 
 def test_docs_hooks_md_kind_list_is_the_record():
     text = HOOKS_MD.read_text()
-    m = re.search(r"<!-- kinds: python -m baton.plugin_kinds -->\n(.*?)<!-- /kinds -->", text, re.S)
+    m = re.search(
+        r"<!-- kinds: python -m baton.plugins.kinds -->\n(.*?)<!-- /kinds -->", text, re.S
+    )
     assert m, "docs/hooks.md lost its kind list markers"
     assert m.group(1) == markdown_table(), (
-        "docs/hooks.md's kind list is stale: paste `python -m baton.plugin_kinds` between the markers"
+        "docs/hooks.md's kind list is stale: paste `python -m baton.plugins.kinds` between the markers"
     )
 
 

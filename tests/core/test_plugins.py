@@ -12,7 +12,6 @@ import pytest
 
 from baton import hookimpl
 from baton.config import BatonConfig
-from baton.engine.plugin_check import check_config_plugins
 from baton.errors import (
     ConfigError,
     DuplicatePluginError,
@@ -20,7 +19,8 @@ from baton.errors import (
     PluginLoadError,
     PluginNotFoundError,
 )
-from baton.plugins import Plugins
+from baton.plugins.check import check_config_plugins
+from baton.plugins.registry import Plugins
 
 from .plugin_fixtures import add_to_path, make_dist
 

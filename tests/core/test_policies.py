@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton.interfaces import SchedulerPolicy
-from baton.plugins import Plugins
+from baton.plugins.registry import Plugins
 from baton.request import RequestStatus
 from baton.sched.policies import FCFSPolicy, PriorityPolicy
 

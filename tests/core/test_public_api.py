@@ -1,21 +1,25 @@
-"""The public names are one list (baton.public_api.PUBLIC_NAMES): docs/stability.md prints it,
+"""The public names are one list (baton.plugins.public_api.PUBLIC_NAMES): docs/stability.md prints it,
 every listed name exists, and no plugin under plugins/ or contrib/ imports anything else from
 baton, nor another plugin's package (parsed with ast, not imported)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 
-from baton.public_api import PUBLIC_NAMES, is_public, markdown, missing_names
+import baton.plugins
+from baton.plugins import registry
+from baton.plugins.public_api import PUBLIC_NAMES, is_public, markdown, missing_names
 
 ROOT = Path(__file__).resolve().parents[2]
 STABILITY = ROOT / "docs" / "stability.md"
 BLOCK = re.compile(
-    r"<!-- public-names: python -m baton.public_api -->\n(.*?)\n<!-- /public-names -->", re.S
+    r"<!-- public-names: python -m baton.plugins.public_api -->\n(.*?)\n<!-- /public-names -->",
+    re.S,
 )
 
 
@@ -99,7 +103,7 @@ def test_every_listed_name_exists():
 def test_stability_md_prints_the_list():
     found = BLOCK.search(STABILITY.read_text())
     assert found, "docs/stability.md lost its <!-- public-names --> block"
-    assert found.group(1) == markdown(), "regenerate it: python -m baton.public_api"
+    assert found.group(1) == markdown(), "regenerate it: python -m baton.plugins.public_api"
 
 
 @pytest.mark.parametrize(
@@ -115,3 +119,27 @@ def test_stability_md_prints_the_list():
 )
 def test_is_public(module, name, public):
     assert is_public(module, name) is public
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("baton.hookspecs", "baton.plugins.hookspecs", "hookimpl"),
+        ("baton.hookspecs", "baton.plugins.hookspecs", "PLUGIN_API_VERSION"),
+        ("baton.plugin_kinds", "baton.plugins.kinds", "PLUGIN_KINDS"),
+    ],
+)
+def test_a_moved_public_module_still_works_and_warns(old: str, new: str, name: str) -> None:
+    """docs/stability.md's deprecation rule: the old path of a moved public name keeps working
+    for a release and warns, naming the new path."""
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(new)}\.{name}"):
+        value = getattr(old_module, name)
+    assert value is getattr(new_module, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        old_module.nope  # noqa: B018 - the attribute access is the test
+
+
+def test_the_plugins_package_serves_its_public_names() -> None:
+    for name in PUBLIC_NAMES["baton.plugins"]:
+        assert getattr(baton.plugins, name) is getattr(registry, name)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 # The kind registry: the one line to change when it moves.
-from baton.plugin_kinds import PLUGIN_KINDS
+from baton.plugins.kinds import PLUGIN_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

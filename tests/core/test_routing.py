@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 
-from baton import AsyncLLM, SamplingParams
+from baton import AsyncLLM, SamplingParams, hookimpl
 from baton.config import BatonConfig
 from baton.errors import PluginError, PluginNotFoundError
-from baton.hookspecs import hookimpl
-from baton.plugins import get_plugins
+from baton.plugins.registry import get_plugins
 from baton.routing.prefix_aware import PrefixAwareRouter, PrefixAwareSettings, prefix_hashes
 from baton.routing.routers import LeastLoadedRouter, RoundRobinRouter
 from baton.routing.types import EngineLoad, RouteRequest

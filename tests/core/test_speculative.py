@@ -17,7 +17,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton.plugins import get_plugins
+from baton.plugins.registry import get_plugins
 from baton.request import Request
 from baton.sampling_params import SamplingParams
 from baton.spec.ngram import NgramSpeculator
@@ -107,7 +107,7 @@ _ORACLES: list[Oracle] = []
 
 
 class _OraclePlugin:
-    from baton.hookspecs import hookimpl
+    from baton import hookimpl
 
     @hookimpl
     def register_speculators(self, register) -> None:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ from baton.config import BatonConfig
 from baton.errors import ExecutorError
 from baton.executor.uniproc import UniprocExecutor
 from baton.interfaces import Executor
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.protocol import (
     CachedRequestData,
     KVCacheConfig,

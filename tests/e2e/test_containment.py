@@ -22,7 +22,7 @@ from baton import LLM, AsyncLLM, SamplingParams
 from baton.engine.core import EngineCore
 from baton.errors import BatonError
 from baton.frontend.detokenizer import IncrementalDetokenizer
-from baton.plugins import reset_plugins
+from baton.plugins.registry import reset_plugins
 
 from .conftest import greedy_reference
 

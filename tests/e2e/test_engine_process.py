@@ -14,7 +14,7 @@ import pytest
 
 from baton import LLM, AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError
-from baton.plugins import reset_plugins
+from baton.plugins.registry import reset_plugins
 from baton.protocol import EngineCoreRequest, FinishReason
 from baton.testing.faults import kill_on_first_output
 

@@ -157,7 +157,7 @@ class ParallelConformance(ExecutorConformance):
 
     @pytest.fixture
     def executor(self, config):
-        from baton.plugins import get_registry
+        from baton.plugins.registry import get_registry
 
         entry = get_registry().get("executor", config.executor.backend)
         ex = entry.create(
@@ -182,7 +182,7 @@ def tiny_executor(name: str, settings: dict[str, Any] | None = None, **parallel:
     """Executor plugin ``name`` over the tiny model on the CPU, one thread per worker, built as
     the engine builds it (registry entry, ``[executor.<name>]`` settings)."""
     from baton.config import BatonConfig
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     cfg = BatonConfig.load(
         model=str(tiny_model("llama")),

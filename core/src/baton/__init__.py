@@ -7,7 +7,7 @@ that ``import baton`` (and the CLI's start-up) stays fast.
 
 from typing import TYPE_CHECKING, Any
 
-from baton.hookspecs import PLUGIN_API_VERSION, hookimpl
+from baton.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from baton.pooling_params import PoolingParams
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
 from baton.scheduling_info import SchedulingInfo

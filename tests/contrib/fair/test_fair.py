@@ -6,7 +6,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.request import RequestStatus
 from baton.sched.policies import FCFSPolicy
 from baton.testing.conformance.scheduler_policy import SchedulerPolicyConformance

@@ -6,7 +6,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.testing.conformance.scheduler_policy import SchedulerPolicyConformance
 from baton.testing.sched_harness import PolicyHarness, make_request
 from baton_contrib_sjf import SJFPolicy, SJFSettings, job_size

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from baton import hookimpl
 from baton.cli.main import main as baton_main
-from baton.hookspecs import hookimpl
-from baton.plugins import get_plugins, get_registry
+from baton.plugins.registry import get_plugins, get_registry
 from baton_openai.bench_serve import arrival_offsets
 
 from .conftest import engine_children

@@ -73,7 +73,7 @@ def assert_nothing_left(executor: Any = None, timeout: float = 10.0) -> None:
 def ray_executor(**overrides: Any) -> Any:
     """The ``ray`` executor over the tiny model on the CPU, built as the engine builds it."""
     from baton.config import BatonConfig
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
     from baton.testing.tiny_model import tiny_model
 
     cfg = BatonConfig.load(

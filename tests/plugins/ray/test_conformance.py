@@ -22,7 +22,7 @@ DESTRUCTIVE = {"test_failure_callback_and_health"}
 
 
 def build(config: Any) -> Any:
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     entry = get_registry().get("executor", config.executor.backend)
     return entry.create(

@@ -226,8 +226,8 @@ def test_the_death_of_the_engines_node_is_engine_dead_within_5_s(ray_cluster):
 def test_the_executor_and_the_launcher_share_the_ray_sub_table():
     """[executor.ray] is read by both (one settings model): a bad key is one problem, once."""
     from baton.config import BatonConfig
-    from baton.engine.plugin_check import check_config_plugins
-    from baton.plugins import get_registry
+    from baton.plugins.check import check_config_plugins
+    from baton.plugins.registry import get_registry
 
     def check(**overrides: Any) -> Any:
         return check_config_plugins(BatonConfig.load(**overrides), get_registry())

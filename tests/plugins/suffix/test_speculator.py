@@ -213,7 +213,7 @@ def test_finished_forgets_the_request() -> None:
 
 
 def test_settings_reach_the_speculator() -> None:
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     config = BatonConfig.load(
         speculative={"method": "suffix", "suffix": {"max_depth": 16, "min_token_prob": 0.5}}

@@ -248,7 +248,7 @@ def test_a_backend_that_cannot_start_fails_each_request_clearly(info):
 @pytest.mark.parametrize("setting", ["none", "auto-without-plugins"])
 def test_no_backend_names_the_plugin_to_install(info, setting):
     from baton.errors import StructuredOutputError
-    from baton.plugins import Plugins
+    from baton.plugins.registry import Plugins
 
     if setting == "none":
         core = make_core(info, structured_output="none")

@@ -18,10 +18,10 @@ import jsonschema
 import pytest
 import torch
 
+from baton import hookimpl
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
-from baton.hookspecs import hookimpl
-from baton.plugins import get_plugins
+from baton.plugins.registry import get_plugins
 from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo
 from baton.request import Request
 from baton.sampling_params import SamplingParams, StructuredOutputSpec

@@ -25,7 +25,7 @@ from typing import Any
 
 from baton.bench.common import CpuMonitor, WorkloadRequest, emit, percentile
 from baton.config import BatonConfig
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.request import Request
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler

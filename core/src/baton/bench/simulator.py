@@ -22,7 +22,7 @@ from typing import Any
 from baton.bench.common import WorkloadRequest, percentile
 from baton.bench.cost_model import CostModel, step_features
 from baton.config import BatonConfig
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.request import Request
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler

@@ -31,7 +31,7 @@ import numpy as np
 from baton.bench.common import CpuMonitor, emit, percentile, summarize
 from baton.config import BatonConfig
 from baton.errors import TransportError
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.testing import echo
 
 _BODY = bytes(range(128))

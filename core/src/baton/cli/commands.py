@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from baton.cli.config_check import config_command
 from baton.cli.main import add_engine_arguments, engine_overrides
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -172,7 +172,7 @@ def plugins_command(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--json", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
-        from baton.plugins import get_registry
+        from baton.plugins.registry import get_registry
 
         reg = get_registry()
         rows = [
@@ -251,7 +251,7 @@ class ModuleBench:
 
 def bench_command(p: argparse.ArgumentParser) -> Handler:
     """Benchmarks: scheduler, simulate, transport, throughput, latency, and those plugins register."""
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     sub = p.add_subparsers(dest="bench", metavar="KIND", required=True)
     for entry in get_registry().of_kind("bench"):

@@ -1,7 +1,7 @@
 """``baton config check [FILE]``: is this configuration valid? No model or tokenizer loads.
 
 It builds the config as every command does (the file, ``BATON_*`` variables, the engine
-flags and ``--set``), then runs ``baton.engine.plugin_check.check_config_plugins``, the
+flags and ``--set``), then runs ``baton.plugins.check.check_config_plugins``, the
 check ``LLM`` / ``AsyncLLM`` and the engine core run before anything loads: the selected
 plugins are installed, every plugin sub-table belongs to an installed plugin and passes its
 settings model. It prints what is selected and exits 0, or prints the errors and exits 1.
@@ -19,16 +19,19 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import pydantic
 
 from baton.cli.main import add_engine_arguments, engine_overrides
+from baton.config import BatonConfig
+from baton.config.baton_config import CONFIG_ENV
+from baton.config.messages import describe_error
+from baton.config.overrides import nest_overrides
 from baton.errors import BatonError, ConfigError
-
-if TYPE_CHECKING:
-    from baton.config import BatonConfig
+from baton.plugins.check import combined, find_plugin_problems
+from baton.plugins.registry import get_registry
 
 #: Passes of "reset the refused values, build again" (a pass may reveal a cross-field check).
 MAX_PASSES = 4
@@ -47,10 +50,6 @@ def config_command(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
 
 def run_check(args: argparse.Namespace) -> int:
     """Check the configuration ``args`` describe; 0 when valid, 1 with the errors printed."""
-    from baton.config import CONFIG_ENV
-    from baton.engine.plugin_check import combined, find_plugin_problems
-    from baton.plugins import get_registry
-
     if args.file and args.config and args.file != args.config:
         raise ConfigError(
             f"two config files: {args.file!r} and --config {args.config!r}; give one of them"
@@ -101,8 +100,6 @@ def load_config(
 ) -> tuple[BatonConfig | None, list[BatonError]]:
     """The config, with each value the config model refused put back to its default, and one
     ConfigError per refused value; None for the config when a refusal names no field."""
-    from baton.config import BatonConfig, nest_overrides
-
     problems: list[BatonError] = []
     nested: dict[str, dict[str, Any]] = nest_overrides(overrides)
     reset: set[tuple[str, str]] = set()
@@ -115,7 +112,7 @@ def load_config(
                 return None, [*problems, e]  # no file, a syntax error
             header = str(e).split("\n", 1)[0].rstrip(":")
             for err in refused.errors():
-                problems.append(ConfigError(f"{header}: {_describe(err)}"))
+                problems.append(ConfigError(f"{header}: {describe_error(err)}"))
                 field = _field_of(err["loc"])
                 if field is None or field[:2] in reset:  # no one field, or its default refused
                     return None, problems
@@ -125,19 +122,9 @@ def load_config(
     return None, problems
 
 
-def _describe(err: Any) -> str:
-    """One refused value as ``format_validation_error`` shows it."""
-    path = ".".join(str(p) for p in err["loc"])
-    value = err.get("input")
-    shown = "" if isinstance(value, dict) else f" (got {value!r})"
-    return f"{path}: {err['msg']}{shown}" if path else f"{err['msg']}{shown}"
-
-
 def _field_of(loc: tuple[Any, ...]) -> tuple[str, str, Any] | None:
     """(section, field, its default) for the field ``loc`` is in; None when ``loc`` names no
     field of a section (a check across fields or sections)."""
-    from baton.config import BatonConfig
-
     if len(loc) < 2 or loc[0] not in BatonConfig.model_fields:
         return None
     section = BatonConfig.model_fields[str(loc[0])].annotation

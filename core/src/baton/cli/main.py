@@ -100,7 +100,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
-    from baton.config import LOG_LEVELS
+    from baton.config.sections import LOG_LEVELS
 
     parser.add_argument(
         "--log-level",
@@ -113,7 +113,7 @@ def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from baton import __version__
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     parser = argparse.ArgumentParser(
         prog="baton", description="baton: a plugin-first LLM inference engine"
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        from baton.config import LOG_LEVELS
+        from baton.config.sections import LOG_LEVELS
 
         if args.log_level not in LOG_LEVELS:  # a default from the environment skips the choices
             parser.error(

@@ -105,7 +105,7 @@ def make_client(
     config: BatonConfig, *, asyncio_mode: bool = False, **core_kwargs: Any
 ) -> EngineCoreClient:
     """The client face for this config's transport and the caller's mode."""
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     if not asyncio_mode and config.executor.data_parallel_size > 1:
         raise InvalidRequestError(

@@ -21,7 +21,6 @@ from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.loras import EngineLoras
-from baton.engine.plugin_check import check_config_plugins
 from baton.errors import (
     ConfigError,
     EngineSleepingError,
@@ -31,7 +30,8 @@ from baton.errors import (
 )
 from baton.interfaces import Executor
 from baton.model_info import ModelInfo, model_info
-from baton.plugins import Registry, get_registry
+from baton.plugins.check import check_config_plugins
+from baton.plugins.registry import Registry, get_registry
 from baton.pooling_params import check_generation, pooled_request
 from baton.protocol import (
     EngineCoreOutput,

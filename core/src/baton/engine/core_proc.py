@@ -27,7 +27,7 @@ from baton.config import BatonConfig
 from baton.engine.core import UTILITY_METHODS, EngineCore
 from baton.errors import BatonError, ExecutorError, ProtocolError, TransportError
 from baton.interfaces import EngineChannel
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.process_exit import exit_now
 from baton.protocol import (
     ENGINE_CORE_DEAD,

@@ -23,7 +23,7 @@ from baton.engine.mp_client import AsyncMPClient
 from baton.errors import EngineDeadError, PluginError
 from baton.interfaces import Router, Transport
 from baton.parallel.expert import expert_parallel_size
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.protocol import (
     DPWaveStart,
     EngineCoreOutput,

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from baton.errors import ConfigError, PluginError
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
     from baton.interfaces import EngineLauncher, Transport
-    from baton.plugins import Registry
+    from baton.plugins.registry import Registry
 
 
 class ProcessHandle:

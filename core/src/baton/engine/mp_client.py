@@ -38,7 +38,7 @@ from baton.errors import (
     error_from_message,
 )
 from baton.interfaces import ClientChannel, EngineLauncher, Transport
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,

@@ -142,7 +142,7 @@ def rank_bootstraps(
     (default: this machine's cores shared by the ranks). The plugin set checked on every
     rank is this process's.
     """
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     world = tp_size * pp_size
     fingerprint = get_registry().fingerprint()
@@ -176,7 +176,7 @@ def host_store(host: str, timeout_s: float = 600.0) -> Any:
 
 def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
     """BatonError when this process's plugins differ from the engine's (``who`` names it)."""
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     ours = get_registry().fingerprint()  # plugins load in every process baton starts
     if [tuple(x) for x in parent_fingerprint] != ours:

@@ -18,7 +18,7 @@ from typing import Any
 from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError, worker_error
 from baton.executor.latch import FailureLatch
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,

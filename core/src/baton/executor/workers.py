@@ -58,7 +58,7 @@ def pick_device(config: BatonConfig, world_size: int, name: str) -> str:
 
 def pick_transport(config: BatonConfig, name: str) -> Any:
     """The transport of the worker channel: ``name``, or for "auto" the first of AUTO_TRANSPORTS installed."""
-    from baton.plugins import get_registry
+    from baton.plugins.registry import get_registry
 
     registry = get_registry()
     if name == "auto":

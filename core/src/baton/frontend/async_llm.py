@@ -8,13 +8,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
 from baton.engine.core import check_sleep_level
-from baton.engine.plugin_check import check_config_plugins
 from baton.errors import (
     EngineDeadError,
     EngineShuttingDownError,
@@ -25,6 +24,7 @@ from baton.frontend.beam_run import BeamRun
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
+from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.lora.request import LoRARequest, check_lora_request
@@ -32,7 +32,8 @@ from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import RequestTracer, make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
-from baton.plugins import get_registry
+from baton.plugins.check import check_config_plugins
+from baton.plugins.registry import get_registry
 from baton.pooling_params import PoolingParams, check_generation
 from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
@@ -147,71 +148,15 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         check_generation(self.info)
-        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
-        if isinstance(prompt, CheckedRequest):
-            checked = self._checked(prompt, sampling_params, priority, user, scheduling)
-        else:
-            params = sampling_params or SamplingParams()
-            text, ids = self.input_processor.tokenize(prompt)
-            merged = self.input_processor.validate(
-                ids, params, priority=priority, user=user, scheduling=scheduling
-            )
-            checked = CheckedRequest(
-                prompt_token_ids=ids,
-                params=params,
-                scheduling=merged,
-                info=self.info,
-                prompt=text,
-                user=user,
-            )
-        text, ids, params, user = (
-            checked.prompt,
-            checked.prompt_token_ids,
-            checked.params,
-            checked.user,
-        )
-        rid = request_id or f"req-{next(self._ids)}"
-        if self.output_processor.is_live(rid):
-            # a second request under a live id would take over the first one's outputs
-            raise InvalidRequestError(
-                f"request id {rid!r} is already in flight; request ids must be unique"
-            )
+        meta = self._meta(priority, user, scheduling, trace_headers, lora_request)
+        checked = self._check(prompt, sampling_params, meta)
+        rid = self._new_request_id(request_id, "req")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._ensure_handler()
-        arrival = time.monotonic()
-        children = split_request(rid, params)
         try:
-            for child_id, index, p, parent in children:
-                self.output_processor.add_request(
-                    child_id,
-                    text,
-                    ids,
-                    p,
-                    arrival,
-                    index=index,
-                    parent=parent,
-                    user=user,
-                    sink=queue.put_nowait,
-                    trace_headers=trace_headers,
-                )
-                # validated above, once
-                req = self.input_processor.process(
-                    child_id,
-                    ids,
-                    p,
-                    scheduling=checked.scheduling,
-                    arrival_time=arrival,
-                    user=user,
-                    cache_salt=checked.cache_salt,
-                    lora_request=lora,
-                )
-                await self.engine.add_request_async(req)
+            await self._submit(rid, checked, meta, queue.put_nowait)
             while True:
-                item = queue.get_nowait() if not queue.empty() else await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise error_from_message(item.error)
+                item = _raised(queue.get_nowait() if not queue.empty() else await queue.get())
                 yield item
                 if item.finished:
                     return
@@ -285,22 +230,12 @@ class AsyncLLM:
         ``trace_headers`` and ``lora_request`` as in ``generate``."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
-        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
+        meta = self._meta(priority, user, scheduling, trace_headers, lora_request)
         text, ids = self.input_processor.tokenize(prompt)
         params, merged = check_pooling_prompt(
-            self.input_processor,
-            self.config.model,
-            ids,
-            pooling_params,
-            priority=priority,
-            user=user,
-            scheduling=scheduling,
+            self.input_processor, self.config.model, ids, pooling_params, meta
         )
-        rid = request_id or f"pool-{next(self._ids)}"
-        if self.output_processor.is_live(rid):
-            raise InvalidRequestError(
-                f"request id {rid!r} is already in flight; request ids must be unique"
-            )
+        rid = self._new_request_id(request_id, "pool")
         queue: asyncio.Queue[PoolingRequestOutput | BaseException] = asyncio.Queue()
         self._ensure_handler()
         arrival = time.monotonic()
@@ -318,40 +253,56 @@ class AsyncLLM:
             )
             await self.engine.add_request_async(
                 pooling_engine_request(
-                    self.input_processor,
-                    rid,
-                    ids,
-                    params,
-                    scheduling=merged,
-                    arrival_time=arrival,
-                    user=user,
-                    lora_request=lora,
+                    self.input_processor, rid, ids, params, merged, arrival, meta
                 )
             )
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.error is not None:
-                raise error_from_message(item.error)
-            yield item
+            yield _raised(await queue.get())
         finally:
             await self._abort([rid])
 
-    def _checked(
+    def _meta(
         self,
-        checked: CheckedRequest,
-        sampling_params: SamplingParams | None,
         priority: int,
         user: str | None,
         scheduling: SchedulingInfo | Mapping[str, Any] | None,
+        trace_headers: Mapping[str, str] | None,
+        lora_request: LoRARequest | None,
+    ) -> RequestMeta:
+        """``generate``'s / ``encode``'s request metadata, its adapter checked."""
+        lora = check_lora_request(lora_request, self.config.lora.enable_lora)
+        return RequestMeta(
+            priority=priority,
+            user=user,
+            scheduling=scheduling,
+            trace_headers=trace_headers,
+            lora_request=lora,
+        )
+
+    def _check(
+        self, prompt: PromptType | CheckedRequest, params: SamplingParams | None, meta: RequestMeta
+    ) -> CheckedRequest:
+        """``generate``'s request, tokenized and checked against this engine's model."""
+        if isinstance(prompt, CheckedRequest):
+            return self._checked(prompt, params, meta)
+        params = params or SamplingParams()
+        text, ids = self.input_processor.tokenize(prompt)
+        merged = self.input_processor.validate(
+            ids, params, priority=meta.priority, user=meta.user, scheduling=meta.scheduling
+        )
+        return CheckedRequest(
+            prompt_token_ids=ids,
+            params=params,
+            scheduling=merged,
+            info=self.info,
+            prompt=text,
+            user=meta.user,
+        )
+
+    def _checked(
+        self, checked: CheckedRequest, sampling_params: SamplingParams | None, meta: RequestMeta
     ) -> CheckedRequest:
         """A CheckedRequest as given, or checked again when it was checked for another model."""
-        if (
-            sampling_params is not None
-            or priority != 0
-            or user is not None
-            or scheduling is not None
-        ):
+        if sampling_params is not None or meta.schedules:
             raise InvalidRequestError(
                 "a CheckedRequest carries its own sampling_params, priority, user and "
                 "scheduling: give them to checked_request, not to generate",
@@ -367,6 +318,53 @@ class AsyncLLM:
                 scheduling=checked.scheduling,
             )
         return checked
+
+    def _new_request_id(self, request_id: str | None, prefix: str) -> str:
+        """``request_id``, or a fresh ``prefix-N``; refused while a request under it is live."""
+        rid = request_id or f"{prefix}-{next(self._ids)}"
+        if self.output_processor.is_live(rid):
+            # a second request under a live id would take over the first one's outputs
+            raise InvalidRequestError(
+                f"request id {rid!r} is already in flight; request ids must be unique"
+            )
+        return rid
+
+    async def _submit(
+        self,
+        rid: str,
+        checked: CheckedRequest,
+        meta: RequestMeta,
+        sink: Callable[[RequestOutput | BaseException], None],
+    ) -> None:
+        """Hand a checked request (its ``n`` samples: one engine request each) to the engine;
+        its outputs go to ``sink``."""
+        arrival = time.monotonic()
+        ids, user = checked.prompt_token_ids, checked.user
+        for child_id, index, p, parent in split_request(rid, checked.params):
+            self.output_processor.add_request(
+                child_id,
+                checked.prompt,
+                ids,
+                p,
+                arrival,
+                index=index,
+                parent=parent,
+                user=user,
+                sink=sink,
+                trace_headers=meta.trace_headers,
+            )
+            # validated once, by _check (or by whoever built the CheckedRequest)
+            req = self.input_processor.process(
+                child_id,
+                ids,
+                p,
+                scheduling=checked.scheduling,
+                arrival_time=arrival,
+                user=user,
+                cache_salt=checked.cache_salt,
+                lora_request=meta.lora_request,
+            )
+            await self.engine.add_request_async(req)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (and its n > 1 children); unknown or finished ids are no-ops."""
@@ -542,3 +540,15 @@ class AsyncLLM:
         self.engine.shutdown()
         if self.tracer is not None:
             self.tracer.shutdown()  # the spans still buffered go out
+
+
+_Output = TypeVar("_Output", RequestOutput, PoolingRequestOutput)
+
+
+def _raised(item: _Output | BaseException) -> _Output:
+    """An output from a request's queue; raises what failed it (the engine dead, its error)."""
+    if isinstance(item, BaseException):
+        raise item
+    if item.error is not None:
+        raise error_from_message(item.error)
+    return item

@@ -6,7 +6,7 @@ import itertools
 import numbers
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -15,12 +15,12 @@ from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient, make_client
 from baton.engine.core import check_sleep_level
-from baton.engine.plugin_check import check_config_plugins
 from baton.errors import EngineSleepingError, InvalidRequestError
 from baton.frontend.beam_run import BeamRun
 from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
+from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
 from baton.frontend.tokenizer import load_tokenizer
 from baton.lora.request import LoRARequest, check_lora_request
@@ -28,7 +28,8 @@ from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import check_tracing, make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
-from baton.plugins import get_registry
+from baton.plugins.check import check_config_plugins
+from baton.plugins.registry import get_registry
 from baton.pooling_params import PoolingParams, check_generation
 from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
@@ -106,11 +107,7 @@ class LLM:
             tokenized,
             sampling_params,
             use_tqdm,
-            priority,
-            user,
-            scheduling,
-            trace_headers,
-            lora_request,
+            lambda n: self._metas(n, priority, user, scheduling, trace_headers, lora_request),
         )
 
     def chat(
@@ -140,7 +137,10 @@ class LLM:
             )
             tokenized.append((self.tokenizer.decode(ids), ids))
         return self._run(
-            tokenized, sampling_params, use_tqdm, None, None, scheduling, None, lora_request
+            tokenized,
+            sampling_params,
+            use_tqdm,
+            lambda n: self._metas(n, None, None, scheduling, None, lora_request),
         )
 
     def beam_search(
@@ -212,38 +212,24 @@ class LLM:
         tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
         n = len(tokenized)
         given = _per_prompt(pooling_params, n, "pooling_params")
-        prios = _per_prompt(priority if priority is not None else 0, n, "priority")
-        users = _per_prompt(user, n, "user")
-        scheds = _per_prompt(scheduling, n, "scheduling")
-        loras = self._loras(lora_request, n)
+        metas = self._metas(n, priority, user, scheduling, None, lora_request)
         # check everything before anything reaches the engine
         checked = [
-            check_pooling_prompt(
-                self.input_processor, self.config.model, ids, p, priority=pr, user=u, scheduling=s
-            )
-            for (_, ids), p, pr, u, s in zip(tokenized, given, prios, users, scheds, strict=True)
+            check_pooling_prompt(self.input_processor, self.config.model, ids, p, meta)
+            for (_, ids), p, meta in zip(tokenized, given, metas, strict=True)
         ]
         request_ids: list[str] = []
         try:
-            for (text, ids), u, (params, info), lora in zip(
-                tokenized, users, checked, loras, strict=True
-            ):
+            for (text, ids), meta, (params, info) in zip(tokenized, metas, checked, strict=True):
                 rid = str(next(self._ids))
                 request_ids.append(rid)
                 arrival = time.monotonic()
                 self.output_processor.add_request(
-                    rid, text, ids, SamplingParams(), arrival, user=u, pooling=True
+                    rid, text, ids, SamplingParams(), arrival, user=meta.user, pooling=True
                 )
                 self.engine.add_request(
                     pooling_engine_request(
-                        self.input_processor,
-                        rid,
-                        ids,
-                        params,
-                        scheduling=info,
-                        arrival_time=arrival,
-                        user=u,
-                        lora_request=lora,
+                        self.input_processor, rid, ids, params, info, arrival, meta
                     )
                 )
             return self._run_engine(request_ids, use_tqdm, "Pooling")
@@ -350,6 +336,28 @@ class LLM:
             for x in _per_prompt(lora_request, n, "lora_request")
         ]
 
+    def _metas(
+        self,
+        n: int,
+        priority: Sequence[int] | None,
+        user: str | Sequence[str | None] | None,
+        scheduling: SchedulingArg | Sequence[SchedulingArg],
+        trace_headers: Mapping[str, str] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[RequestMeta]:
+        """One RequestMeta per prompt from ``generate``'s / ``encode``'s arguments (each one
+        value for all prompts, or one per prompt; ``trace_headers`` one for all)."""
+        loras = self._loras(lora_request, n)
+        priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
+        users = _per_prompt(user, n, "user")
+        given = _per_prompt(scheduling, n, "scheduling")
+        return [
+            RequestMeta(
+                priority=prio, user=u, scheduling=s, trace_headers=trace_headers, lora_request=lora
+            )
+            for prio, u, s, lora in zip(priorities, users, given, loras, strict=True)
+        ]
+
     def get_memory_usage(self) -> list[WorkerMemory]:
         """Each worker's memory, measured in its process: RSS, KV-cache and weight storages."""
         return list(self.engine.call_utility("get_memory_usage"))
@@ -372,36 +380,28 @@ class LLM:
         tokenized: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
-        priority: Sequence[int] | None,
-        user: str | Sequence[str | None] | None,
-        scheduling: SchedulingArg | Sequence[SchedulingArg],
-        trace_headers: Mapping[str, str] | None = None,
-        lora_request: Any = None,
+        metas_of: Callable[[int], list[RequestMeta]],
     ) -> list[RequestOutput]:
+        """Generate for ``tokenized``; ``metas_of(n)``: the n prompts' RequestMeta (checked
+        once the LLM is known to be awake and to generate)."""
         self._check_awake()
         check_generation(self.info)
         n = len(tokenized)
-        loras = self._loras(lora_request, n)
+        metas = metas_of(n)
         params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
-        priorities = _per_prompt(priority if priority is not None else 0, n, "priority")
-        users = _per_prompt(user, n, "user")
-        given = _per_prompt(scheduling, n, "scheduling")
         request_ids = []
         # validate everything before anything reaches the engine
         infos = [
-            self.input_processor.validate(ids, p, priority=prio, user=u, scheduling=s)
-            for (_, ids), p, prio, u, s in zip(
-                tokenized, params, priorities, users, given, strict=True
+            self.input_processor.validate(
+                ids, p, priority=m.priority, user=m.user, scheduling=m.scheduling
             )
+            for (_, ids), p, m in zip(tokenized, params, metas, strict=True)
         ]
-        added: list[str] = []
         try:
-            for (text, ids), p, u, info, lora in zip(
-                tokenized, params, users, infos, loras, strict=True
-            ):
+            for (text, ids), p, meta, info in zip(tokenized, params, metas, infos, strict=True):
                 rid = str(next(self._ids))
                 request_ids.append(rid)
-                added.extend(self._add_request(rid, text, ids, p, u, info, trace_headers, lora))
+                self._add_request(rid, text, ids, p, meta, info)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
@@ -413,11 +413,10 @@ class LLM:
         prompt: str | None,
         ids: list[int],
         params: SamplingParams,
-        user: str | None,
+        meta: RequestMeta,
         scheduling: SchedulingInfo,
-        trace_headers: Mapping[str, str] | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> list[str]:
+    ) -> None:
+        """Hand one checked prompt (its ``n`` samples: one engine request each) to the engine."""
         arrival = time.monotonic()
         children = split_request(request_id, params)
         for rid, index, p, parent in children:
@@ -429,8 +428,8 @@ class LLM:
                 arrival,
                 index=index,
                 parent=parent,
-                user=user,
-                trace_headers=trace_headers,
+                user=meta.user,
+                trace_headers=meta.trace_headers,
             )
             # validated in _run, once per prompt
             req = self.input_processor.process(
@@ -439,11 +438,10 @@ class LLM:
                 p,
                 scheduling=scheduling,
                 arrival_time=arrival,
-                user=user,
-                lora_request=lora_request,
+                user=meta.user,
+                lora_request=meta.lora_request,
             )
             self.engine.add_request(req)
-        return [c[0] for c in children]
 
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool, desc: str = "Generating"

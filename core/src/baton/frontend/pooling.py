@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import msgspec
 
 from baton.config import ModelSection
 from baton.frontend.input_processor import InputProcessor
-from baton.lora.request import LoRARequest
+from baton.frontend.request_meta import RequestMeta
 from baton.pooling_params import (
     PoolingParams,
     check_pooling,
@@ -26,10 +25,7 @@ def check_pooling_prompt(
     model: ModelSection,
     prompt_token_ids: Sequence[int],
     params: PoolingParams | None,
-    *,
-    priority: int = 0,
-    user: str | None = None,
-    scheduling: SchedulingInfo | Mapping[str, Any] | None = None,
+    meta: RequestMeta,
 ) -> tuple[PoolingParams, SchedulingInfo]:
     """The request's PoolingParams (the config's defaults filled in) and SchedulingInfo,
     after the checks every request gets (``check_request``) and the pooling ones."""
@@ -39,9 +35,9 @@ def check_pooling_prompt(
     merged = processor.validate(
         prompt_token_ids,
         pooling_sampling_params(),
-        priority=priority,
-        user=user,
-        scheduling=scheduling,
+        priority=meta.priority,
+        user=meta.user,
+        scheduling=meta.scheduling,
     )
     return full, merged
 
@@ -51,20 +47,19 @@ def pooling_engine_request(
     request_id: str,
     prompt_token_ids: list[int],
     params: PoolingParams,
-    *,
     scheduling: SchedulingInfo,
     arrival_time: float,
-    user: str | None = None,
-    lora_request: LoRARequest | None = None,
+    meta: RequestMeta,
 ) -> EngineCoreRequest:
-    """The EngineCoreRequest of a checked pooling prompt."""
+    """The EngineCoreRequest of a checked pooling prompt (``scheduling``: what
+    ``check_pooling_prompt`` returned)."""
     req = processor.process(
         request_id,
         prompt_token_ids,
         pooling_sampling_params(),
         scheduling=scheduling,
         arrival_time=arrival_time,
-        user=user,
-        lora_request=lora_request,
+        user=meta.user,
+        lora_request=meta.lora_request,
     )
     return msgspec.structs.replace(req, pooling_params=params)

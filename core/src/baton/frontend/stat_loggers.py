@@ -7,7 +7,7 @@ import time
 from baton.config import BatonConfig
 from baton.interfaces import StatLogger
 from baton.metrics.stats import IterationStats
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.protocol import SchedulerStats
 
 

@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 from baton.config import BatonConfig
-from baton.hookspecs import hookimpl
 from baton.metrics.spec import SpecTally
 from baton.metrics.stats import IterationStats
+from baton.plugins.hookspecs import hookimpl
 from baton.protocol import SchedulerStats
 
 log = logging.getLogger("baton.stats")

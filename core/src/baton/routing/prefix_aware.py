@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 from baton.routing.routers import least_loaded
 from baton.routing.types import EngineLoad, RouteRequest
 

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 from baton.routing.types import EngineLoad, RouteRequest
 
 

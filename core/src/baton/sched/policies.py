@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 from baton.request import Request, RequestStatus
 from baton.sched.slo_policy import SLOPolicy, SLOSettings
 

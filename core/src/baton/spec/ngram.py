@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 from baton.request import Request
 
 

@@ -17,10 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from baton.config import BatonConfig
-from baton.engine.plugin_check import resolve_structured_output_backend
 from baton.errors import StructuredOutputError
 from baton.model_info import ModelInfo
-from baton.plugins import Registry
+from baton.plugins.check import resolve_structured_output_backend
+from baton.plugins.registry import Registry
 from baton.protocol import GrammarOutput, SchedulerOutput
 from baton.request import Request, RequestStatus
 from baton.structured.drafts import fill_draft_rows

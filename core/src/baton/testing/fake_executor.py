@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from baton.errors import ExecutorError, worker_error
 from baton.executor.latch import FailureLatch
-from baton.hookspecs import hookimpl
+from baton.plugins.hookspecs import hookimpl
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -432,7 +432,7 @@ class _FakeExecutorPlugin:
 def register_fake_executor(plugins: Any = None) -> None:
     """Make executor ``fake`` selectable in ``plugins`` (default: the process-wide one). Idempotent."""
     if plugins is None:
-        from baton.plugins import get_plugins
+        from baton.plugins.registry import get_plugins
 
         plugins = get_plugins()
     if plugins.pm.has_plugin(PLUGIN_NAME):

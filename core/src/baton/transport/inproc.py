@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.errors import TransportError
-from baton.hookspecs import hookimpl
 from baton.interfaces import Frame
+from baton.plugins.hookspecs import hookimpl
 
 #: How often a blocked client recv checks that the engine threads still run.
 _LIVENESS_SLICE = 0.25

@@ -1,6 +1,6 @@
 """baton-plugin-openai's own hooks: tool-call and reasoning parsers for ``baton serve``.
 
-The same style as baton's (``baton.hookspecs``): registration hooks that receive
+The same style as baton's (``baton.plugins.hookspecs``): registration hooks that receive
 ``register(name, factory)`` and return nothing, in a pluggy project of their own
 (``baton_openai``), found through the ``baton_openai`` entry-point group::
 

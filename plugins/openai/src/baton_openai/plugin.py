@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.hookspecs import hookimpl
+from baton import hookimpl
 
 BATON_PLUGIN_API = 1
 

@@ -11,8 +11,8 @@ import msgspec
 from baton import __version__
 from baton.config import BatonConfig
 from baton.kernels.report import CpuReport, collect
-from baton.plugin_kinds import PLUGIN_KINDS
 from baton.plugins import get_registry
+from baton.plugins.kinds import PLUGIN_KINDS
 from baton.protocol import ModelInfo
 from baton_openai import __version__ as plugin_version
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from baton import hookimpl
 from baton.executor.workers import MultiprocSettings
-from baton.hookspecs import hookimpl
 
 BATON_PLUGIN_API = 1
 

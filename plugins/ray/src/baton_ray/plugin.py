@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.hookspecs import hookimpl
+from baton import hookimpl
 
 BATON_PLUGIN_API = 1
 

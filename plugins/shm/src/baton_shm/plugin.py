@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.hookspecs import hookimpl
+from baton import hookimpl
 
 BATON_PLUGIN_API = 1
 

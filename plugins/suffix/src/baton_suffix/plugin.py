@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.hookspecs import hookimpl
+from baton import hookimpl
 from baton_suffix.settings import SuffixSettings
 from baton_suffix.speculator import SuffixSpeculator
 

@@ -26,7 +26,7 @@ import pytest
 from baton.config import BatonConfig
 from baton.errors import EngineDeadError
 from baton.interfaces import EngineHandle, EngineLauncher
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.sampling_params import SamplingParams
 
 #: The prompts (token ids) of the serving checks.

@@ -25,7 +25,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.interfaces import Router
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.routing.types import EngineLoad, RouteRequest
 
 

@@ -32,7 +32,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.interfaces import SchedulerPolicy
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.request import Request, RequestStatus
 from baton.testing.sched_harness import PolicyHarness, make_request, random_requests
 

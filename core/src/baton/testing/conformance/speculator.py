@@ -28,7 +28,7 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.interfaces import Speculator
-from baton.plugins import get_registry
+from baton.plugins.registry import get_registry
 from baton.protocol import EngineCoreRequest
 from baton.request import Request
 from baton.sampling_params import SamplingParams

@@ -95,7 +95,7 @@ class StructuredOutputConformance:
     def make_backend(self, tokenizer: Any, vocab_size: int) -> Any:
         """Build the backend under test; by default through its registered factory with default settings."""
         from baton.config import BatonConfig
-        from baton.plugins import get_registry
+        from baton.plugins.registry import get_registry
 
         entry = get_registry().get("structured_output", self.name)
         config = BatonConfig.load()
@@ -155,7 +155,7 @@ class StructuredOutputConformance:
     # ------------------------------------------------------------------ registration and compile
 
     def test_registered_under_its_name(self) -> None:
-        from baton.plugins import get_registry
+        from baton.plugins.registry import get_registry
 
         assert self.name, "set the class attribute `name` to the backend's registered name"
         assert self.name in get_registry().names("structured_output")

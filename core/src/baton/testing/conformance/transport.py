@@ -131,7 +131,7 @@ class TransportConformance:
         if self.name is None:
             pytest.skip("no registered name given")
         from baton.config import BatonConfig
-        from baton.plugins import get_registry
+        from baton.plugins.registry import get_registry
 
         entry = get_registry().get("transport", self.name)
         config = BatonConfig.load()

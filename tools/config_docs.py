@@ -1,15 +1,16 @@
 """Render docs/configuration.md from BatonConfig, so the page can't drift from the code.
 
-``python -m baton.config_docs > docs/configuration.md``; a test compares them.
+A docs generator, kept out of the runtime package: ``python tools/config_docs.py >
+docs/configuration.md``; tests/core/test_config.py compares them.
 """
 
 from __future__ import annotations
 
-from baton.config import SECTIONS, BatonConfig
+from baton.config.sections import SECTION_MODELS
 
 HEADER = """# Configuration
 
-One settings model (`baton.config.BatonConfig`), eight sections, every one optional.
+One settings model (`baton.config.BatonConfig`), eleven sections, every one optional.
 Sources, strongest first:
 
 1. explicit arguments: `LLM(max_num_seqs=8)`, `LLM(scheduler={"policy": "priority"})`,
@@ -62,10 +63,9 @@ transformers once, so each starts in well under a second instead of 3-6 s; or
 
 def render() -> str:
     out = [HEADER]
-    for section in SECTIONS:
-        model = BatonConfig.model_fields[section].annotation
+    for section, model in SECTION_MODELS.items():
         out += [f"## [{section}]", "", "| field | default | meaning |", "|---|---|---|"]
-        for name, field in model.model_fields.items():  # type: ignore[union-attr]
+        for name, field in model.model_fields.items():
             default = (
                 field.default_factory() if field.default_factory is not None else field.default
             )  # type: ignore[call-arg]

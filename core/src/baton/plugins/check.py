@@ -4,7 +4,7 @@ sub-table belongs to an installed plugin and passes that plugin's settings model
 ``check_config_plugins`` is the one check: ``baton config check`` prints its result, ``LLM`` /
 ``AsyncLLM`` run it before the tokenizer and the weights load, and ``EngineCore`` runs it
 before the executor starts. What it knows about each kind comes from
-``baton.plugin_kinds.PLUGIN_KINDS``.
+``baton.plugins.kinds.PLUGIN_KINDS``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from typing import Any
 
 import msgspec
 
-from baton.config import SECTIONS, BatonConfig
+from baton.config import BatonConfig
+from baton.config.sections import SECTIONS
 from baton.errors import BatonError, ConfigError
-from baton.plugin_kinds import BY_SECTION, PLUGIN_KINDS, PluginKind
-from baton.plugins import PluginEntry, Registry
+from baton.plugins.kinds import BY_SECTION, PLUGIN_KINDS, PluginKind
+from baton.plugins.registry import PluginEntry, Registry
 
 
 class Selected(msgspec.Struct, frozen=True):

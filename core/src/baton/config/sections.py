@@ -1,33 +1,21 @@
-"""baton's configuration: one pydantic-settings model, eleven sections.
+"""The sections of baton's configuration: one pydantic model per ``[section]`` table.
 
-Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
-``BATON_<SECTION>__<FIELD>`` environment variables, a TOML or YAML file (given
-with ``--config`` or ``BATON_CONFIG``), defaults. A plugin's own settings sit in
-a sub-table named after it (``[transport.zmq]``) and are validated by the
-settings model the plugin registered (see ``BatonConfig.plugin_settings``).
+Each field's docstring is its documentation (docs/configuration.md is rendered from them). An
+extra key of a section is a plugin's settings sub-table (``[transport.zmq]``), checked by
+``baton.plugins.check`` once the plugins are known.
 """
 
 from __future__ import annotations
 
-import contextvars
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-    YamlConfigSettingsSource,
-)
 
 from baton.errors import ConfigError
-from baton.plugin_kinds import BY_SECTION, PLUGIN_KINDS
 
-CONFIG_ENV = "BATON_CONFIG"
 #: Turns executor.batch_invariant on by default, for tools that cannot pass configuration
 #: (as vLLM's VLLM_BATCH_INVARIANT); BATON_EXECUTOR__BATCH_INVARIANT and the config still win.
 BATCH_INVARIANT_ENV = "BATON_BATCH_INVARIANT"
@@ -48,7 +36,7 @@ def _env_flag(name: str) -> bool:
 
 class _Section(BaseModel):
     # extra keys are plugin sub-tables (e.g. [transport.zmq]); plain typos are caught
-    # by baton.engine.plugin_check.check_config_plugins once the plugins are known.
+    # by baton.plugins.check.check_config_plugins once the plugins are known.
     model_config = ConfigDict(
         extra="allow", validate_assignment=True, use_attribute_docstrings=True
     )
@@ -465,360 +453,18 @@ class ObservabilitySection(_Section):
         return level  # type: ignore[no-any-return]
 
 
-SECTIONS = (
-    "model",
-    "cache",
-    "scheduler",
-    "executor",
-    "transport",
-    "structured_output",
-    "speculative",
-    "routing",
-    "lora",
-    "server",
-    "observability",
-)
-#: plugin kind -> (section, field) naming the plugin, for kinds selected by one name.
-PLUGIN_SELECTORS = {
-    k.name: (k.section, k.selector)
-    for k in PLUGIN_KINDS.values()
-    if k.section is not None and k.selector is not None and not k.many
+#: Every section, in the order of the config and its docs: name -> its model.
+SECTION_MODELS: dict[str, type[BaseModel]] = {
+    "model": ModelSection,
+    "cache": CacheSection,
+    "scheduler": SchedulerSection,
+    "executor": ExecutorSection,
+    "transport": TransportSection,
+    "structured_output": StructuredOutputSection,
+    "speculative": SpeculativeSection,
+    "routing": RoutingSection,
+    "lora": LoRASection,
+    "server": ServerSection,
+    "observability": ObservabilitySection,
 }
-
-_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
-    "baton_config_file", default=None
-)
-
-
-class BatonConfig(BaseSettings):
-    """All of baton's settings. Build it with ``BatonConfig.load(...)``."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="BATON_",
-        env_nested_delimiter="__",
-        extra="forbid",
-        validate_assignment=True,
-    )
-
-    model: ModelSection = Field(default_factory=ModelSection)
-    cache: CacheSection = Field(default_factory=CacheSection)
-    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
-    executor: ExecutorSection = Field(default_factory=ExecutorSection)
-    transport: TransportSection = Field(default_factory=TransportSection)
-    structured_output: StructuredOutputSection = Field(default_factory=StructuredOutputSection)
-    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
-    routing: RoutingSection = Field(default_factory=RoutingSection)
-    lora: LoRASection = Field(default_factory=LoRASection)
-    server: ServerSection = Field(default_factory=ServerSection)
-    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = _config_file.get()
-        if path is not None:
-            if path.suffix in (".yaml", ".yml"):
-                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
-            else:
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
-
-    @pydantic.model_validator(mode="after")
-    def _quantization_without_tensor_parallel(self) -> BatonConfig:
-        q, tp = self.model.quantization, self.executor.tensor_parallel_size
-        if q in ("int8", "int4") and tp > 1:
-            raise ValueError(
-                f"model.quantization={q!r} with executor.tensor_parallel_size={tp}: tensor-parallel "
-                "shards are not quantized in this version; use tensor_parallel_size = 1 (a "
-                "pipeline's stages are quantized) or model.quantization = 'none'"
-            )
-        return self
-
-    @pydantic.model_validator(mode="after")
-    def _batch_invariant_where_it_holds(self) -> BatonConfig:
-        ex = self.executor
-        if not ex.batch_invariant:
-            return self
-        why = [
-            f"{name}={value!r}: {reason}"
-            for name, value, bad, reason in (
-                (
-                    "executor.device",
-                    ex.device,
-                    ex.device.startswith("cuda"),
-                    "the invariant kernels are CPU kernels (set device = 'cpu')",
-                ),
-                (
-                    "executor.tensor_parallel_size",
-                    ex.tensor_parallel_size,
-                    ex.tensor_parallel_size > 1,
-                    "a rank's partial sums meet in an all-reduce whose order is not fixed",
-                ),
-                (
-                    "executor.pipeline_parallel_size",
-                    ex.pipeline_parallel_size,
-                    ex.pipeline_parallel_size > 1,
-                    "pipeline stages run transformers' modules, not the invariant layer stack",
-                ),
-                (
-                    "executor.expert_parallel",
-                    ex.expert_parallel,
-                    ex.expert_parallel,
-                    "mixture-of-experts layers are not in the invariant layer stack",
-                ),
-                (
-                    "executor.cpu_kernels",
-                    ex.cpu_kernels,
-                    not ex.cpu_kernels,
-                    "the invariant path is baton's C++ kernels",
-                ),
-                (
-                    "executor.fast_decode",
-                    ex.fast_decode,
-                    not ex.fast_decode,
-                    "every step runs fast_decode's native layer stack",
-                ),
-                (
-                    "lora.enable_lora",
-                    self.lora.enable_lora,
-                    self.lora.enable_lora,
-                    "steps with adapters run transformers' modules",
-                ),
-                (
-                    "model.dtype",
-                    self.model.dtype,
-                    self.model.dtype in ("bfloat16", "float16"),
-                    "the invariant kernels compute in float32",
-                ),
-            )
-            if bad
-        ]
-        if why:
-            raise ValueError(
-                "executor.batch_invariant = true cannot hold with "
-                + "; ".join(why)
-                + ". Change those settings or set batch_invariant = false"
-            )
-        return self
-
-    @pydantic.model_validator(mode="after")
-    def _lora_without_model_parallel(self) -> BatonConfig:
-        if not self.lora.enable_lora:
-            if self.server.lora_modules:
-                raise ValueError(
-                    f"server.lora_modules ({', '.join(self.server.lora_modules)}) needs "
-                    "lora.enable_lora = true (--enable-lora)"
-                )
-            return self
-        ex = self.executor
-        for name, size in (
-            ("tensor_parallel_size", ex.tensor_parallel_size),
-            ("pipeline_parallel_size", ex.pipeline_parallel_size),
-        ):
-            if size > 1:
-                raise ValueError(
-                    f"lora.enable_lora with executor.{name}={size}: LoRA adapters run on one "
-                    f"rank holding the whole model in this version; set {name} = 1 (data "
-                    "parallel engines each serve adapters) or lora.enable_lora = false"
-                )
-        return self
-
-    # ------------------------------------------------------------------ build
-
-    @classmethod
-    def load(cls, config: str | os.PathLike[str] | None = None, **overrides: Any) -> BatonConfig:
-        """Build the config from defaults, the file, the environment and ``overrides``.
-
-        ``config`` is a TOML/YAML path (default: ``$BATON_CONFIG``). ``overrides``
-        take section dicts (``scheduler={"policy": "priority"}``), dotted keys
-        (``**{"scheduler.policy": "priority"}``), unambiguous field names
-        (``max_num_seqs=8``) or a section name for its plugin/name field
-        (``model="path"``, ``transport="zmq"``, ``executor="cuda-tp"``).
-        """
-        path = config if config is not None else os.environ.get(CONFIG_ENV) or None
-        file: Path | None = None
-        if path is not None:
-            file = Path(path).expanduser()
-            if not file.is_file():
-                raise ConfigError(
-                    f"config file {str(file)!r} does not exist (from --config or ${CONFIG_ENV})"
-                )
-            if file.suffix not in (".toml", ".yaml", ".yml"):
-                raise ConfigError(f"config file {str(file)!r}: use a .toml, .yaml or .yml file")
-        nested = nest_overrides(overrides)
-        token = _config_file.set(file)
-        try:
-            return cls(**nested)
-        except pydantic.ValidationError as e:
-            raise ConfigError(format_validation_error(e, source=file)) from None
-        except ValueError as e:  # a TOML/YAML syntax error
-            raise ConfigError(f"config file {str(file)!r} could not be parsed: {e}") from e
-        finally:
-            _config_file.reset(token)
-
-    def replace(self, **overrides: Any) -> BatonConfig:
-        """A copy with ``overrides`` applied (same forms as ``load``), validated."""
-        data = self.model_dump()
-        for section, values in nest_overrides(overrides).items():
-            data[section] = deep_merge(data[section], values)
-        try:
-            return type(self).model_validate(data)
-        except pydantic.ValidationError as e:
-            raise ConfigError(format_validation_error(e)) from None
-
-    # ---------------------------------------------------------------- plugins
-
-    def plugin_settings(
-        self, section: str, name: str, model: type[BaseModel] | None
-    ) -> BaseModel | None:
-        """Validate the ``[section.name]`` sub-table with the plugin's settings model.
-
-        A key the model has no field (or alias) for is refused here, whatever the model's own
-        ``extra`` setting says: a misspelt setting must not be ignored.
-        """
-        raw = (getattr(self, section).model_extra or {}).get(name, {})
-        record = BY_SECTION.get(section)
-        plugin = f"{record.word if record else 'plugin'} {name!r}"
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"{section}.{name} must be a table of settings ([{section}.{name}]), got {raw!r}"
-            )
-        if model is None:
-            if raw:
-                raise ConfigError(
-                    f"{section}.{name}: {plugin} takes no settings, got "
-                    f"{', '.join(map(repr, raw))}: remove the [{section}.{name}] table"
-                )
-            return None
-        known = settings_keys(model)
-        unknown = [key for key in raw if key not in known]
-        if unknown:
-            paths = ", ".join(f"{section}.{name}.{key}" for key in unknown)
-            raise ConfigError(
-                f"{paths}: unknown setting{'s' * (len(unknown) > 1)} of {plugin} (its settings: "
-                f"{', '.join(model.model_fields) or 'none'}): fix the key or remove it"
-            )
-        try:
-            return model.model_validate(raw)
-        except pydantic.ValidationError as e:
-            raise ConfigError(format_validation_error(e, prefix=f"{section}.{name}")) from None
-
-
-def settings_keys(model: type[BaseModel]) -> set[str]:
-    """The keys a settings model has a field for: field names and their string aliases."""
-    keys = set()
-    for name, info in model.model_fields.items():
-        keys.add(name)
-        for alias in (info.alias, info.validation_alias):
-            if isinstance(alias, str):
-                keys.add(alias)
-            elif isinstance(alias, pydantic.AliasChoices):
-                keys.update(c for c in alias.choices if isinstance(c, str))
-    return keys
-
-
-def _flat_aliases() -> dict[str, tuple[str, str]]:
-    seen: dict[str, list[tuple[str, str]]] = {}
-    for section in SECTIONS:
-        for field in BatonConfig.model_fields[section].annotation.model_fields:  # type: ignore[union-attr]
-            seen.setdefault(field, []).append((section, field))
-    aliases = {k: v[0] for k, v in seen.items() if len(v) == 1}
-    # a section's name for the field that selects its plugin: executor="cuda-tp"
-    aliases.update(
-        {s: (s, k.selector) for s, k in BY_SECTION.items() if k.selector is not None and not k.many}
-    )
-    aliases.update(
-        model=("model", "name"),
-        policy=("scheduler", "policy"),
-        # vLLM's names: LLM(dtype=...) is the model's dtype, kv_cache_dtype the cache's
-        dtype=("model", "dtype"),
-        kv_cache_dtype=("cache", "dtype"),
-    )
-    return aliases
-
-
-_ALIASES = _flat_aliases()
-
-
-def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Turn the override forms ``load`` accepts into ``{section: {field: value}}``."""
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in overrides.items():
-        if value is None:
-            continue  # unset CLI flags and defaulted keyword arguments
-        if key in SECTIONS and isinstance(value, dict | BaseModel):
-            data = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
-            nested[key] = deep_merge(nested.get(key, {}), data)
-        elif "." in key:
-            section, *path = key.split(".")
-            if section not in SECTIONS:
-                raise ConfigError(
-                    f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})"
-                )
-            if not all(path):
-                raise ConfigError(
-                    f"{key!r}: an empty name between dots; use 'section.field' or "
-                    "'section.plugin.setting', e.g. scheduler.max_num_seqs"
-                )
-            _set_path(nested.setdefault(section, {}), path, value, key)
-        elif key in _ALIASES:
-            section, field = _ALIASES[key]
-            nested.setdefault(section, {})[field] = value
-        else:
-            raise ConfigError(
-                f"unknown setting {key!r}: use a field name such as max_num_seqs, a dotted "
-                f"'section.field', or a section dict (sections: {', '.join(SECTIONS)})"
-            )
-    return nested
-
-
-def _set_path(table: dict[str, Any], path: list[str], value: Any, key: str) -> None:
-    """``table[a][b]... = value`` for ``path`` [a, b, ...]: ``scheduler.edf.x`` sets key ``x``
-    of the ``edf`` sub-table; tables on the way are created or merged, never replaced."""
-    *tables, last = path
-    for i, name in enumerate(tables):
-        inner = table.setdefault(name, {})
-        if not isinstance(inner, dict):
-            where = ".".join([key.split(".")[0], *tables[: i + 1]])
-            raise ConfigError(f"{key!r}: {where} is a setting ({inner!r}), not a table of settings")
-        table = inner
-    old = table.get(last)
-    if isinstance(value, dict):
-        table[last] = deep_merge(old if isinstance(old, dict) else {}, value)
-    elif isinstance(old, dict) and old:
-        raise ConfigError(f"{key!r}: a table of settings cannot be set to {value!r}")
-    else:
-        table[last] = value
-
-
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``top``'s keys, tables merged key by key (a new dict; neither argument
-    nor any table in them is changed)."""
-    out = dict(base)
-    for k, v in top.items():
-        if isinstance(v, dict):
-            below = out.get(k)
-            out[k] = deep_merge(below if isinstance(below, dict) else {}, v)
-        else:
-            out[k] = v
-    return out
-
-
-def format_validation_error(
-    e: pydantic.ValidationError, source: Path | None = None, prefix: str = ""
-) -> str:
-    lines = []
-    for err in e.errors():
-        path = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        lines.append(f"{path}: {err['msg']}{shown}" if path else f"{err['msg']}{shown}")
-    where = f" in {source}" if source else ""
-    return f"invalid configuration{where}:\n  " + "\n  ".join(lines)
+SECTIONS = tuple(SECTION_MODELS)

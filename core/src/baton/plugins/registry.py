@@ -22,9 +22,9 @@ import importlib_metadata
 import pluggy
 from pydantic import BaseModel
 
-from baton import hookspecs
 from baton.errors import DuplicatePluginError, PluginError, PluginLoadError, PluginNotFoundError
-from baton.plugin_kinds import BY_HOOK, PLUGIN_KINDS, PluginKind, kind_word
+from baton.plugins import hookspecs
+from baton.plugins.kinds import BY_HOOK, PLUGIN_KINDS, PluginKind, kind_word
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 GROUP = "baton"
 CORE_DIST = "baton-core"
 
-#: hook name -> the kind of thing it registers (from baton.plugin_kinds)
+#: hook name -> the kind of thing it registers (from baton.plugins.kinds)
 KINDS = {k.hook: k.name for k in PLUGIN_KINDS.values()}
 #: Where a missing name that baton-core does not provide comes from, for the "pip install ..." hint.
 KNOWN_DISTRIBUTIONS = {

@@ -3,7 +3,7 @@
 ``PUBLIC_NAMES`` maps a module to its public names; ``ALL`` means every name of
 the module that does not start with an underscore. Whatever is not listed is
 internal and may change in any release. ``tests/core/test_public_api.py`` fails
-when docs/stability.md's copy differs (``python -m baton.public_api`` prints it),
+when docs/stability.md's copy differs (``python -m baton.plugins.public_api`` prints it),
 when a listed name does not exist, and when a plugin under plugins/ or contrib/
 imports an unlisted name.
 """
@@ -50,7 +50,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "__version__",
         "hookimpl",
     ),
-    "baton.hookspecs": (
+    "baton.plugins.hookspecs": (
         "PLUGIN_API_VERSION",
         "hookimpl",
         "register_scheduler_policies",
@@ -64,7 +64,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "register_commands",
         "register_benches",
     ),
-    "baton.plugin_kinds": (
+    "baton.plugins.kinds": (
         "PLUGIN_KINDS",
         "PluginKind",
         "Register",

@@ -1,0 +1,274 @@
+"""``BatonConfig``: the sections together, their sources, the checks across sections, and the
+plugin settings sub-tables.
+
+Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
+``BATON_<SECTION>__<FIELD>`` environment variables, a TOML or YAML file (given
+with ``--config`` or ``BATON_CONFIG``), defaults.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+from baton.config import sections
+from baton.config.messages import format_validation_error
+from baton.config.overrides import deep_merge, nest_overrides
+from baton.errors import ConfigError
+from baton.plugins.kinds import BY_SECTION
+
+CONFIG_ENV = "BATON_CONFIG"
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "baton_config_file", default=None
+)
+
+
+class BatonConfig(BaseSettings):
+    """All of baton's settings. Build it with ``BatonConfig.load(...)``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="BATON_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    model: sections.ModelSection = Field(default_factory=sections.ModelSection)
+    cache: sections.CacheSection = Field(default_factory=sections.CacheSection)
+    scheduler: sections.SchedulerSection = Field(default_factory=sections.SchedulerSection)
+    executor: sections.ExecutorSection = Field(default_factory=sections.ExecutorSection)
+    transport: sections.TransportSection = Field(default_factory=sections.TransportSection)
+    structured_output: sections.StructuredOutputSection = Field(
+        default_factory=sections.StructuredOutputSection
+    )
+    speculative: sections.SpeculativeSection = Field(default_factory=sections.SpeculativeSection)
+    routing: sections.RoutingSection = Field(default_factory=sections.RoutingSection)
+    lora: sections.LoRASection = Field(default_factory=sections.LoRASection)
+    server: sections.ServerSection = Field(default_factory=sections.ServerSection)
+    observability: sections.ObservabilitySection = Field(
+        default_factory=sections.ObservabilitySection
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            if path.suffix in (".yaml", ".yml"):
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+            else:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    @pydantic.model_validator(mode="after")
+    def _quantization_without_tensor_parallel(self) -> BatonConfig:
+        q, tp = self.model.quantization, self.executor.tensor_parallel_size
+        if q in ("int8", "int4") and tp > 1:
+            raise ValueError(
+                f"model.quantization={q!r} with executor.tensor_parallel_size={tp}: tensor-parallel "
+                "shards are not quantized in this version; use tensor_parallel_size = 1 (a "
+                "pipeline's stages are quantized) or model.quantization = 'none'"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _batch_invariant_where_it_holds(self) -> BatonConfig:
+        ex = self.executor
+        if not ex.batch_invariant:
+            return self
+        why = [
+            f"{name}={value!r}: {reason}"
+            for name, value, bad, reason in (
+                (
+                    "executor.device",
+                    ex.device,
+                    ex.device.startswith("cuda"),
+                    "the invariant kernels are CPU kernels (set device = 'cpu')",
+                ),
+                (
+                    "executor.tensor_parallel_size",
+                    ex.tensor_parallel_size,
+                    ex.tensor_parallel_size > 1,
+                    "a rank's partial sums meet in an all-reduce whose order is not fixed",
+                ),
+                (
+                    "executor.pipeline_parallel_size",
+                    ex.pipeline_parallel_size,
+                    ex.pipeline_parallel_size > 1,
+                    "pipeline stages run transformers' modules, not the invariant layer stack",
+                ),
+                (
+                    "executor.expert_parallel",
+                    ex.expert_parallel,
+                    ex.expert_parallel,
+                    "mixture-of-experts layers are not in the invariant layer stack",
+                ),
+                (
+                    "executor.cpu_kernels",
+                    ex.cpu_kernels,
+                    not ex.cpu_kernels,
+                    "the invariant path is baton's C++ kernels",
+                ),
+                (
+                    "executor.fast_decode",
+                    ex.fast_decode,
+                    not ex.fast_decode,
+                    "every step runs fast_decode's native layer stack",
+                ),
+                (
+                    "lora.enable_lora",
+                    self.lora.enable_lora,
+                    self.lora.enable_lora,
+                    "steps with adapters run transformers' modules",
+                ),
+                (
+                    "model.dtype",
+                    self.model.dtype,
+                    self.model.dtype in ("bfloat16", "float16"),
+                    "the invariant kernels compute in float32",
+                ),
+            )
+            if bad
+        ]
+        if why:
+            raise ValueError(
+                "executor.batch_invariant = true cannot hold with "
+                + "; ".join(why)
+                + ". Change those settings or set batch_invariant = false"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _lora_without_model_parallel(self) -> BatonConfig:
+        if not self.lora.enable_lora:
+            if self.server.lora_modules:
+                raise ValueError(
+                    f"server.lora_modules ({', '.join(self.server.lora_modules)}) needs "
+                    "lora.enable_lora = true (--enable-lora)"
+                )
+            return self
+        ex = self.executor
+        for name, size in (
+            ("tensor_parallel_size", ex.tensor_parallel_size),
+            ("pipeline_parallel_size", ex.pipeline_parallel_size),
+        ):
+            if size > 1:
+                raise ValueError(
+                    f"lora.enable_lora with executor.{name}={size}: LoRA adapters run on one "
+                    f"rank holding the whole model in this version; set {name} = 1 (data "
+                    "parallel engines each serve adapters) or lora.enable_lora = false"
+                )
+        return self
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def load(cls, config: str | os.PathLike[str] | None = None, **overrides: Any) -> BatonConfig:
+        """Build the config from defaults, the file, the environment and ``overrides``.
+
+        ``config`` is a TOML/YAML path (default: ``$BATON_CONFIG``). ``overrides``
+        take section dicts (``scheduler={"policy": "priority"}``), dotted keys
+        (``**{"scheduler.policy": "priority"}``), unambiguous field names
+        (``max_num_seqs=8``) or a section name for its plugin/name field
+        (``model="path"``, ``transport="zmq"``, ``executor="cuda-tp"``).
+        """
+        path = config if config is not None else os.environ.get(CONFIG_ENV) or None
+        file: Path | None = None
+        if path is not None:
+            file = Path(path).expanduser()
+            if not file.is_file():
+                raise ConfigError(
+                    f"config file {str(file)!r} does not exist (from --config or ${CONFIG_ENV})"
+                )
+            if file.suffix not in (".toml", ".yaml", ".yml"):
+                raise ConfigError(f"config file {str(file)!r}: use a .toml, .yaml or .yml file")
+        nested = nest_overrides(overrides)
+        token = _config_file.set(file)
+        try:
+            return cls(**nested)
+        except pydantic.ValidationError as e:
+            raise ConfigError(format_validation_error(e, source=file)) from None
+        except ValueError as e:  # a TOML/YAML syntax error
+            raise ConfigError(f"config file {str(file)!r} could not be parsed: {e}") from e
+        finally:
+            _config_file.reset(token)
+
+    def replace(self, **overrides: Any) -> BatonConfig:
+        """A copy with ``overrides`` applied (same forms as ``load``), validated."""
+        data = self.model_dump()
+        for section, values in nest_overrides(overrides).items():
+            data[section] = deep_merge(data[section], values)
+        try:
+            return type(self).model_validate(data)
+        except pydantic.ValidationError as e:
+            raise ConfigError(format_validation_error(e)) from None
+
+    # ---------------------------------------------------------------- plugins
+
+    def plugin_settings(
+        self, section: str, name: str, model: type[BaseModel] | None
+    ) -> BaseModel | None:
+        """Validate the ``[section.name]`` sub-table with the plugin's settings model.
+
+        A key the model has no field (or alias) for is refused here, whatever the model's own
+        ``extra`` setting says: a misspelt setting must not be ignored.
+        """
+        raw = (getattr(self, section).model_extra or {}).get(name, {})
+        record = BY_SECTION.get(section)
+        plugin = f"{record.word if record else 'plugin'} {name!r}"
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{section}.{name} must be a table of settings ([{section}.{name}]), got {raw!r}"
+            )
+        if model is None:
+            if raw:
+                raise ConfigError(
+                    f"{section}.{name}: {plugin} takes no settings, got "
+                    f"{', '.join(map(repr, raw))}: remove the [{section}.{name}] table"
+                )
+            return None
+        known = settings_keys(model)
+        unknown = [key for key in raw if key not in known]
+        if unknown:
+            paths = ", ".join(f"{section}.{name}.{key}" for key in unknown)
+            raise ConfigError(
+                f"{paths}: unknown setting{'s' * (len(unknown) > 1)} of {plugin} (its settings: "
+                f"{', '.join(model.model_fields) or 'none'}): fix the key or remove it"
+            )
+        try:
+            return model.model_validate(raw)
+        except pydantic.ValidationError as e:
+            raise ConfigError(format_validation_error(e, prefix=f"{section}.{name}")) from None
+
+
+def settings_keys(model: type[BaseModel]) -> set[str]:
+    """The keys a settings model has a field for: field names and their string aliases."""
+    keys = set()
+    for name, info in model.model_fields.items():
+        keys.add(name)
+        for alias in (info.alias, info.validation_alias):
+            if isinstance(alias, str):
+                keys.add(alias)
+            elif isinstance(alias, pydantic.AliasChoices):
+                keys.update(c for c in alias.choices if isinstance(c, str))
+    return keys
