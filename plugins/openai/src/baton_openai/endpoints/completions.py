@@ -12,6 +12,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from baton.errors import BatonError, InvalidRequestError
+from baton.outputs import RequestOutput
 from baton_openai.http.admission import Ticket
 from baton_openai.http.errors import OpenAIError, from_baton_error
 from baton_openai.http.json_body import PiecewiseJSONRoute
@@ -273,6 +274,43 @@ def _response(
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
+def _delta_choices(
+    p: int,
+    out: RequestOutput,
+    acc: Accumulator,
+    req: CompletionRequest,
+    offsets: dict[int, int],
+    echo_only: bool,
+) -> list[CompletionChoice]:
+    """One streamed output of prompt ``p`` as chunk choices; ``offsets`` (text so far) advance."""
+    choices = []
+    for c in out.outputs:
+        index = acc.index(p, c)
+        if echo_only:  # the one token generated is not returned
+            if c.finish_reason is not None:
+                choices.append(
+                    CompletionChoice(index=index, text="", finish_reason=c.finish_reason)
+                )
+            continue
+        logprobs = None
+        if req.logprobs is not None and c.logprobs:
+            logprobs = completion_logprobs(
+                c.token_ids, c.logprobs, req.logprobs, offsets.get(index, 0)
+            )
+        offsets[index] = offsets.get(index, 0) + len(c.text)
+        if c.text or c.finish_reason is not None or logprobs is not None:
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return choices
+
+
 async def _chunks(
     request_id: str,
     model: str,
@@ -325,31 +363,7 @@ async def _chunks(
             acc.add(p, out, keep=False)
             if echo_scored and p not in echoed:
                 yield chunk(echo_choices(p))
-            choices = []
-            for c in out.outputs:
-                index = acc.index(p, c)
-                if echo_only:  # the one token generated is not returned
-                    if c.finish_reason is not None:
-                        choices.append(
-                            CompletionChoice(index=index, text="", finish_reason=c.finish_reason)
-                        )
-                    continue
-                logprobs = None
-                if req.logprobs is not None and c.logprobs:
-                    logprobs = completion_logprobs(
-                        c.token_ids, c.logprobs, req.logprobs, offsets.get(index, 0)
-                    )
-                offsets[index] = offsets.get(index, 0) + len(c.text)
-                if c.text or c.finish_reason is not None or logprobs is not None:
-                    choices.append(
-                        CompletionChoice(
-                            index=index,
-                            text=c.text,
-                            logprobs=logprobs,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                    )
+            choices = _delta_choices(p, out, acc, req, offsets, echo_only)
             if choices:
                 yield chunk(choices, usage() if continuous else None)
             item = await anext(stream, None)

@@ -105,6 +105,23 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 PREFIXES = {"baton": "baton_", "vllm": "vllm:"}
 
 
+class _Maker:
+    """Makes the families of one naming scheme: ``prefix`` before each name, ``labels`` on each."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, labels: list[str]) -> None:
+        self.r, self.prefix, self.labels = r, prefix, labels
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"{self.prefix}{name}", doc, self.labels, registry=self.r)
+
+    def counter(self, name: str, doc: str, extra_label: str | None = None) -> Counter:
+        labels = [*self.labels, extra_label] if extra_label else self.labels
+        return Counter(f"{self.prefix}{name}", doc, labels, registry=self.r)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"{self.prefix}{name}", doc, self.labels, buckets=buckets, registry=self.r)
+
+
 class _Families:
     """The metric families of one naming scheme (``prefix``: ``baton_`` or ``vllm:``)."""
 
@@ -112,99 +129,64 @@ class _Families:
         self, r: CollectorRegistry, prefix: str, labels: list[str], speculative: bool = False
     ) -> None:
         self.spec = _SpecFamilies(r, prefix, labels) if speculative else None
-        self.running = Gauge(
-            f"{prefix}num_requests_running", "Requests in the running batch.", labels, registry=r
+        make = _Maker(r, prefix, labels)
+        self.running = make.gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = make.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = make.gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0..1)."
         )
-        self.waiting = Gauge(
-            f"{prefix}num_requests_waiting",
-            "Requests waiting to be scheduled.",
-            labels,
-            registry=r,
+        self.prefix_queries = make.counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.kv_usage = Gauge(
-            f"{prefix}kv_cache_usage_perc",
-            "Fraction of KV-cache blocks held by requests (0..1).",
-            labels,
-            registry=r,
+        self.prefix_hits = make.counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        self.prefix_queries = Counter(
-            f"{prefix}prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.prefix_hits = Counter(
-            f"{prefix}prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            labels,
-            registry=r,
-        )
-        self.preemptions = Counter(
-            f"{prefix}num_preemptions", "Requests preempted (recomputed).", labels, registry=r
-        )
-        self.slo_requests = Counter(
-            f"{prefix}slo_requests",
+        self.preemptions = make.counter("num_preemptions", "Requests preempted (recomputed).")
+        self.slo_requests = make.counter(
+            "slo_requests",
             "Finished requests with an SLO (scheduling.slo_ttft_ms / slo_tpot_ms; not aborted).",
-            labels,
-            registry=r,
         )
-        self.slo_met = Counter(
-            f"{prefix}slo_met_requests",
-            "Finished requests that met their SLO (goodput: its rate).",
-            labels,
-            registry=r,
+        self.slo_met = make.counter(
+            "slo_met_requests", "Finished requests that met their SLO (goodput: its rate)."
         )
-        self.prompt_tokens = Counter(
-            f"{prefix}prompt_tokens", "Prompt tokens of requests that started.", labels, registry=r
+        self.prompt_tokens = make.counter(
+            "prompt_tokens", "Prompt tokens of requests that started."
         )
-        self.generation_tokens = Counter(
-            f"{prefix}generation_tokens", "Generated tokens.", labels, registry=r
-        )
-        self.success = Counter(
-            f"{prefix}request_success",
+        self.generation_tokens = make.counter("generation_tokens", "Generated tokens.")
+        self.success = make.counter(
+            "request_success",
             "Finished requests by finish reason (abort: cancelled or disconnected).",
-            [*labels, "finished_reason"],
-            registry=r,
+            "finished_reason",
         )
-        self.ttft = Histogram(
-            f"{prefix}time_to_first_token_seconds",
+        self.ttft = make.histogram(
+            "time_to_first_token_seconds",
             "Time to first token (arrival to first token).",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
         self.itl = [
-            Histogram(
-                f"{prefix}inter_token_latency_seconds",
+            make.histogram(
+                "inter_token_latency_seconds",
                 "Time between two outputs of one request.",
-                labels,
-                buckets=ITL_BUCKETS,
-                registry=r,
+                ITL_BUCKETS,
             )
         ]
         if prefix == PREFIXES["vllm"]:  # vLLM's older name for the same figure
             self.itl.append(
-                Histogram(
-                    f"{prefix}time_per_output_token_seconds",
+                make.histogram(
+                    "time_per_output_token_seconds",
                     "Time between two outputs of one request (vLLM's older name).",
-                    labels,
-                    buckets=ITL_BUCKETS,
-                    registry=r,
+                    ITL_BUCKETS,
                 )
             )
-        self.e2e = Histogram(
-            f"{prefix}e2e_request_latency_seconds",
+        self.e2e = make.histogram(
+            "e2e_request_latency_seconds",
             "Arrival to finish, per finished request.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
+            REQUEST_LATENCY_BUCKETS,
         )
-        self.queue = Histogram(
-            f"{prefix}request_queue_time_seconds",
+        self.queue = make.histogram(
+            "request_queue_time_seconds",
             "Time waiting before first scheduled, per finished request.",
-            labels,
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
+            REQUEST_LATENCY_BUCKETS,
         )
 
 
@@ -212,26 +194,19 @@ class _SpecFamilies:
     """Speculative decoding's counters of one naming scheme."""
 
     def __init__(self, r: CollectorRegistry, prefix: str, labels: list[str]) -> None:
-        self.drafts = Counter(
-            f"{prefix}spec_decode_num_drafts",
+        make = _Maker(r, prefix, labels)
+        self.drafts = make.counter(
+            "spec_decode_num_drafts",
             "Verifications of draft tokens (one per request per step with drafts).",
-            labels,
-            registry=r,
         )
-        self.draft_tokens = Counter(
-            f"{prefix}spec_decode_num_draft_tokens", "Draft tokens proposed.", labels, registry=r
+        self.draft_tokens = make.counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted_tokens = make.counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens the model accepted."
         )
-        self.accepted_tokens = Counter(
-            f"{prefix}spec_decode_num_accepted_tokens",
-            "Draft tokens the model accepted.",
-            labels,
-            registry=r,
-        )
-        self.accepted_per_pos = Counter(
-            f"{prefix}spec_decode_num_accepted_tokens_per_pos",
+        self.accepted_per_pos = make.counter(
+            "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0: the first draft).",
-            [*labels, "position"],
-            registry=r,
+            "position",
         )
 
 
