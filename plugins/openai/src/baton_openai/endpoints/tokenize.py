@@ -16,10 +16,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 from baton.errors import InvalidRequestError
+from baton_openai.endpoints.chat import client_chat_template, template_in_use, template_messages
 from baton_openai.http.errors import OpenAIError, from_baton_error
 from baton_openai.http.json_body import PiecewiseJSONRoute
 from baton_openai.http.openapi import error_responses
 from baton_openai.pipeline.context import ServerContext
+from baton_openai.pipeline.tools import plan_tools, template_renders_tools, with_tool_instructions
 from baton_openai.protocol.openai import (
     MAX_MESSAGES,
     MAX_PROMPT_TOKENS,
@@ -129,13 +131,6 @@ async def chat_prompt_ids(
 ) -> list[int]:
     """The conversation's token ids, as /v1/chat/completions renders it (tools included);
     also what /v1/messages/count_tokens counts."""
-    from baton_openai.endpoints.chat import client_chat_template, template_in_use, template_messages
-    from baton_openai.pipeline.tools import (
-        plan_tools,
-        template_renders_tools,
-        with_tool_instructions,
-    )
-
     assert req.messages is not None
     messages = req.messages
     client_template, template_kwargs = client_chat_template(req)  # type: ignore[arg-type]

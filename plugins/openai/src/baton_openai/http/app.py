@@ -44,6 +44,7 @@ from baton_openai.http.limits import UPLOAD_OVERHEAD, RequestLimits
 from baton_openai.http.openapi import error_responses, install_openapi
 from baton_openai.http.request_id import RequestIdMiddleware
 from baton_openai.http.unhandled import UnhandledErrors
+from baton_openai.metrics.prometheus import PrometheusStatLogger
 from baton_openai.parsing.registry import ParserRegistry
 from baton_openai.pipeline.context import ServerContext, check_api_key
 from baton_openai.protocol.openai import ModelCard, ModelList
@@ -100,8 +101,6 @@ async def metrics(raw: Request) -> Response:
 
 
 def find_prometheus_logger(engine: AsyncLLM) -> object | None:
-    from baton_openai.metrics.prometheus import PrometheusStatLogger
-
     return next(
         (lg for lg in engine.stat_loggers.loggers if isinstance(lg, PrometheusStatLogger)), None
     )

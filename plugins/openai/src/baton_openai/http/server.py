@@ -30,6 +30,9 @@ import uvicorn
 
 from baton import AsyncLLM
 from baton.config import BatonConfig
+from baton.errors import ConfigError, InvalidRequestError
+from baton.lora.adapter import read_adapter_config
+from baton_openai.endpoints.lora import load_into_engine
 from baton_openai.http.address import bind_sockets, is_loopback
 from baton_openai.http.app import build_app
 from baton_openai.http.connection import protocol_class
@@ -124,9 +127,6 @@ class _Uvicorn(uvicorn.Server):
 
 def check_lora_modules(config: BatonConfig) -> None:
     """server.lora_modules' folders hold adapters the engine accepts (ConfigError naming one)."""
-    from baton.errors import ConfigError, InvalidRequestError
-    from baton.lora.adapter import read_adapter_config
-
     name = config.server.served_model_name or config.model.name
     for lora_name, path in config.server.lora_modules.items():
         if lora_name == name:
@@ -216,8 +216,6 @@ class OpenAIServer:
     async def _load_loras(self, ctx: Any) -> None:
         """server.lora_modules' adapters read by the engine before the first request (one
         engine; a bad one stops the start-up here)."""
-        from baton_openai.endpoints.lora import load_into_engine
-
         if ctx.loras is None:
             return
         for lora in ctx.loras.by_name.values():

@@ -21,6 +21,8 @@ import pluggy
 from baton.errors import ConfigError
 from baton_openai import hookspecs
 from baton_openai.hookspecs import hookimpl
+from baton_openai.parsing.reasoning import ThinkReasoningParser
+from baton_openai.parsing.tool_parsers import HermesToolParser, JsonToolParser
 from baton_openai.parsing.types import ReasoningParser, ToolParser
 
 log = logging.getLogger("baton_openai")
@@ -129,13 +131,9 @@ class _Builtins:
 
     @hookimpl
     def register_tool_parsers(self, register: hookspecs.ParserRegister) -> None:
-        from baton_openai.parsing.tool_parsers import HermesToolParser, JsonToolParser
-
         register("hermes", HermesToolParser)
         register("json", JsonToolParser)
 
     @hookimpl
     def register_reasoning_parsers(self, register: hookspecs.ParserRegister) -> None:
-        from baton_openai.parsing.reasoning import ThinkReasoningParser
-
         register("think", ThinkReasoningParser)
