@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from baton.config import BatonConfig
 from baton.processes import is_helper
 from baton.testing.tiny_model import tiny_model
-from baton_openai.server import OpenAIServer
+from baton_openai.http.server import OpenAIServer
 
 MAX_MODEL_LEN = 1024
 

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from baton_openai import batch_runner
+from baton_openai.batch import runner as batch_runner
 
 from .conftest import metric, running_server, wait_for
 from .probes import connect, read_response, request_bytes

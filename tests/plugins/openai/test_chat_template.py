@@ -10,9 +10,9 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton_openai.chat_template import load_chat_template
 from baton_openai.cli import add_serve_arguments, serve_overrides
-from baton_openai.server import OpenAIServer
+from baton_openai.http.server import OpenAIServer
+from baton_openai.templates.chat_template import load_chat_template
 
 from .conftest import running_server
 

@@ -22,8 +22,8 @@ from baton import AsyncLLM
 from baton.cli.main import main as baton_main
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton_openai import address
-from baton_openai.server import OpenAIServer
+from baton_openai.http import address
+from baton_openai.http.server import OpenAIServer
 
 from .conftest import running_server
 from .probes import (

@@ -1,4 +1,4 @@
-"""Request bodies decoded in pieces (baton_openai.json_body) give what json.loads gives.
+"""Request bodies decoded in pieces (baton_openai.http.json_body) give what json.loads gives.
 
 Tiny pieces make every path run on small documents: values that fit, arrays and
 objects walked into, runs cut between elements and inside them; mutated documents
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton_openai.json_body import decode_json, decode_steps
+from baton_openai.http.json_body import decode_json, decode_steps
 
 JSON = st.recursive(
     st.none()

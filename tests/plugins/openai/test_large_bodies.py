@@ -2,8 +2,8 @@
 
 Four bodies of 1.2M token ids (7.6 MiB each) froze /health for 2.5 s, four chats of
 150k messages for 3.2 s: the JSON parse and the validation ran on the event loop in
-one piece each. Now a large body is decoded in pieces (json_body.py) and every list a
-request may make long is bounded before its items are validated (protocol.py), so
+one piece each. Now a large body is decoded in pieces (http/json_body.py) and every list a
+request may make long is bounded before its items are validated (protocol/openai.py), so
 /health answers within 100 ms and each body gets a 400 naming its parameter.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from baton_openai.protocol import (
+from baton_openai.protocol.openai import (
     MAX_FIELDS,
     MAX_ITEMS,
     MAX_MESSAGE_FIELDS,

@@ -151,7 +151,7 @@ def test_a_bad_lora_module_is_refused_before_the_model_loads(model_dir, tmp_path
 
     from baton.config import BatonConfig
     from baton.errors import ConfigError
-    from baton_openai.server import OpenAIServer
+    from baton_openai.http.server import OpenAIServer
 
     config = BatonConfig.load(
         model=model_dir,

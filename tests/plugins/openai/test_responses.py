@@ -22,9 +22,9 @@ import openai
 import pydantic
 import pytest
 
-from baton_openai.protocol import ChatMessage
-from baton_openai.response_store import ResponseStore
-from baton_openai.responses_protocol import ResponseObject
+from baton_openai.endpoints.response_store import ResponseStore
+from baton_openai.protocol.openai import ChatMessage
+from baton_openai.protocol.responses import ResponseObject
 
 from .conftest import CALL, FORECAST, WEATHER_CITY, ServerThread, running_server
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from baton.errors import ConfigError
-from baton_openai.answer import AnswerReader
 from baton_openai.hookspecs import hookimpl
-from baton_openai.parser_types import CallArguments, CallStart, ContentDelta
-from baton_openai.parsers import ParserRegistry
-from baton_openai.reasoning import ThinkReasoningParser
-from baton_openai.tool_parsers import HermesToolParser, JsonToolParser
+from baton_openai.parsing.reasoning import ThinkReasoningParser
+from baton_openai.parsing.registry import ParserRegistry
+from baton_openai.parsing.tool_parsers import HermesToolParser, JsonToolParser
+from baton_openai.parsing.types import CallArguments, CallStart, ContentDelta
+from baton_openai.pipeline.answer import AnswerReader
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -152,7 +152,7 @@ class _Upper:
         return "\n".join(f"CALL {c.name} {c.arguments}" for c in calls)
 
     def parse(self, text):
-        from baton_openai.parser_types import ParsedTools, ToolCall
+        from baton_openai.parsing.types import ParsedTools, ToolCall
 
         calls = [
             ToolCall(name=line.split()[1], arguments=line.split(maxsplit=2)[2])
@@ -163,7 +163,7 @@ class _Upper:
         return ParsedTools(content=rest or None, calls=calls)
 
     def stream(self):
-        from baton_openai.tool_parsers import BufferedToolCallStream
+        from baton_openai.parsing.tool_parsers import BufferedToolCallStream
 
         return BufferedToolCallStream(self)
 
@@ -215,8 +215,8 @@ def write_parser_distribution(root) -> None:
         textwrap.dedent(
             """
             from baton_openai.hookspecs import hookimpl
-            from baton_openai.parser_types import ParsedTools, ToolCall
-            from baton_openai.tool_parsers import BufferedToolCallStream
+            from baton_openai.parsing.types import ParsedTools, ToolCall
+            from baton_openai.parsing.tool_parsers import BufferedToolCallStream
 
 
             class Upper:

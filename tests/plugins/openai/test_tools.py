@@ -20,8 +20,8 @@ import openai
 import pydantic
 import pytest
 
-from baton_openai.protocol import ChatTool
-from baton_openai.tool_parsers import HermesToolParser
+from baton_openai.parsing.tool_parsers import HermesToolParser
+from baton_openai.protocol.openai import ChatTool
 
 from .conftest import CALL, FORECAST, ServerThread, running_server
 
@@ -323,7 +323,7 @@ def test_an_unknown_parser_fails_before_the_model_loads(model_dir):
 
     from baton.config import BatonConfig
     from baton.errors import ConfigError
-    from baton_openai.server import OpenAIServer
+    from baton_openai.http.server import OpenAIServer
 
     server = OpenAIServer(BatonConfig.load(model=model_dir, **{"server.tool_call_parser": "nope"}))
     with pytest.raises(ConfigError, match="installed: hermes, json"):

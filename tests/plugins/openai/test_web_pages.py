@@ -15,10 +15,10 @@ import pytest
 from baton.config import BatonConfig
 from baton.metrics.stats import IterationStats
 from baton.protocol import SchedulerStats
-from baton_openai.dashboard_stats import DashboardStatsSource, quantile
-from baton_openai.metrics import PrometheusStatLogger
-from baton_openai.metrics_settings import PrometheusSettings
-from baton_openai.web_pages import CONTENT_SECURITY_POLICY
+from baton_openai.endpoints.web_pages import CONTENT_SECURITY_POLICY
+from baton_openai.metrics.dashboard_stats import DashboardStatsSource, quantile
+from baton_openai.metrics.prometheus import PrometheusStatLogger
+from baton_openai.metrics.settings import PrometheusSettings
 
 from .conftest import metric, running_server, wait_for
 

@@ -106,12 +106,12 @@ def _show_server_logs() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from baton.config import BatonConfig
-    from baton_openai.server import OpenAIServer
+    from baton_openai.http.server import OpenAIServer
 
     config = BatonConfig.load(args.config, **serve_overrides(args))
     _show_server_logs()
     if config.server.log_format == "json":
-        from baton_openai.json_logs import use_json_logs
+        from baton_openai.http.json_logs import use_json_logs
 
         use_json_logs()
     if args.access_log:

@@ -9,7 +9,7 @@ The same style as baton's (``baton.plugins.hookspecs``): registration hooks that
 
 ``factory(tokenizer)`` builds the parser when the server starts; the server's
 config chooses one by name (``server.tool_call_parser``, ``server.reasoning_parser``).
-The protocols the products implement are in ``baton_openai.parser_types``.
+The protocols the products implement are in ``baton_openai.parsing.types``.
 A hook must only register: no I/O, no heavy imports.
 """
 
@@ -34,10 +34,10 @@ ParserRegister = Callable[[str, Callable[[Any], Any]], None]
 @hookspec
 def register_tool_parsers(register: ParserRegister) -> None:
     """Register tool-call parsers: ``register(name, factory)``, ``factory(tokenizer)`` returning a
-    ``baton_openai.parser_types.ToolParser``. Selected by ``server.tool_call_parser``."""
+    ``baton_openai.parsing.types.ToolParser``. Selected by ``server.tool_call_parser``."""
 
 
 @hookspec
 def register_reasoning_parsers(register: ParserRegister) -> None:
     """Register reasoning parsers: ``register(name, factory)``, ``factory(tokenizer)`` returning a
-    ``baton_openai.parser_types.ReasoningParser``. Selected by ``server.reasoning_parser``."""
+    ``baton_openai.parsing.types.ReasoningParser``. Selected by ``server.reasoning_parser``."""

@@ -25,7 +25,7 @@ def serve_command(parser: Any) -> Any:
 
 def run_batch_command(parser: Any) -> Any:
     """Run a batch file offline (vLLM's run_batch): -i IN.jsonl -o OUT.jsonl, one result per line."""
-    from baton_openai.run_batch import add_arguments, main
+    from baton_openai.batch.run_batch import add_arguments, main
 
     add_arguments(parser)
     return main
@@ -41,7 +41,7 @@ def serve_bench(parser: Any) -> Any:
 
 def create_prometheus_logger(config: Any, settings: Any = None, engine_index: int = 0) -> Any:
     """The registered factory: ``factory(config, settings, engine_index)``."""
-    from baton_openai.metrics import PrometheusStatLogger
+    from baton_openai.metrics.prometheus import PrometheusStatLogger
 
     return PrometheusStatLogger(config, settings, engine_index)
 
@@ -59,6 +59,6 @@ def register_benches(register: Any) -> None:
 
 @hookimpl
 def register_stat_loggers(register: Any) -> None:
-    from baton_openai.metrics_settings import PrometheusSettings
+    from baton_openai.metrics.settings import PrometheusSettings
 
     register("prometheus", create_prometheus_logger, PrometheusSettings)

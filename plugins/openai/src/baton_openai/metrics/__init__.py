@@ -1,0 +1,1 @@
+"""The ``prometheus`` stat logger, its settings, and the figures the dashboard reads."""
