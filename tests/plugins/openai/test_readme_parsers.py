@@ -8,7 +8,7 @@ import inspect
 import re
 
 from baton_openai import hookspecs
-from baton_openai.parsers import ParserRegistry
+from baton_openai.parsing.registry import ParserRegistry
 from tests.core.test_readme import README, code_names, table_rows
 
 SELECTED_BY = re.compile(r"Selected by ``([\w.]+)``")
