@@ -62,12 +62,13 @@ test: setup browser
 test-fast: setup browser
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# the benchmarks and their scripts are baton-bench's (plugins/bench), which `make setup` installs
 bench: setup
-	$(PY) scripts/bench_all.py
+	$(PY) plugins/bench/scripts/bench_all.py
 
 lint: setup
-	$(VENV)/bin/ruff check core plugins contrib tests scripts
-	$(VENV)/bin/ruff format --check core plugins contrib tests scripts
+	$(VENV)/bin/ruff check core plugins contrib tests
+	$(VENV)/bin/ruff format --check core plugins contrib tests
 
 clean:
 	rm -rf $(VENV)

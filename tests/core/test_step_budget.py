@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from baton.bench.cost_model import DEFAULT
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.errors import ConfigError
 from baton.protocol import EngineCoreRequest, ModelInfo, SchedulerOutput
 from baton.sampling_params import SamplingParams
+from baton.sched.cost_model import DEFAULT
 from baton.sched.step_budget import PrefillBudget, StepShape, StepTimeModel
 from baton.testing import FakeExecutor
 
