@@ -16,10 +16,10 @@ from baton.sched.slo import is_hopeless, met_slo
 from baton.sched.slo_policy import SLOPolicy, SLOSettings
 from baton.sched.victims import VictimCandidate
 from baton.scheduling_info import SchedulingInfo, as_scheduling_info
-from baton.testing.sched_harness import PolicyHarness, make_request
+from baton.testing.sched_harness import PolicyHarness, SchedulerDriver, make_request
 from baton.validation import check_scheduling
 
-from .sched_helpers import Driver, make_scheduler
+from .sched_helpers import make_scheduler
 
 
 def slo_request(rid: str, arrival: float = 0.0, ttft=None, tpot=None, prompt=20, max_tokens=5):
@@ -70,7 +70,7 @@ def test_met_and_hopeless_follow_the_targets():
 def test_the_scheduler_counts_goodput_of_finished_requests_with_an_slo():
     clock = {"now": 0.0}
     s = make_scheduler(clock=lambda: clock["now"])
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(
         slo_request("met", ttft=10_000, tpot=10_000),
         slo_request("missed", ttft=0.001),
@@ -159,7 +159,7 @@ def test_least_recompute_victim_redoes_fewer_tokens_than_newest_with_the_same_ou
 def test_request_first_token_time_is_stamped_on_the_schedulers_clock():
     clock = {"now": 3.0}
     s = make_scheduler(clock=lambda: clock["now"])
-    d = Driver(s)
+    d = SchedulerDriver(s)
     r = Request("x", list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     d.add(r)
     clock["now"] = 4.0
