@@ -19,17 +19,17 @@ import gc
 import random
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from baton.config import BatonConfig
-from baton.plugins import get_registry
 from baton.request import Request
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler
 from baton.testing.fake_executor import FakeExecutor
+from baton.testing.sched_harness import SchedulerDriver, SimClock
 from baton_bench.common import CpuMonitor, WorkloadRequest, emit, percentile
+from baton_bench.simulator import make_policy
 
 VOCAB = 32000
 
@@ -90,9 +90,6 @@ def run_scheduler_bench(
     zero by default), so arrivals and the policy's ``peek(now)`` see a
     deterministic clock. Only scheduler calls are timed, with perf_counter.
     """
-    reg = get_registry()
-    entry = reg.get("scheduler_policy", config.scheduler.policy)
-    policy = entry.create(config, entry.settings(config))
     ex = FakeExecutor(
         block_size=config.cache.block_size,
         num_blocks=num_blocks,
@@ -101,10 +98,15 @@ def run_scheduler_bench(
         check=check,
         **(executor_settings or {}),
     )
+    clock = SimClock()  # follows the fake executor's simulated time (its cost model)
     sched = Scheduler(
-        config, policy, num_blocks, clock=lambda: ex.simulated_time, max_model_len=None
+        config,
+        make_policy(config, config.scheduler.policy),
+        num_blocks,
+        clock=clock,
+        max_model_len=None,
     )
-    pending = deque(sorted(workload, key=lambda w: w.arrival_time))
+    driver = SchedulerDriver(sched, ex, clock=clock, record=False)
     params = {
         n: SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
         for n in {w.max_new_tokens for w in workload}
@@ -114,13 +116,9 @@ def run_scheduler_bench(
     first_token: dict[str, float] = {}
     arrival = {w.id: w.arrival_time for w in workload}
     wall0 = perf()
-    while pending or sched.has_unfinished_requests():
-        now = ex.simulated_time
-        if not sched.has_unfinished_requests() and pending[0].arrival_time > now:
-            ex.simulated_time = now = pending[0].arrival_time
-        while pending and pending[0].arrival_time <= now:
-            w = pending.popleft()
-            req = Request(
+    driver.submit(
+        *(
+            Request(
                 w.id,
                 w.prompt_token_ids,
                 params[w.max_new_tokens],
@@ -128,25 +126,24 @@ def run_scheduler_bench(
                 arrival_time=w.arrival_time,
                 user=w.user,
             )
-            t0 = perf()
-            sched.add_request(req)
-            tally.add_s += perf() - t0
-        t0 = perf()
-        so = sched.schedule()
-        t1 = perf()
+            for w in workload
+        )
+    )
+    while driver.has_work():
+        so = driver.schedule()  # idle: the clock jumps to the next arrival
+        ex.simulated_time = clock.now
         mro = ex.execute_model(so)
-        t2 = perf()
-        outs = sched.update_from_output(so, mro)
-        t3 = perf()
-        tally.step_s.append(t1 - t0 + t3 - t2)
-        tally.sched_s.append(t1 - t0)
-        tally.update_s.append(t3 - t2)
+        clock.now = ex.simulated_time
+        outs = driver.finish_step(so, mro)
+        tally.step_s.append(driver.schedule_s + driver.update_s)
+        tally.sched_s.append(driver.schedule_s)
+        tally.update_s.append(driver.update_s)
         tally.running.append(len(so.num_scheduled_tokens))
         stats = sched.make_stats()
         tally.preemptions += stats.num_preemptions
         tally.queries += stats.prefix_cache_queries
         tally.hits += stats.prefix_cache_hits
-        t = ex.simulated_time
+        t = clock.now
         for o in outs:
             tally.num_tokens_out += len(o.new_token_ids)
             if o.request_id not in first_token:
@@ -154,10 +151,11 @@ def run_scheduler_bench(
                 tally.ttft.append(t - arrival[o.request_id])
             if o.finish_reason is not None:
                 tally.e2e.append(t - arrival[o.request_id])
+    tally.add_s = driver.add_s
     wall = perf() - wall0
     if tally.num_tokens_out != sum(w.max_new_tokens for w in workload):
         raise AssertionError(f"the bench lost tokens: {tally.num_tokens_out} generated")
-    return _figures(workload, config, num_blocks, tally, wall, ex.simulated_time)
+    return _figures(workload, config, num_blocks, tally, wall, clock.now)
 
 
 @dataclass

@@ -15,18 +15,19 @@ queue-time percentiles, throughput, preemptions and the same per tenant
 from __future__ import annotations
 
 import random
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from baton.config import BatonConfig
 from baton.plugins import get_registry
+from baton.protocol import EngineCoreOutput
 from baton.request import Request
 from baton.sampling_params import SamplingParams
 from baton.sched.cost_model import CostModel, step_features
 from baton.sched.scheduler import Scheduler
 from baton.scheduling_info import SchedulingInfo
 from baton.testing.fake_executor import FakeExecutor
+from baton.testing.sched_harness import SchedulerDriver, SimClock
 from baton_bench.common import WorkloadRequest, percentile
 
 _NO_TENANT = "-"
@@ -85,97 +86,107 @@ def simulate(
     (``WorkloadRequest.slo_ttft_ms`` / ``slo_tpot_ms``)."""
     rng = random.Random(seed)
     ex = FakeExecutor(block_size=config.cache.block_size, num_blocks=num_blocks, check=check)
-    now = 0.0
+    clock = SimClock()
     sched = Scheduler(
         config,
         make_policy(config, policy),
         num_blocks,
-        clock=lambda: now,
+        clock=clock,
         max_model_len=config.model.max_model_len,
     )
-    pending = deque(sorted(workload, key=lambda w: w.arrival_time))
-    times: dict[str, RequestTimes] = {}
-    reqs: dict[str, Request] = {}
-    params: dict[int, SamplingParams] = {}
+    driver = SchedulerDriver(sched, ex, clock=clock, record=False)
+    reqs, times = _requests(workload, slo_ttft_ms, slo_tpot_ms)
+    driver.submit(*reqs.values())
     steps = preemptions = queries = hits = computed = 0
-    while pending or sched.has_unfinished_requests():
+    while driver.has_work():
         if steps >= max_steps:
             raise RuntimeError(f"simulation of {policy!r} did not finish in {max_steps} steps")
-        if pending and not sched.has_unfinished_requests() and pending[0].arrival_time > now:
-            now = pending[0].arrival_time  # idle: jump to the next arrival
-        while pending and pending[0].arrival_time <= now:
-            w = pending.popleft()
-            sp = params.get(w.max_new_tokens)
-            if sp is None:
-                sp = params[w.max_new_tokens] = SamplingParams(
-                    max_tokens=w.max_new_tokens, ignore_eos=True
-                )
-            rid = w.id or f"req-{len(times)}"
-            times[rid] = RequestTimes(w.arrival_time, w.user or _NO_TENANT)
-            ttft = w.slo_ttft_ms if w.slo_ttft_ms is not None else slo_ttft_ms
-            tpot = w.slo_tpot_ms if w.slo_tpot_ms is not None else slo_tpot_ms
-            req = reqs[rid] = Request(
-                rid,
-                w.prompt_token_ids,
-                sp,
-                eos_token_id=None,
-                arrival_time=w.arrival_time,
-                user=w.user,
-                scheduling=SchedulingInfo(slo_ttft_ms=ttft, slo_tpot_ms=tpot),
-            )
-            sched.add_request(req)
-        so = sched.schedule()
+        so = driver.schedule()
         steps += 1
         if not so.num_scheduled_tokens:
             # nothing runnable (an admission-control policy holding back): time still passes
             if so.finished_req_ids or so.preempted_req_ids:
                 ex.execute_model(so)  # the runner still drops those requests
                 preemptions += len(so.preempted_req_ids)
-            now = max(now + cost.step_overhead_s, pending[0].arrival_time if pending else 0.0)
+            next_arrival = driver.pending[0].arrival_time if driver.pending else 0.0
+            clock.now = max(clock.now + cost.step_overhead_s, next_arrival)
             continue
         for new in so.scheduled_new_reqs:
             rt = times[new.req_id]
             if rt.first_scheduled is None:
-                rt.first_scheduled = now
+                rt.first_scheduled = clock.now
         dt = cost.step_cost(*step_features(sched.requests, so.num_scheduled_tokens))
         if noise > 0:
             dt *= rng.lognormvariate(0.0, noise)
-        now += dt
+        clock.now += dt
         computed += so.total_num_scheduled_tokens
-        outs = sched.update_from_output(so, ex.execute_model(so))
+        outs = driver.finish_step(so, ex.execute_model(so))
         sched.observe_step_time(so.step_id, dt)  # as EngineCore does: the latency-aware budget
         preemptions += len(so.preempted_req_ids)
         stats = sched.make_stats()
         queries += stats.prefix_cache_queries
         hits += stats.prefix_cache_hits
-        for o in outs:
-            rt = times[o.request_id]
-            if o.new_token_ids:
-                if rt.first_token is None:
-                    rt.first_token = now
-                else:
-                    rt.gaps.append(now - rt.last_token)  # type: ignore[operator]
-                rt.last_token = now
-                rt.num_tokens += len(o.new_token_ids)
-            if o.finish_reason is not None:
-                rt.finished = now
+        _stamp(times, outs, clock.now)
     for rid, rt in times.items():
         if rt.finished is None:
             raise AssertionError(f"simulation lost request {rid!r}")
-    for rid, req in reqs.items():
-        times[rid].num_preemptions = req.num_preemptions
+        rt.num_preemptions = reqs[rid].num_preemptions
     return SimResult(
         policy,
         times,
         steps,
         preemptions,
-        now,
+        clock.now,
         hits / queries if queries else 0.0,
         sched.total_slo_finished,
         sched.total_slo_met,
         # every token once (the last sampled one is never fed back), less what the cache gave
         computed + hits - sum(len(w.prompt_token_ids) + w.max_new_tokens - 1 for w in workload),
     )
+
+
+def _requests(
+    workload: list[WorkloadRequest], slo_ttft_ms: float | None, slo_tpot_ms: float | None
+) -> tuple[dict[str, Request], dict[str, RequestTimes]]:
+    """The workload's requests in arrival order, and their (empty) timings."""
+    params: dict[int, SamplingParams] = {}
+    reqs: dict[str, Request] = {}
+    times: dict[str, RequestTimes] = {}
+    for w in sorted(workload, key=lambda w: w.arrival_time):
+        sp = params.get(w.max_new_tokens)
+        if sp is None:
+            sp = params[w.max_new_tokens] = SamplingParams(
+                max_tokens=w.max_new_tokens, ignore_eos=True
+            )
+        rid = w.id or f"req-{len(times)}"
+        times[rid] = RequestTimes(w.arrival_time, w.user or _NO_TENANT)
+        ttft = w.slo_ttft_ms if w.slo_ttft_ms is not None else slo_ttft_ms
+        tpot = w.slo_tpot_ms if w.slo_tpot_ms is not None else slo_tpot_ms
+        reqs[rid] = Request(
+            rid,
+            w.prompt_token_ids,
+            sp,
+            eos_token_id=None,
+            arrival_time=w.arrival_time,
+            user=w.user,
+            scheduling=SchedulingInfo(slo_ttft_ms=ttft, slo_tpot_ms=tpot),
+        )
+    return reqs, times
+
+
+def _stamp(times: dict[str, RequestTimes], outs: list[EngineCoreOutput], now: float) -> None:
+    """Token and finish times of a step's outputs."""
+    for o in outs:
+        rt = times[o.request_id]
+        if o.new_token_ids:
+            if rt.first_token is None:
+                rt.first_token = now
+            else:
+                rt.gaps.append(now - rt.last_token)  # type: ignore[operator]
+            rt.last_token = now
+            rt.num_tokens += len(o.new_token_ids)
+        if o.finish_reason is not None:
+            rt.finished = now
 
 
 # ----------------------------------------------------------------------------- figures
