@@ -28,6 +28,7 @@ from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler
 from baton.testing.fake_executor import FakeExecutor
 from baton.testing.sched_harness import SchedulerDriver, SimClock
+from baton_bench import simulator_cli
 from baton_bench.common import CpuMonitor, WorkloadRequest, emit, percentile
 from baton_bench.simulator import make_policy
 
@@ -325,8 +326,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.calibrate or args.workload:
-        from baton_bench import simulator_cli
-
         return simulator_cli.main(args)
     config = BatonConfig.load(
         getattr(args, "config", None),

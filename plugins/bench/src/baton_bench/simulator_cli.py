@@ -16,8 +16,10 @@ from typing import Any
 import msgspec
 
 from baton.config import BatonConfig
-from baton_bench.common import WorkloadRequest
+from baton_bench.common import Workload, WorkloadRequest, load_workload
+from baton_bench.cost_files import load_cost_model, save_cost_model
 from baton_bench.simulator import figures, simulate, table
+from baton_bench.workloads import GENERATORS, write_workload
 
 
 def sim_config(args: Any) -> BatonConfig:
@@ -35,9 +37,6 @@ def sim_config(args: Any) -> BatonConfig:
 
 def load_or_generate(spec: str, seed: int, rate: float | None = None) -> list[WorkloadRequest]:
     """A workload file's requests, or a generator's (``rate``: the poisson generator's)."""
-    from baton_bench.common import load_workload
-    from baton_bench.workloads import GENERATORS
-
     if spec in GENERATORS:
         kwargs = {"rate": rate} if rate is not None and spec == "poisson" else {}
         return GENERATORS[spec](seed=seed, **kwargs).requests
@@ -49,8 +48,8 @@ def enough_blocks(workload: list[WorkloadRequest], block_size: int) -> int:
 
 
 def main(args: Any) -> int:
+    # the real engine (torch): only --calibrate needs it, not the simulator
     from baton_bench.calibrate import calibrate
-    from baton_bench.cost_files import load_cost_model, save_cost_model
 
     config = sim_config(args)
     if args.calibrate:
@@ -64,9 +63,6 @@ def main(args: Any) -> int:
     if args.num_requests and args.num_requests < len(workload):
         workload = sorted(workload, key=lambda w: w.arrival_time)[: args.num_requests]
     if args.save_workload:
-        from baton_bench.common import Workload
-        from baton_bench.workloads import write_workload
-
         write_workload(
             Workload(format="chat-workload/v1", name=str(args.workload), requests=workload),
             args.save_workload,

@@ -24,6 +24,7 @@ from baton_bench.common import (
     emit,
     load_workload,
     peak_rss_mb,
+    percentile,
     spec_figures,
     summarize,
 )
@@ -120,8 +121,6 @@ class _InterTokenLatencies:
         pass
 
     def percentiles(self) -> dict[str, dict[str, float]]:
-        from baton_bench.common import percentile
-
         if not self.values:
             return {}
         return {"itl_s": {f"p{q}": round(percentile(self.values, q), 4) for q in (50, 90, 99)}}
@@ -129,8 +128,6 @@ class _InterTokenLatencies:
 
 def _latencies(outs: list[Any]) -> dict[str, dict[str, float]]:
     """TTFT and e2e percentiles (seconds) from the RequestOutputs' metrics."""
-    from baton_bench.common import percentile
-
     figures: dict[str, dict[str, float]] = {}
     for name in ("ttft", "e2e_latency"):
         values = [getattr(o.metrics, name) for o in outs if o.metrics is not None]
@@ -146,8 +143,6 @@ def _decode_figures(outs: list[Any]) -> dict[str, Any]:
     token after the first, from its first token to its last) and decode tokens/s (those tokens
     over those times, summed over the requests: the decode speed when requests run one at a time,
     as with ``--max-num-seqs 1``)."""
-    from baton_bench.common import percentile
-
     tpots, tokens, seconds = [], 0, 0.0
     for o in outs:
         m, n = o.metrics, len(o.outputs[0].token_ids)
