@@ -274,7 +274,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-check", action="store_true", help="skip the fake executor's contract checks"
     )
-    g = p.add_argument_group("simulator")
+    _add_simulator_arguments(p.add_argument_group("simulator"))
+    # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
+    p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
+
+
+def _add_simulator_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--workload",
         help="a chat-workload JSON with arrival_time/user, or a generator: bursty-two-tenant, "
@@ -320,8 +325,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a `baton bench throughput --json` result on the same workload: report the error",
     )
-    # SUPPRESS: a --config given to the parent `baton bench` parser is not overwritten with None
-    p.add_argument("--config", default=argparse.SUPPRESS, help="a TOML or YAML config file")
 
 
 def main(args: argparse.Namespace) -> int:
