@@ -62,12 +62,13 @@ test: setup browser
 test-fast: setup browser
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# the benchmarks and their scripts are baton-bench's (plugins/bench), which `make setup` installs
 bench: setup
-	$(PY) scripts/bench_all.py
+	$(PY) plugins/bench/scripts/bench_all.py
 
 lint: setup
-	$(VENV)/bin/ruff check core plugins contrib tests scripts tools
-	$(VENV)/bin/ruff format --check core plugins contrib tests scripts tools
+	$(VENV)/bin/ruff check core plugins contrib tests tools
+	$(VENV)/bin/ruff format --check core plugins contrib tests tools
 
 clean:
 	rm -rf $(VENV)

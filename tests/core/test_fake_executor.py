@@ -12,8 +12,9 @@ from baton.plugins.registry import Plugins
 from baton.protocol import CachedRequestData, KVCacheConfig, NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
 from baton.testing import FakeExecutor, FakeExecutorSettings, register_fake_executor
+from baton.testing.sched_harness import SchedulerDriver
 
-from .sched_helpers import Driver, make_config, make_request, make_scheduler
+from .sched_helpers import make_config, make_request, make_scheduler
 
 
 def _new(rid, prompt, blocks, computed=0):
@@ -93,13 +94,13 @@ def test_contract_violations_fail_loudly():
 
 def test_failure_injection_raise():
     s = make_scheduler()
-    d = Driver(s, fail_at_step=2)
+    d = SchedulerDriver(s, fail_at_step=2)
     d.add(make_request("a", 10))
     d.step()
     d.step()
     with pytest.raises(ExecutorError, match="step 2"):
         d.step()
-    d.ex.check_health()  # "raise" leaves it alive
+    d.executor.check_health()  # "raise" leaves it alive
 
 
 def test_failure_injection_die_calls_back_and_stays_dead():

@@ -14,15 +14,16 @@ from baton.protocol import EngineCoreEventType, FinishReason, GrammarOutput
 from baton.request import RequestStatus
 from baton.sampling_params import StructuredOutputSpec
 from baton.testing import FakeExecutor
+from baton.testing.sched_harness import SchedulerDriver
 
-from .sched_helpers import Driver, make_request, make_scheduler
+from .sched_helpers import make_request, make_scheduler
 
 ABORTED = RequestStatus.FINISHED_ABORTED
 
 
-def _finish(d: Driver, so) -> None:
+def _finish(d: SchedulerDriver, so) -> None:
     """Execute and apply a SchedulerOutput taken by hand, then run to the end."""
-    d.record(d.s.update_from_output(so, d.ex.execute_model(so)))
+    d.record(d.scheduler.update_from_output(so, d.executor.execute_model(so)))
     d.run()
 
 
@@ -31,7 +32,7 @@ def _finish(d: Driver, so) -> None:
 
 def test_second_request_starts_with_the_cached_two_block_prefix():
     s = make_scheduler(num_blocks=64)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     shared = list(range(1, 33))
     d.add(make_request("a", [*shared, 500, 501, 502], max_tokens=4))
     d.run()
@@ -45,12 +46,14 @@ def test_second_request_starts_with_the_cached_two_block_prefix():
     stats = s.make_stats()
     assert stats.prefix_cache_queries == 37 and stats.prefix_cache_hits == 32
     _finish(d, so)
-    assert d.finished["b"].num_cached_tokens == 32 and d.finished["a"].num_cached_tokens == 0
+    assert (
+        d.final_outputs["b"].num_cached_tokens == 32 and d.final_outputs["a"].num_cached_tokens == 0
+    )
 
 
 def test_cache_salt_separates_prefixes():
     s = make_scheduler(num_blocks=64)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     prompt = list(range(1, 41))
     d.add(make_request("a", prompt, salt="alice"))
     d.run()
@@ -63,7 +66,7 @@ def test_cache_salt_separates_prefixes():
 
 def test_no_prefix_caching_when_disabled():
     s = make_scheduler(num_blocks=64, enable_prefix_caching=False)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 40))
     d.run()
     d.add(make_request("b", 40))
@@ -77,7 +80,7 @@ def test_no_prefix_caching_when_disabled():
 
 def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
     s = make_scheduler(max_num_batched_tokens=64)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("long", 150, max_tokens=3))
     chunks = []
     for _ in range(3):
@@ -95,7 +98,7 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
 
 def test_decodes_go_first_then_prompt_chunks():
     s = make_scheduler(max_num_batched_tokens=64)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 10, max_tokens=20))
     d.step()
     d.add(make_request("b", 200, max_tokens=2))
@@ -110,7 +113,7 @@ def test_without_chunked_prefill_prompts_wait_for_a_step_they_fit_in():
     s = make_scheduler(max_num_batched_tokens=64, enable_chunked_prefill=False)
     with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
         s.add_request(make_request("huge", 100))
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 40), make_request("b", 40))
     d.step()
     assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 40}
@@ -122,27 +125,27 @@ def test_without_chunked_prefill_prompts_wait_for_a_step_they_fit_in():
 # ----------------------------------------------------------------------------- preemption
 
 
-def _workload(d: Driver) -> None:
+def _workload(d: SchedulerDriver) -> None:
     for i in range(12):
         d.add(make_request(f"r{i}", 20 + 7 * i, max_tokens=40, ignore_eos=True))
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_under_block_pressure_resumes_with_identical_tokens(policy):
-    roomy = Driver(
+    roomy = SchedulerDriver(
         make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=128, policy=policy)
     )
     _workload(roomy)
     roomy.run()
-    tight = Driver(
+    tight = SchedulerDriver(
         make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=128, policy=policy)
     )
     _workload(tight)
     tight.run()
-    assert roomy.preemptions == 0 and tight.preemptions > 0
+    assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
     assert tight.tokens == roomy.tokens
     assert all(len(t) == 40 for t in tight.tokens.values())
-    assert all(o.finish_reason == FinishReason.LENGTH for o in tight.finished.values())
+    assert all(o.finish_reason == FinishReason.LENGTH for o in tight.final_outputs.values())
     preempted = {rid for so in tight.scheduler_outputs for rid in so.preempted_req_ids}
     assert preempted
     resumed = [
@@ -154,12 +157,12 @@ def test_preemption_under_block_pressure_resumes_with_identical_tokens(policy):
         assert n.output_token_ids == roomy.tokens[n.req_id][: len(n.output_token_ids)]
     events = [e.type for o in tight.outputs if o.request_id in preempted for e in (o.events or [])]
     assert EngineCoreEventType.PREEMPTED in events
-    assert tight.s.kv.num_free_blocks == tight.s.kv.num_total_blocks
+    assert tight.scheduler.kv.num_free_blocks == tight.scheduler.kv.num_total_blocks
 
 
 def test_fcfs_preempts_the_latest_admitted():
     s = make_scheduler(num_blocks=7, max_num_batched_tokens=256)  # 6 usable blocks
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("old", 48, max_tokens=40), make_request("new", 48, max_tokens=40))
     d.step()  # both prefilled: 3 blocks each, full
     d.step()  # both need a 4th block: none free -> "new" is preempted
@@ -174,7 +177,7 @@ def test_fcfs_preempts_the_latest_admitted():
 
 def test_victim_scheduled_earlier_in_the_step_is_taken_back():
     s = make_scheduler(num_blocks=7, policy="priority")  # 6 usable blocks
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("unimportant", 40, priority=5, max_tokens=30))
     d.step()
     d.add(make_request("important", 48, priority=0, max_tokens=30))
@@ -192,7 +195,7 @@ def test_victim_scheduled_earlier_in_the_step_is_taken_back():
 
 def test_priority_order_with_ties_by_arrival():
     s = make_scheduler(max_num_seqs=1, policy="priority")
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(
         make_request("p3", 10, priority=3, arrival=0.0),
         make_request("p1-late", 10, priority=1, arrival=2.0),
@@ -205,7 +208,7 @@ def test_priority_order_with_ties_by_arrival():
 
 def test_fcfs_order():
     s = make_scheduler(max_num_seqs=1)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(*(make_request(f"r{i}", 10, priority=-i) for i in range(4)))
     d.run()
     assert list(d.finished) == ["r0", "r1", "r2", "r3"]
@@ -213,7 +216,7 @@ def test_fcfs_order():
 
 def test_max_num_seqs_cap():
     s = make_scheduler(max_num_seqs=3)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(*(make_request(f"r{i}", 12, max_tokens=5) for i in range(10)))
     while s.has_unfinished_requests():
         d.step()
@@ -224,7 +227,7 @@ def test_max_num_seqs_cap():
 
 def test_max_num_batched_tokens_cap():
     s = make_scheduler(max_num_batched_tokens=100, max_num_seqs=64)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(*(make_request(f"r{i}", 30 + i, max_tokens=6) for i in range(20)))
     d.run()
     totals = [so.total_num_scheduled_tokens for so in d.scheduler_outputs]
@@ -239,7 +242,7 @@ def test_max_num_batched_tokens_cap():
 
 def test_abort_in_every_state_is_idempotent_and_frees_blocks():
     s = make_scheduler(max_num_seqs=1)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("run", 40, max_tokens=50), make_request("wait", 40))
     d.step()
     assert (
@@ -262,24 +265,24 @@ def test_abort_in_every_state_is_idempotent_and_frees_blocks():
 
 def test_abort_on_an_idle_scheduler_is_reported_in_the_next_empty_output():
     s = make_scheduler()
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 20, max_tokens=50))
     d.step()
     s.finish_requests(["a"], ABORTED)
     assert s.has_runner_news() and not s.has_unfinished_requests()
     so = s.schedule()
     assert so.is_empty and so.finished_req_ids == ["a"] and so.preempted_req_ids == []
-    d.ex.execute_model(so)
-    assert "a" not in d.ex.reqs  # the runner dropped its state without new work arriving
+    d.executor.execute_model(so)
+    assert "a" not in d.executor.reqs  # the runner dropped its state without new work arriving
     assert not s.has_runner_news() and s.schedule().finished_req_ids == []
 
 
 def test_abort_while_in_flight_drops_its_output():
     s = make_scheduler()
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 10), make_request("b", 10))
     so = s.schedule()
-    mro = d.ex.execute_model(so)
+    mro = d.executor.execute_model(so)
     s.finish_requests(["a"], ABORTED)
     outs = s.update_from_output(so, mro)
     assert [o.request_id for o in outs] == ["b"]
@@ -291,7 +294,7 @@ def test_abort_while_in_flight_drops_its_output():
 
 def test_abort_of_a_preempted_request_tells_the_runner_once():
     s = make_scheduler(num_blocks=7)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("old", 48, max_tokens=40), make_request("new", 48, max_tokens=40))
     d.step()
     d.step()
@@ -306,10 +309,10 @@ def test_abort_of_a_preempted_request_tells_the_runner_once():
 
 def _one(rid="r", *, ex_kw=None, sched_kw=None, **params):
     s = make_scheduler(**(sched_kw or {}))
-    d = Driver(s, **(ex_kw or {}))
+    d = SchedulerDriver(s, **(ex_kw or {}))
     d.add(make_request(rid, 10, **params))
     d.run()
-    return d.finished[rid], d.tokens[rid]
+    return d.final_outputs[rid], d.tokens[rid]
 
 
 def test_stop_on_eos():
@@ -372,11 +375,11 @@ def test_a_request_that_fills_the_cache_exactly_is_admitted_and_runs_to_the_end(
     # the last sampled token is never written to the cache: prompt + max_tokens - 1 tokens
     # need KV slots, as vLLM counts them (60 + 5 - 1 = 64 = 4 usable blocks of 16)
     s = make_scheduler(num_blocks=5, max_model_len=None)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("full", 60, max_tokens=5, ignore_eos=True))
     d.run()
-    assert len(d.tokens["full"]) == 5 and d.preemptions == 0
-    assert d.finished["full"].finish_reason == FinishReason.LENGTH
+    assert len(d.tokens["full"]) == 5 and d.num_preemptions == 0
+    assert d.final_outputs["full"].finish_reason == FinishReason.LENGTH
     # one token more needs a fifth block
     with pytest.raises(InvalidRequestError, match="up to 65 tokens need more KV blocks"):
         s.add_request(make_request("over", 61, max_tokens=5))
@@ -404,21 +407,21 @@ def test_in_flight_requests_are_never_rescheduled():
     ex.shutdown()
 
 
-def _run_pipelined(d: Driver, depth: int) -> Driver:
+def _run_pipelined(d: SchedulerDriver, depth: int) -> SchedulerDriver:
     """The batch-queue loop: up to ``depth`` outputs in flight, empty ones never executed."""
     queue: deque = deque()
-    s = d.s
+    s = d.scheduler
     while s.has_unfinished_requests() or queue:
         if len(queue) < depth and s.has_requests_to_schedule():
             so = s.schedule()
             d.scheduler_outputs.append(so)
-            d.preemptions += len(so.preempted_req_ids)
+            d.num_preemptions += len(so.preempted_req_ids)
             if not so.is_empty:
-                queue.append((d.ex.execute_model(so, non_block=True), so))
+                queue.append((d.executor.execute_model(so, non_block=True), so))
                 continue
         f, so = queue.popleft()
         d.record(s.update_from_output(so, f.result()))
-    d.ex.shutdown()
+    d.executor.shutdown()
     return d
 
 
@@ -455,16 +458,18 @@ def test_engine_core_caps_batches_by_the_executors_batch_queue():
 
 
 def test_pipelined_run_matches_the_sequential_one_even_with_preemption():
-    sequential = Driver(make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=128))
+    sequential = SchedulerDriver(
+        make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=128)
+    )
     _workload(sequential)
     sequential.run()
     s = make_scheduler(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=128)
-    piped = Driver(
+    piped = SchedulerDriver(
         s, FakeExecutor(block_size=16, num_blocks=24, max_concurrent_batches=2, deep_check=True)
     )
     _workload(piped)
     _run_pipelined(piped, depth=2)
-    assert piped.tokens == sequential.tokens and piped.preemptions > 0
+    assert piped.tokens == sequential.tokens and piped.num_preemptions > 0
     assert s.kv.num_free_blocks == s.kv.num_total_blocks
 
 
@@ -474,7 +479,7 @@ def test_pipelined_run_matches_the_sequential_one_even_with_preemption():
 def test_stats_and_events():
     t = [100.0]
     s = make_scheduler(num_blocks=65, max_num_seqs=2, clock=lambda: t[0])
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(*(make_request(f"r{i}", 20, max_tokens=3) for i in range(3)))
     t[0] = 101.0
     outs = d.step()
@@ -586,7 +591,9 @@ def test_randomized_runs_match_a_roomy_sequential_reference(seed):
     """
     rng = random.Random(seed)
     specs = _random_requests(rng)
-    ref = Driver(make_scheduler(num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=4096))
+    ref = SchedulerDriver(
+        make_scheduler(num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=4096)
+    )
     ref.add(*_build(specs))
     ref.run()
 
@@ -600,7 +607,7 @@ def test_randomized_runs_match_a_roomy_sequential_reference(seed):
         enable_prefix_caching=rng.random() < 0.8,
     )
     depth = rng.randint(1, 3)
-    d = Driver(
+    d = SchedulerDriver(
         s,
         FakeExecutor(
             block_size=16,
@@ -628,14 +635,14 @@ def test_randomized_runs_match_a_roomy_sequential_reference(seed):
             assert so.total_num_scheduled_tokens <= s.max_num_batched_tokens
             assert len(so.num_scheduled_tokens) <= s.max_num_seqs
             if not so.is_empty:
-                queue.append((d.ex.execute_model(so, non_block=True), so))
+                queue.append((d.executor.execute_model(so, non_block=True), so))
                 continue
         if queue:
             f, so = queue.popleft()
             d.record(s.update_from_output(so, f.result()))
     else:
         raise AssertionError("did not finish")
-    d.ex.shutdown()
+    d.executor.shutdown()
     for rid, _, _, _ in specs:
         got = d.tokens.get(rid, [])
         if rid in aborted:

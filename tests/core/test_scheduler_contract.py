@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from baton.request import RequestStatus
+from baton.testing.sched_harness import SchedulerDriver
 
-from .sched_helpers import Driver, make_request, make_scheduler
+from .sched_helpers import make_request, make_scheduler
 
 
-def _run_two_prompts(reserve_full_prompt: bool) -> tuple[Driver, dict[str, int]]:
+def _run_two_prompts(reserve_full_prompt: bool) -> tuple[SchedulerDriver, dict[str, int]]:
     """ "a" decodes while "b" (5 blocks) arrives to a cache of 6 blocks that a already holds 2 of."""
     s = make_scheduler(
         num_blocks=7, max_num_batched_tokens=32, reserve_full_prompt=reserve_full_prompt
     )
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 30, max_tokens=20), make_request("b", 80, max_tokens=4))
     # how many of b's tokens were computed when it was preempted, per preemption
     computed_at_preemption: dict[str, int] = {}
@@ -32,7 +33,7 @@ def test_without_reservation_a_prompt_admitted_by_its_first_chunk_preempts_itsel
 
 def test_reserve_full_prompt_admits_a_prompt_only_when_all_its_blocks_are_free():
     d, preempted = _run_two_prompts(reserve_full_prompt=True)
-    assert preempted == {} and d.preemptions == 0
+    assert preempted == {} and d.num_preemptions == 0
     # b waited for a's blocks instead of starting: its first step is after a finished
     first_b = next(i for i, so in enumerate(d.scheduler_outputs) if "b" in so.num_scheduled_tokens)
     last_a = max(i for i, so in enumerate(d.scheduler_outputs) if "a" in so.num_scheduled_tokens)
@@ -51,7 +52,7 @@ def test_reserve_full_prompt_admits_a_prompt_only_when_all_its_blocks_are_free()
 
 def test_reserve_full_prompt_counts_prefix_cache_hits_as_held():
     s = make_scheduler(num_blocks=8, max_num_batched_tokens=32)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     shared = list(range(1, 65))  # 4 blocks
     d.add(make_request("a", [*shared, 900], max_tokens=1))
     d.run()
@@ -65,7 +66,7 @@ def test_reserve_full_prompt_counts_prefix_cache_hits_as_held():
     assert new_b.num_computed_tokens == 64 and len(new_b.block_ids) == 5
     assert s.requests["b"].status == RequestStatus.RUNNING
     d.run()
-    assert len(d.tokens["b"]) == 2 and d.preemptions == 0
+    assert len(d.tokens["b"]) == 2 and d.num_preemptions == 0
 
 
 def test_select_victim_sees_the_requester_and_no_request_in_flight():
@@ -78,7 +79,7 @@ def test_select_victim_sees_the_requester_and_no_request_in_flight():
         return select(running)
 
     s.policy.select_victim = spy  # type: ignore[method-assign]
-    d = Driver(s)
+    d = SchedulerDriver(s)
     # 4 usable blocks: a and b hold 2 each after their prompts, then both need a third
     d.add(make_request("a", 31, max_tokens=10), make_request("b", 31, max_tokens=10))
     d.run()
@@ -93,7 +94,7 @@ def test_select_victim_sees_the_requester_and_no_request_in_flight():
 
 def test_long_prefill_token_threshold_caps_each_prompt_chunk():
     s = make_scheduler(max_num_batched_tokens=256, long_prefill_token_threshold=32)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 70, max_tokens=3), make_request("b", 40, max_tokens=3))
     d.step()
     assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 32, "b": 32}
@@ -109,7 +110,7 @@ def test_max_num_partial_prefills_holds_back_prompts_that_would_not_end_this_ste
     s = make_scheduler(
         max_num_batched_tokens=256, long_prefill_token_threshold=32, max_num_partial_prefills=1
     )
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(
         make_request("a", 100, max_tokens=2),
         make_request("short", 10, max_tokens=2),  # ends in its first step: not partial
@@ -137,7 +138,7 @@ def test_prefill_caps_are_off_by_default_and_without_chunked_prefill():
         long_prefill_token_threshold=32,
         max_num_partial_prefills=1,
     )
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 100, max_tokens=2), make_request("b", 100, max_tokens=2))
     d.step()
     assert d.scheduler_outputs[-1].num_scheduled_tokens == {"a": 100, "b": 100}
@@ -148,7 +149,7 @@ def test_prefill_caps_are_off_by_default_and_without_chunked_prefill():
 
 
 def _reference_tokens(*specs: tuple[str, int, int]) -> dict[str, list[int]]:
-    d = Driver(make_scheduler())
+    d = SchedulerDriver(make_scheduler())
     d.add(*(make_request(rid, n, max_tokens=m) for rid, n, m in specs))
     return d.run().tokens
 
@@ -156,7 +157,7 @@ def _reference_tokens(*specs: tuple[str, int, int]) -> dict[str, list[int]]:
 def test_reset_prefix_cache_with_reset_running_preempts_and_frees_every_block():
     specs = (("a", 40, 6), ("b", 50, 6))
     s = make_scheduler()
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(*(make_request(rid, n, max_tokens=m) for rid, n, m in specs))
     d.step()
     d.step()
@@ -181,12 +182,12 @@ def test_reset_prefix_cache_with_reset_running_preempts_and_frees_every_block():
 
 def test_reset_running_is_refused_while_a_batch_is_in_flight():
     s = make_scheduler()
-    d = Driver(s)
+    d = SchedulerDriver(s)
     d.add(make_request("a", 40))
     so = s.schedule()
     assert s.reset_prefix_cache(reset_running=True) is False
     assert s.requests["a"].status == RequestStatus.RUNNING
-    d.record(s.update_from_output(so, d.ex.execute_model(so)))
+    d.record(s.update_from_output(so, d.executor.execute_model(so)))
     assert s.reset_prefix_cache(reset_running=True) is True
     d.run()
     assert len(d.tokens["a"]) == 8
@@ -197,7 +198,7 @@ def test_reset_running_is_refused_while_a_batch_is_in_flight():
 
 def test_kv_view_shows_eviction_order_references_and_hashes():
     s = make_scheduler(num_blocks=8)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     shared = list(range(1, 33))  # 2 blocks
     d.add(make_request("a", [*shared, 100, 101], max_tokens=5))
     d.step()

@@ -27,9 +27,10 @@ from baton.scheduling_info import (
 )
 from baton.serial import MsgpackDecoder, MsgpackEncoder
 from baton.testing import FakeExecutor
+from baton.testing.sched_harness import SchedulerDriver
 from baton.testing.tiny_model import tiny_model
 from baton.validation import check_request, check_scheduling
-from tests.core.sched_helpers import Driver, make_config, make_request
+from tests.core.sched_helpers import make_config, make_request
 
 INFO = ModelInfo(
     path="fake", architecture="Fake", vocab_size=1000, max_model_len=64, eos_token_ids=[0]
@@ -190,9 +191,9 @@ def test_finished_once_for_every_reason():
     policy = Recording()
     assert isinstance(policy, SchedulerPolicy) and isinstance(policy, FinishAwarePolicy)
     s = _scheduler(policy, max_num_seqs=2)
-    d = Driver(s)
+    d = SchedulerDriver(s)
     length = make_request("length", 8, max_tokens=3, ignore_eos=True)
-    stop_token = d.ex.next_token(length.prompt_token_ids, 8)  # the fake's first token
+    stop_token = d.executor.next_token(length.prompt_token_ids, 8)  # the fake's first token
     stop = make_request("stop", list(length.prompt_token_ids), max_tokens=9, eos=stop_token)
     running = make_request("abort-running", 8, max_tokens=50, ignore_eos=True)
     waiting = make_request("abort-waiting", 8, max_tokens=50, ignore_eos=True)
@@ -210,7 +211,7 @@ def test_finished_once_for_every_reason():
         ["abort-running", "abort-waiting", "abort-waiting"], RequestStatus.FINISHED_ABORTED
     )
     so = s.schedule()
-    mro = d.ex.execute_model(so)
+    mro = d.executor.execute_model(so)
     mro = msgspec.structs.replace(mro, failed={"error": "RuntimeError: injected"})
     d.record(s.update_from_output(so, mro))
     assert policy.events == [
@@ -233,16 +234,16 @@ def test_a_request_whose_grammar_never_compiled_is_not_reported():
 
 
 def test_a_policy_without_finished_runs_and_one_that_raises_fails_the_step():
-    d = Driver(_scheduler(FCFSPolicy()))
+    d = SchedulerDriver(_scheduler(FCFSPolicy()))
     d.add(make_request("a", 8, max_tokens=2, ignore_eos=True))
     d.run()
-    assert d.finished["a"].finish_reason is not None
+    assert d.final_outputs["a"].finish_reason is not None
 
     class Raising(FCFSPolicy):
         def finished(self, request):
             raise KeyError("policy bug")
 
-    d = Driver(_scheduler(Raising()))
+    d = SchedulerDriver(_scheduler(Raising()))
     d.add(make_request("b", 8, max_tokens=1, ignore_eos=True))
     with pytest.raises(KeyError, match="policy bug"):
         d.run()

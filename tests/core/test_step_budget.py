@@ -9,16 +9,17 @@ from collections.abc import Callable
 
 import pytest
 
-from baton.bench.cost_model import DEFAULT
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.errors import ConfigError
 from baton.protocol import EngineCoreRequest, ModelInfo, SchedulerOutput
 from baton.sampling_params import SamplingParams
+from baton.sched.cost_model import DEFAULT
 from baton.sched.step_budget import PrefillBudget, StepShape, StepTimeModel
 from baton.testing import FakeExecutor
+from baton.testing.sched_harness import SchedulerDriver
 
-from .sched_helpers import Driver, make_request, make_scheduler
+from .sched_helpers import make_request, make_scheduler
 
 StepTime = Callable[[int, int], float]
 
@@ -34,8 +35,8 @@ def shape_of(so: SchedulerOutput, decoding: set[str]) -> tuple[int, int]:
     return prefill, decode
 
 
-class TimedDriver(Driver):
-    """Driver that feeds the scheduler a fake time for every step, from ``step_time(P, D)``."""
+class TimedDriver(SchedulerDriver):
+    """SchedulerDriver that feeds the scheduler a fake time for every step, from ``step_time(P, D)``."""
 
     def __init__(self, scheduler, step_time: StepTime) -> None:
         super().__init__(scheduler)
@@ -49,8 +50,8 @@ class TimedDriver(Driver):
     def step(self):
         due = {
             r.request_id
-            for r in self.s.running
-            if r.request_id in self.decoding and r.request_id in self.s.requests
+            for r in self.scheduler.running
+            if r.request_id in self.decoding and r.request_id in self.scheduler.requests
         }
         outs = super().step()
         so = self.scheduler_outputs[-1]
@@ -58,11 +59,11 @@ class TimedDriver(Driver):
         p, d = shape_of(so, self.decoding)
         self.shapes.append((p, d))
         for rid in so.num_scheduled_tokens:
-            req = self.s.requests.get(rid)
+            req = self.scheduler.requests.get(rid)
             if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
                 self.decoding.add(rid)
         if so.total_num_scheduled_tokens:
-            self.s.observe_step_time(so.step_id, self.step_time(p, d))
+            self.scheduler.observe_step_time(so.step_id, self.step_time(p, d))
         return outs
 
 
@@ -105,7 +106,7 @@ def _trace_digest(**overrides) -> str:
         max_num_seqs=8,
         **overrides,
     )
-    d = Driver(s)
+    d = SchedulerDriver(s)
     rng = random.Random(7)
     reqs = [
         make_request(f"r{i}", rng.randint(5, 300), max_tokens=rng.randint(1, 40), eos=None)

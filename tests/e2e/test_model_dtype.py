@@ -9,7 +9,7 @@ ways): without it the weights are upcast once and the model runs in float32,
 token for token what ``model.dtype = "float32"`` gives on that checkpoint.
 Measured on an AVX2 host without avx512_bf16 (emulated bf16, 2026-12-02):
 187 of 192 positions (97.4%); the bound leaves a margin. On SmolLM2-135M
-(``scripts/bench_agreement.py --set model.dtype=bfloat16 --prompts 8
+(``plugins/bench/scripts/bench_agreement.py --set model.dtype=bfloat16 --prompts 8
 --max-tokens 48`` against the default Q4_1 reference): 96.6% of 384 positions,
 mean KL 0.00115.
 """
@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baton import LLM, SamplingParams
-from baton.bench.common import dtype_config
 from baton.testing.tiny_model import tiny_model
 from baton.worker import cpu_features
 from baton.worker.cpu_features import features_from
+from baton_bench.common import dtype_config
 
 from .parity import PROMPTS
 

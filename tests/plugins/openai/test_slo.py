@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import httpx
 
-from baton_openai.bench_serve import RequestRecord, goodput, slo_fields
-
 from .conftest import metric
 
 
@@ -37,17 +35,3 @@ def test_a_bad_slo_target_is_a_400_naming_the_field(server):
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "scheduling.slo_tpot_ms"
-
-
-def test_bench_serve_goodput_counts_requests_meeting_every_target():
-    slo = slo_fields(500.0, 50.0)
-    assert slo == {"slo_ttft_ms": 500.0, "slo_tpot_ms": 50.0}
-    records = [
-        RequestRecord(id="ok", expected_tokens=5, output_tokens=5, ttft_s=0.4, e2e_s=0.6),
-        RequestRecord(id="slow-first", expected_tokens=5, output_tokens=5, ttft_s=0.6, e2e_s=0.7),
-        RequestRecord(id="slow-rest", expected_tokens=5, output_tokens=5, ttft_s=0.1, e2e_s=0.4),
-        RequestRecord(id="failed", expected_tokens=5, error="HTTP 500"),
-    ]
-    g = goodput(records, 2.0, slo)
-    assert (g["met"], g["attainment"], g["goodput_req_s"]) == (1, 0.25, 0.5)
-    assert slo_fields(None, None) == {}

@@ -4,14 +4,14 @@ other)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from baton.cli.config_check import config_command
 from baton.cli.main import add_engine_arguments, engine_overrides
+from baton.errors import PluginNotFoundError
 from baton.plugins.hookspecs import hookimpl
 
 Handler = Callable[[argparse.Namespace], int | None]
@@ -222,39 +222,22 @@ def env_command(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-#: built-in benchmark -> module with add_arguments(parser) and main(args)
-BUILTIN_BENCHES = {
-    "scheduler": "baton.bench.scheduler",
-    "simulate": "baton.bench.simulate",
-    "transport": "baton.bench.transport",
-    "throughput": "baton.bench.throughput",
-    "latency": "baton.bench.latency",
-}
-
-
-class ModuleBench:
-    """The bench factory of a module with ``add_arguments(parser)`` and ``main(args)``, imported
-    only when ``baton bench`` builds its parser (plugins load in every process)."""
-
-    def __init__(self, module_name: str) -> None:
-        self.module_name = module_name
-
-    @property  # type: ignore[override]
-    def __doc__(self) -> str | None:  # the help line: the module's docstring
-        return importlib.import_module(self.module_name).__doc__
-
-    def __call__(self, parser: argparse.ArgumentParser) -> Handler:
-        module = importlib.import_module(self.module_name)
-        module.add_arguments(parser)
-        return cast(Handler, module.main)
+def _no_bench(args: argparse.Namespace) -> int:
+    raise PluginNotFoundError(
+        "`baton bench`: no benchmark is installed; install the distribution that provides "
+        "them: pip install baton-bench (from a checkout: pip install -e ./plugins/bench)"
+    )
 
 
 def bench_command(p: argparse.ArgumentParser) -> Handler:
     """Benchmarks: scheduler, simulate, transport, throughput, latency, and those plugins register."""
     from baton.plugins.registry import get_registry
 
+    entries = get_registry().of_kind("bench")
+    if not entries:  # `baton --help` and the other commands still work without baton-bench
+        return _no_bench
     sub = p.add_subparsers(dest="bench", metavar="KIND", required=True)
-    for entry in get_registry().of_kind("bench"):
+    for entry in entries:
         doc = (entry.factory.__doc__ or "").strip()
         bp = sub.add_parser(entry.name, help=doc.splitlines()[0] if doc else None)
         bp.set_defaults(_bench_main=entry.create(bp))
@@ -263,12 +246,6 @@ def bench_command(p: argparse.ArgumentParser) -> Handler:
         return int(args._bench_main(args) or 0)
 
     return run
-
-
-@hookimpl
-def register_benches(register: Any) -> None:
-    for name, module_name in BUILTIN_BENCHES.items():
-        register(name, ModuleBench(module_name))
 
 
 @hookimpl

@@ -228,7 +228,7 @@ def register_benches(register: Register[BenchFactory]) -> None:
         None``. The kernel adds no arguments: a benchmark that runs an engine adds
         ``baton.cli.main.add_engine_arguments`` itself.
 
-    Called once when ``baton bench`` builds its parser. Built in: ``scheduler``,
-    ``transport``, ``throughput``, ``latency``; ``baton-plugin-openai`` adds
+    Called once when ``baton bench`` builds its parser. None built in: ``baton-bench``
+    adds ``scheduler``, ``simulate``, ``transport``, ``throughput``, ``latency`` and
     ``serve`` (HTTP load against ``baton serve`` or any OpenAI-compatible server).
     """

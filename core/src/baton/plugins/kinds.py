@@ -273,8 +273,10 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             word="benchmark",
             factory=BenchFactory,
             product=None,
-            builtin=("scheduler", "transport", "throughput", "latency", "simulate"),
-            distributions={"serve": "baton-plugin-openai"},
+            distributions={
+                name: "baton-bench"
+                for name in ("scheduler", "simulate", "transport", "throughput", "latency", "serve")
+            },
         ),
     )
 }

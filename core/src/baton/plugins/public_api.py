@@ -183,16 +183,6 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
     "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
     "baton.kernels.report": ("collect", "render", "CpuReport", "KernelPath"),
     "baton.kernels.os_grant": ("Grant",),
-    # for benchmark plugins (register_benches)
-    "baton.bench.common": (
-        "CpuMonitor",
-        "Workload",
-        "WorkloadRequest",
-        "load_workload",
-        "default_bench_dir",
-        "percentile",
-        "emit",
-    ),
     # for router plugins
     "baton.routing": ("EngineLoad", "RouteRequest"),
     # collective_rpc's targets: the Worker allow-list and registered names

@@ -33,7 +33,7 @@ The step time comes from ``StepTimeModel``: a linear model
 fitted online by exponentially weighted least squares on the wall time of each
 executed step (``EngineCore`` measures it and the scheduler passes it on). It
 starts from the scheduler simulator's cost model
-(``baton.bench.cost_model.DEFAULT``) as a few pseudo-steps, which decide alone
+(``baton.sched.cost_model.DEFAULT``) as a few pseudo-steps, which decide alone
 until steps are measured and then fade like any old step; a much weaker copy
 that never fades keeps the fit defined when all recent steps have one shape
 (e.g. decodes only: the cost of a prompt token is then what the latest steps
@@ -47,9 +47,9 @@ import math
 
 import msgspec
 
-from baton.bench.cost_model import DEFAULT as DEFAULT_COST_MODEL
-from baton.bench.cost_model import CostModel
 from baton.errors import ConfigError
+from baton.sched.cost_model import DEFAULT as DEFAULT_COST_MODEL
+from baton.sched.cost_model import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ AUTO_CLIP = 3.0
 
 class StepShape(msgspec.Struct, frozen=True):
     """What a scheduled step computes: prompt tokens, decode rows and attention pairs (each new
-    token times the tokens it attends to, as ``baton.bench.cost_model.step_features``)."""
+    token times the tokens it attends to, as ``baton.sched.cost_model.step_features``)."""
 
     prefill_tokens: int
     decode_rows: int

@@ -1,14 +1,19 @@
-"""Drive a scheduler policy through the real Scheduler + KVCacheManager + FakeExecutor.
+"""Drive the real Scheduler + KVCacheManager + FakeExecutor step by step: baton's one
+scheduler driver, for tests, policy authors, ``baton bench scheduler`` and the simulator.
 
-``PolicyHarness`` runs requests step by step on a simulated clock (``step_s``
-seconds per step), feeding arrivals as their time comes, and records what a
-test needs: tokens per request, finish reasons, first-admission times,
-preemptions and a trace of every step (for determinism checks). The policy is
-wrapped in ``CheckedPolicy``, which asserts the ``SchedulerPolicy`` contract
-on every call (and receives the kernel's ``finished`` event, passing it on to a
-policy that has one), and after every step the harness checks that the policy
-holds exactly the requests the mechanism thinks are waiting, and that every
-request that finished was reported to it once.
+``SchedulerDriver`` runs schedule -> execute -> update, feeds submitted requests in as a
+simulated clock (``SimClock``) reaches their ``arrival_time`` (jumping ahead when nothing
+runs), and records tokens, finish reasons, outputs and preemptions. ``schedule()`` and
+``finish_step()`` are the two halves of a step, for a caller that executes the step itself
+(the simulator times it with a cost model).
+
+``PolicyHarness`` runs a policy on it with a fixed ``step_s`` per step and records what a
+policy test needs: first-admission times and a trace of every step (for determinism
+checks). The policy is wrapped in ``CheckedPolicy``, which asserts the ``SchedulerPolicy``
+contract on every call (and receives the kernel's ``finished`` event, passing it on to a
+policy that has one), and after every step the harness checks that the policy holds exactly
+the requests the mechanism thinks are waiting, and that every request that finished was
+reported to it once.
 
 Tokens come from the FakeExecutor: a pure function of a request's tokens, so
 ``expected_tokens`` gives the right output of any request, whatever the
@@ -18,13 +23,14 @@ batching, chunking or preemption.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
 
 from baton.config import BatonConfig
-from baton.protocol import FinishReason
+from baton.protocol import EngineCoreOutput, FinishReason, ModelRunnerOutput, SchedulerOutput
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
 from baton.sched.scheduler import Scheduler
@@ -142,7 +148,144 @@ class CheckedPolicy:
         )
 
 
-class PolicyHarness:
+class SimClock:
+    """A scheduler clock that moves only when told: ``Scheduler(..., clock=SimClock())``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SchedulerDriver:
+    """schedule -> execute -> update on a real Scheduler and a FakeExecutor, recording the
+    outputs; requests enter at once (``add``) or when ``clock`` reaches their arrival
+    (``submit``).
+
+    ``clock`` is the ``SimClock`` the scheduler was built with (None: the scheduler's own
+    clock, and no ``submit``). With ``record=False`` only the counts are kept (long replays).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: FakeExecutor | None = None,
+        *,
+        clock: SimClock | None = None,
+        record: bool = True,
+        **executor_kw: Any,
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor or FakeExecutor(
+            block_size=scheduler.block_size,
+            num_blocks=scheduler.kv.pool.num_blocks,
+            deep_check=True,
+            **executor_kw,
+        )
+        self.clock = clock
+        self.keep = record
+        #: Submitted, not yet arrived: by arrival time, equal times in the order submitted.
+        self.pending: list[Request] = []
+        self.tokens: dict[str, list[int]] = {}
+        #: request id -> its finish reason, in the order requests finished
+        self.finished: dict[str, FinishReason] = {}
+        #: request id -> the output it finished with
+        self.final_outputs: dict[str, EngineCoreOutput] = {}
+        self.outputs: list[EngineCoreOutput] = []
+        self.scheduler_outputs: list[SchedulerOutput] = []
+        self.num_preemptions = 0
+        self.steps = 0
+        #: Wall seconds of the last ``schedule()`` / ``update_from_output()``, and of every
+        #: ``add_request`` that ``submit`` made (what ``baton bench scheduler`` times).
+        self.schedule_s = 0.0
+        self.update_s = 0.0
+        self.add_s = 0.0
+
+    def add(self, *requests: Request) -> None:
+        """Requests enter the scheduler now, whatever their ``arrival_time``."""
+        for r in requests:
+            self.scheduler.add_request(r)
+
+    def submit(self, *requests: Request) -> None:
+        """Requests enter the scheduler when the clock reaches their ``arrival_time``; those
+        with equal arrival times in the order they were submitted."""
+        if self.clock is None:
+            raise ValueError("submit() needs a SimClock: SchedulerDriver(..., clock=SimClock())")
+        self.pending.extend(requests)
+        self.pending.sort(key=lambda r: r.arrival_time)  # stable: ties keep submission order
+        self.arrive()
+
+    def arrive(self) -> None:
+        """Add the submitted requests whose arrival time has come."""
+        if not self.pending:
+            return
+        now = self.clock()  # type: ignore[misc]  # pending only with a clock (submit)
+        due = 0
+        perf = time.perf_counter
+        while due < len(self.pending) and self.pending[due].arrival_time <= now:
+            t0 = perf()
+            self.scheduler.add_request(self.pending[due])
+            self.add_s += perf() - t0
+            due += 1
+        del self.pending[:due]
+
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.scheduler.has_unfinished_requests()
+
+    def schedule(self) -> SchedulerOutput:
+        """The first half of a step: idle until the next arrival when nothing runs, add what
+        arrived, ``schedule()``."""
+        if self.pending and not self.scheduler.has_unfinished_requests():
+            self.clock.now = max(self.clock.now, self.pending[0].arrival_time)  # type: ignore[union-attr]
+        self.arrive()
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        self.schedule_s = time.perf_counter() - t0
+        if self.keep:
+            self.scheduler_outputs.append(so)
+        return so
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.executor.execute_model(so)
+
+    def finish_step(
+        self, so: SchedulerOutput, mro: ModelRunnerOutput | None
+    ) -> list[EngineCoreOutput]:
+        """The second half of a step: ``update_from_output``, then record its outputs."""
+        t0 = time.perf_counter()
+        outs = self.scheduler.update_from_output(so, mro)
+        self.update_s = time.perf_counter() - t0
+        self.num_preemptions += len(so.preempted_req_ids)
+        self.steps += 1
+        self.record(outs)
+        return outs
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.schedule()
+        return self.finish_step(so, self.execute(so))
+
+    def record(self, outs: list[EngineCoreOutput]) -> None:
+        for o in outs:
+            rid = o.request_id
+            assert rid not in self.finished, f"{rid!r} got output after it finished"
+            if self.keep:
+                self.outputs.append(o)
+                self.tokens.setdefault(rid, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.finished[rid] = o.finish_reason
+                self.final_outputs[rid] = o
+
+    def run(self, max_steps: int = 20_000) -> SchedulerDriver:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return self
+            self.step()
+        stuck = list(self.scheduler.requests.values())
+        raise AssertionError(f"not finished after {max_steps} steps; unfinished: {stuck[:10]}")
+
+
+class PolicyHarness(SchedulerDriver):
     """A real Scheduler with ``policy`` and a FakeExecutor on a simulated clock."""
 
     def __init__(
@@ -156,41 +299,33 @@ class PolicyHarness:
         self.policy = CheckedPolicy(policy)
         self.config = config
         self.step_s = step_s
-        self.now = 0.0
-        self.scheduler = Scheduler(
-            config, self.policy, num_blocks, clock=lambda: self.now, max_model_len=None
+        clock = SimClock()
+        super().__init__(
+            Scheduler(config, self.policy, num_blocks, clock=clock, max_model_len=None),
+            FakeExecutor(
+                block_size=config.cache.block_size, num_blocks=num_blocks, deep_check=deep_check
+            ),
+            clock=clock,
         )
-        self.executor = FakeExecutor(
-            block_size=config.cache.block_size, num_blocks=num_blocks, deep_check=deep_check
-        )
-        #: Submitted, not yet arrived: by arrival time, equal times in the order submitted.
-        self.pending: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.finished: dict[str, FinishReason] = {}
         self.admitted_at: dict[str, float] = {}
         self.aborted: set[str] = set()
         #: Requests the next step that schedules them reports failed, as a runner would.
         self.to_fail: set[str] = set()
         self.trace: list[tuple[Any, ...]] = []
-        self.num_preemptions = 0
-        self.steps = 0
+
+    @property
+    def now(self) -> float:
+        return self.clock.now  # type: ignore[union-attr]
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.clock.now = value  # type: ignore[union-attr]
 
     def submit(self, *requests: Request) -> None:
-        """Requests enter the scheduler when the clock reaches their ``arrival_time``; those
-        with equal arrival times in the order they were submitted."""
         for r in requests:
             self.requests[r.request_id] = r
-            self.pending.append(r)
-        self.pending.sort(key=lambda r: r.arrival_time)  # stable: ties keep submission order
-        self._arrive()
-
-    def _arrive(self) -> None:
-        due = 0
-        while due < len(self.pending) and self.pending[due].arrival_time <= self.now:
-            self.scheduler.add_request(self.pending[due])
-            due += 1
-        del self.pending[:due]
+        super().submit(*requests)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         done = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
@@ -205,11 +340,7 @@ class PolicyHarness:
         """The next step that schedules these requests reports them failed (finish reason error)."""
         self.to_fail.update(request_ids)
 
-    def step(self) -> None:
-        if not self.scheduler.has_unfinished_requests() and self.pending:
-            self.now = max(self.now, self.pending[0].arrival_time)
-        self._arrive()
-        so = self.scheduler.schedule()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         for new in so.scheduled_new_reqs:
             self.admitted_at.setdefault(new.req_id, self.now)
         mro = self.executor.execute_model(so)
@@ -218,31 +349,27 @@ class PolicyHarness:
             self.to_fail -= failing
             failed = {rid: "RuntimeError: injected by PolicyHarness.fail" for rid in failing}
             mro = msgspec.structs.replace(mro, failed={**(mro.failed or {}), **failed})
-        outs = self.scheduler.update_from_output(so, mro)
-        self.num_preemptions += len(so.preempted_req_ids)
         self.trace.append((tuple(so.num_scheduled_tokens.items()), tuple(so.preempted_req_ids)))
-        for o in outs:
-            rid = o.request_id
-            assert rid not in self.finished, f"{rid!r} got output after it finished"
-            assert rid not in self.aborted, f"{rid!r} got output after it was aborted"
-            self.tokens.setdefault(rid, []).extend(o.new_token_ids)
-            if o.finish_reason is not None:
-                self.finished[rid] = o.finish_reason
-                told = self.policy.told.get(rid)
-                assert told is not None and told.finish_reason == o.finish_reason, (
-                    f"{rid!r} finished ({o.finish_reason}) but the policy was told {told}"
-                )
-        self.policy.check()
-        self.steps += 1
-        self.now += self.step_s
+        return mro
 
-    def run(self, max_steps: int = 20_000) -> PolicyHarness:
-        for _ in range(max_steps):
-            if not self.pending and not self.scheduler.has_unfinished_requests():
-                return self
-            self.step()
-        stuck = [r for r in self.scheduler.requests.values()]
-        raise AssertionError(f"not finished after {max_steps} steps; unfinished: {stuck[:10]}")
+    def record(self, outs: list[EngineCoreOutput]) -> None:
+        for o in outs:
+            assert o.request_id not in self.aborted, (
+                f"{o.request_id!r} got output after it was aborted"
+            )
+        super().record(outs)
+        for o in outs:
+            if o.finish_reason is not None:
+                told = self.policy.told.get(o.request_id)
+                assert told is not None and told.finish_reason == o.finish_reason, (
+                    f"{o.request_id!r} finished ({o.finish_reason}) but the policy was told {told}"
+                )
+
+    def step(self) -> list[EngineCoreOutput]:
+        outs = super().step()
+        self.policy.check()
+        self.now += self.step_s
+        return outs
 
     def expected(self, request: Request) -> list[int]:
         return expected_tokens(self.executor, request)

@@ -1,5 +1,5 @@
-"""Plugin module of baton-plugin-openai: registers commands ``serve`` and ``run-batch``, benchmark ``serve``
-(``baton bench serve``) and stat logger ``prometheus``.
+"""Plugin module of baton-plugin-openai: registers commands ``serve`` and ``run-batch`` and stat
+logger ``prometheus`` (``baton bench serve``, its HTTP load, is baton-bench's).
 
 Plugins load in every process baton spawns (engine cores too), so this module
 imports nothing heavy: FastAPI, uvicorn and prometheus-client load only when
@@ -31,14 +31,6 @@ def run_batch_command(parser: Any) -> Any:
     return main
 
 
-def serve_bench(parser: Any) -> Any:
-    """HTTP load on an OpenAI-compatible server: streaming requests at a rate, TTFT/ITL/TPOT."""
-    from baton_openai.bench_serve import add_arguments, main
-
-    add_arguments(parser)
-    return main
-
-
 def create_prometheus_logger(config: Any, settings: Any = None, engine_index: int = 0) -> Any:
     """The registered factory: ``factory(config, settings, engine_index)``."""
     from baton_openai.metrics.prometheus import PrometheusStatLogger
@@ -50,11 +42,6 @@ def create_prometheus_logger(config: Any, settings: Any = None, engine_index: in
 def register_commands(register: Any) -> None:
     register("serve", serve_command)
     register("run-batch", run_batch_command)
-
-
-@hookimpl
-def register_benches(register: Any) -> None:
-    register("serve", serve_bench)
 
 
 @hookimpl
