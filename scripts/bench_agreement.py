@@ -27,8 +27,8 @@ import torch
 from baton import LLM, SamplingParams
 from baton.bench.common import default_bench_dir
 from baton.config import BatonConfig
+from baton.model.loader import load_model
 from baton.quant import QuantLinear
-from baton.worker.model_loader import load_model
 
 
 def parse_sets(items: list[str]) -> dict[str, str]:

@@ -31,7 +31,7 @@ from typing import Any
 
 from baton.bench import peers
 from baton.bench.common import default_bench_dir
-from baton.worker.model_loader import alias_gguf, resolve_model
+from baton.model.loader import alias_gguf, resolve_model
 
 REPEATS = os.environ.get("BENCH_REPEATS", "3")
 THREADS = "2"

@@ -24,7 +24,7 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.bench.common import default_bench_dir, digest, load_workload
-from baton.worker.model_loader import resolve_model
+from baton.model.loader import resolve_model
 
 TIE_GAP = 1e-4
 

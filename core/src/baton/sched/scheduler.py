@@ -17,7 +17,7 @@ so that the step takes about that long: the running decodes are counted first
 and always scheduled, and the engine feeds each step's measured time back
 through ``observe_step_time``.
 
-With a speculator (``speculative.method``, ``baton.spec.drafts``) a running
+With a speculator (``speculative.method``, ``baton.speculative.drafting``) a running
 request about to decode may be scheduled with draft tokens: ``1 + k`` tokens,
 counted in the budget and given KV slots like any others, its
 ``num_computed_tokens`` advanced by all of them. The runner verifies the drafts
@@ -77,7 +77,7 @@ from baton.sched.step_budget import PrefillBudget, StepShape
 from baton.sched.stop import append_and_check_stop
 from baton.sched.victims import VictimCandidate
 from baton.sched.victims import candidates as victim_candidates
-from baton.spec.drafts import Drafts
+from baton.speculative.drafting import Drafts
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig

@@ -33,8 +33,8 @@ from baton.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
+    from baton.model.gguf_tensors import GGUFTensors
     from baton.quant import QuantLinear
-    from baton.worker.gguf_tensors import GGUFTensors
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _quantize_weights(
     if mode == "none":
         return report
     if mode == "auto":
-        from baton.worker.gguf_tensors import gguf_source
+        from baton.model.gguf_tensors import gguf_source
 
         source = gguf_source(folder)
         if source is None:
@@ -258,8 +258,8 @@ def keep_gguf_types(
     model: torch.nn.Module, source: Path, kernels: bool | None, report: QuantizationReport
 ) -> None:
     """Replace ``model``'s layers by the GGUF ``source``'s quantized tensors, where it has them."""
+    from baton.model.gguf_tensors import TOKEN_EMBD, GGUFTensors, gguf_tensor_name, tensor_name_map
     from baton.quant import QuantEmbedding
-    from baton.worker.gguf_tensors import TOKEN_EMBD, GGUFTensors, gguf_tensor_name, tensor_name_map
 
     text = model.config.get_text_config()
     tensors = GGUFTensors(source)
@@ -334,8 +334,8 @@ def _from_gguf(
     """A QuantLinear over GGUF tensor ``tname`` for the layer ``module_name``, or why it stays float."""
     from gguf import GGMLQuantizationType
 
+    from baton.model.gguf_tensors import qk_row_order
     from baton.quant import QType, QuantLinear, dequantize
-    from baton.worker.gguf_tensors import qk_row_order
 
     if tname is None:
         return "no GGUF tensor name for it"
