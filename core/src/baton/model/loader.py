@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from baton.errors import ModelLoadError
+from baton.errors import ConfigError, ModelLoadError
+from baton.model.hub import from_hub, is_repo_id
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +125,6 @@ def resolve_model(
 
 
 def _from_hub(name: str, revision: str | None, download: bool) -> Path:
-    from baton.model.hub import from_hub, is_repo_id
-
     known = ", ".join(sorted(ALIASES))
     hint = f"use a built-in alias ({known}), a local Hugging Face model folder, or a .gguf file"
     if not is_repo_id(name):
@@ -381,6 +380,7 @@ def load_model(
     their part ever reaches the device); ``model.quantization`` applies after it
     (``baton.model.quantization``).
     """
+    # torch-heavy: model_folder and resolve_model stay light for the engine core and the CLI
     from baton.kernels import attention
     from baton.model.compute_dtype import resolve_dtype
 
@@ -435,7 +435,6 @@ def _load_sharded(
     this rank's tensors from ``folder`` (``baton.model.sharded_state``); no full weights read."""
     import torch
 
-    from baton.errors import ConfigError
     from baton.kernels import attention
     from baton.model.sharded_state import check_marker, load_sharded_state
 
