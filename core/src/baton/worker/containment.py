@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("baton.worker.model_runner")
+log = logging.getLogger("baton.worker.model_runner")  # the runner's: its messages keep their logger
 
 
 def describe(error: BaseException) -> str:

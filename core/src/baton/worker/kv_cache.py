@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from baton.worker.fast_decode import FastDecode
     from baton.worker.step_inputs import StepInputBuilder
 
-log = logging.getLogger("baton.worker.model_runner")
+log = logging.getLogger("baton.worker.model_runner")  # the runner's: its messages keep their logger
 
 GiB = 1 << 30
 #: KV cache on CPU when nothing is configured: enough for every sequence at full length, at most this.

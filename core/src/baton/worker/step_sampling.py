@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from baton.worker.input_batch import InputBatch
     from baton.worker.runner_hooks import ModelRunnerHooks
 
-log = logging.getLogger("baton.worker.model_runner")
+log = logging.getLogger("baton.worker.model_runner")  # the runner's: its messages keep their logger
 
 #: Prompt positions scored per log_softmax (prompt_logprobs): bounds the extra memory a long
 #: prompt chunk takes (rows x vocab floats) beside its logits.
