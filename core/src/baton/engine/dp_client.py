@@ -64,7 +64,7 @@ class DPAsyncMPClient(AsyncMPClient):
         if expert_parallel_size(config) > 1:
             self._store = _serve_store(config.executor.data_parallel_master_port)
             self.waves = Waves()
-        super().__init__(config, plugins, transport, num_engines, loop)
+        super().__init__(config, plugins, transport, num_engines=num_engines, loop=loop)
 
     def _engine_config(self, index: int) -> BatonConfig:
         update: dict[str, Any] = {"data_parallel_rank": index}

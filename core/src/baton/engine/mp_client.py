@@ -103,6 +103,7 @@ class MPClient(EngineCoreClient):
         config: BatonConfig,
         plugins: ResolvedPlugins,
         transport: Transport,
+        *,
         num_engines: int = 1,
     ) -> None:
         self.config = config
@@ -365,16 +366,12 @@ class AsyncMPClient(MPClient):
     """asyncio face: outputs land in an asyncio.Queue of the loop that created the client."""
 
     def __init__(
-        self,
-        config: BatonConfig,
-        plugins: ResolvedPlugins,
-        transport: Transport,
-        num_engines: int = 1,
-        loop: asyncio.AbstractEventLoop | None = None,
+        self, *args: Any, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any
     ) -> None:
+        """``MPClient``'s arguments; ``loop``: where outputs are delivered (the running one)."""
         self._loop = loop or asyncio.get_running_loop()
         self._outputs_async: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
-        super().__init__(config, plugins, transport, num_engines)
+        super().__init__(*args, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         # a RuntimeError means the loop is closed: nobody is listening any more
@@ -444,5 +441,5 @@ def make_mp_client(
     if num_engines > 1:
         from baton.engine.dp_client import DPAsyncMPClient
 
-        return DPAsyncMPClient(config, plugins, transport, num_engines, loop)
-    return AsyncMPClient(config, plugins, transport, 1, loop)
+        return DPAsyncMPClient(config, plugins, transport, num_engines, loop=loop)
+    return AsyncMPClient(config, plugins, transport, loop=loop)

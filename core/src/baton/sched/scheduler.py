@@ -105,9 +105,7 @@ class Scheduler:
         drafts: Drafts | None = None,
         max_loras: int | None = None,
     ) -> None:
-        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's
-        (None: no limit past the blocks); ``max_loras``: most distinct LoRA adapters among
-        running requests (``lora.max_loras``; None: LoRA off)."""
+        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's."""
         self.policy = policy
         #: Speculative decoding's bookkeeping (``speculative.method``); None: off.
         self.drafts = drafts
@@ -122,8 +120,8 @@ class Scheduler:
         )
         self.clock = clock
         self._set_limits(scheduler, cache, max_num_seqs_per_batch)
-        #: A waiting request with another adapter than the running ones' waits while
-        #: ``max_loras`` adapters are running.
+        #: Most distinct LoRA adapters among running requests (lora.max_loras; None: LoRA off):
+        #: a waiting request with another adapter waits until one of them has no request left.
         self.max_loras = max_loras
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
@@ -153,10 +151,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
 
     def _set_limits(
-        self,
-        section: SchedulerSection,
-        cache: CacheSection,
-        max_num_seqs_per_batch: int | None,
+        self, section: SchedulerSection, cache: CacheSection, max_num_seqs_per_batch: int | None
     ) -> None:
         """The scheduler's limits and switches, from its sections and the engine's override."""
         self.max_num_seqs = section.max_num_seqs
