@@ -14,6 +14,7 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ExecutorError, InvalidRequestError
+from baton.model.sharded_state import save_sharded_state
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -189,10 +190,8 @@ class Worker:
     def save_sharded_state(
         self, path: str, pattern: str | None = None, max_size: int | None = None
     ) -> list[str]:
-        """Write this rank's model, as sharded, into ``path`` (``baton.worker.sharded_state``);
+        """Write this rank's model, as sharded, into ``path`` (``baton.model.sharded_state``);
         the file names written. Refused for quantized layers and LoRA wrappers."""
-        from baton.worker.sharded_state import save_sharded_state
-
         runner = self._runner()
         model = getattr(runner, "model", None)
         if not isinstance(model, torch.nn.Module):
