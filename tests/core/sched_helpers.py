@@ -31,7 +31,7 @@ def make_scheduler(
     kwargs: dict[str, Any] = {"max_model_len": max_model_len}
     if clock is not None:
         kwargs["clock"] = clock
-    return Scheduler(cfg, pol, num_blocks, **kwargs)
+    return Scheduler(cfg.scheduler, cfg.cache, pol, num_blocks, **kwargs)
 
 
 def make_request(

@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from baton import hookimpl
 from baton.cli.main import add_engine_arguments, engine_overrides, main
 from baton.config import BatonConfig
-from baton.errors import ConfigError, PluginNotFoundError
+from baton.errors import ConfigError, PluginError, PluginNotFoundError
 from baton.plugins.check import check_config_plugins
 from baton.plugins.registry import Plugins
+from baton.plugins.resolve import resolve_plugins
 
 
 class LaxSettings(BaseModel):
@@ -144,6 +145,36 @@ def test_skip_leaves_a_kind_to_the_caller():
     config = BatonConfig.load(executor="no-such-executor")
     kinds = {s.kind for s in check_config_plugins(config, registry(), skip=frozenset({"executor"}))}
     assert "executor" not in kinds
+
+
+def test_resolve_keeps_each_selected_entry_with_its_validated_settings():
+    config = BatonConfig.load(
+        policy="edf",
+        **{"scheduler.edf.deadline_ms": 9, "observability.stat_loggers": ["logging", "logging"]},
+    )
+    plugins = resolve_plugins(config, registry())
+    edf = plugins.one("scheduler_policy")
+    assert (edf.name, edf.entry.distribution) == ("edf", "baton-edf")
+    assert isinstance(edf.settings, LaxSettings) and edf.settings.deadline_ms == 9
+    assert [c.name for c in plugins.all("stat_logger")] == ["logging", "logging"]
+    assert plugins.find("speculator") is None  # speculative.method = "none"
+    with pytest.raises(
+        PluginError, match=r"no speculator was resolved \(the config selects none\)"
+    ):
+        plugins.one("speculator")
+
+
+def test_resolve_refuses_what_the_check_refuses_and_honours_skip():
+    config = BatonConfig.load(executor="no-such-executor", **{"scheduler.edf.x": 1})
+    with pytest.raises(PluginNotFoundError) as resolved:
+        resolve_plugins(config, registry())
+    with pytest.raises(PluginNotFoundError) as checked:
+        check_config_plugins(config, registry())
+    assert str(resolved.value) == str(checked.value)
+    config = BatonConfig.load(executor="no-such-executor")
+    plugins = resolve_plugins(config, registry(), skip=frozenset({"executor"}))
+    with pytest.raises(PluginError, match=r"no executor was resolved \(the caller supplies it\)"):
+        plugins.one("executor")
 
 
 # --------------------------------------------------------------------------- the command

@@ -14,6 +14,7 @@ from baton import hookimpl
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.plugins.registry import Plugins, get_plugins
+from baton.plugins.resolve import resolve_plugins
 from baton.protocol import EngineCoreRequest, ModelInfo
 from baton.sampling_params import SamplingParams, StructuredOutputSpec
 from baton.sched.policies import FCFSPolicy
@@ -282,7 +283,7 @@ def test_hook_register_stat_loggers(global_plugin):
 
     global_plugin(Plugin(), "stat-hook-plugin")
     config = BatonConfig.load(**{"observability.stat_loggers": ["recorder-hook"]})
-    loggers = StatLoggers(config, engine_index=3)
+    loggers = StatLoggers(config, resolve_plugins(config), engine_index=3)
     loggers.record(None, IterationStats(timestamp=0.0, num_generation_tokens=5))
     loggers.log()
     assert seen == [("created", 3), ("record", 5), ("log",)]

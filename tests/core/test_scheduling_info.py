@@ -184,7 +184,8 @@ class Recording(FCFSPolicy):
 
 
 def _scheduler(policy, **cfg) -> Scheduler:
-    return Scheduler(make_config(**cfg), policy, 64, max_model_len=4096)
+    config = make_config(**cfg)
+    return Scheduler(config.scheduler, config.cache, policy, 64, max_model_len=4096)
 
 
 def test_finished_once_for_every_reason():

@@ -8,6 +8,7 @@ import pytest
 
 from baton import LLM, SamplingParams, validation
 from baton.errors import ContextLengthError, InvalidRequestError
+from baton.plugins.registry import PluginEntry
 from baton.testing.tiny_model import tiny_model
 
 from .sched_helpers import make_request, make_scheduler
@@ -35,6 +36,25 @@ def test_the_frontend_checks_each_prompt_once_and_the_engine_each_request_once(m
     assert [len(o.outputs) for o in outs] == [2, 2]
     assert len(frontend) == 2  # one per prompt, not again per child nor in process()
     assert len(engine) == 4  # one per request the engine core receives (n=2 children each)
+
+
+def test_the_config_is_resolved_once_and_each_plugins_settings_validated_once(monkeypatch):
+    """The sync LLM on the inproc transport: one resolve (the start-up check) whose record
+    builds the transport, the stat loggers and the engine core's executor and policy."""
+    resolves = _counting(monkeypatch, "baton.plugins.resolve", "find_chosen_plugins")
+    real_settings, validated = PluginEntry.settings, []
+
+    def settings(entry, config):
+        validated.append((entry.kind, entry.name))
+        return real_settings(entry, config)
+
+    monkeypatch.setattr(PluginEntry, "settings", settings)
+    with LLM(model=str(tiny_model("llama")), max_model_len=128) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        chosen = [(c.entry.kind, c.name) for c in llm.plugins.chosen]
+    assert len(resolves) == 1
+    assert {"executor", "scheduler_policy", "transport"} <= {kind for kind, _ in chosen}
+    assert validated == chosen  # each selected plugin's settings once, none looked up again
 
 
 @pytest.mark.parametrize("max_model_len", [16, 64])

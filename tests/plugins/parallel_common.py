@@ -214,7 +214,9 @@ def check_hang_is_detected(executor: Any) -> None:
     )
     blocks = min(fit, 64)
     executor.initialize_kv_cache(KVCacheConfig(num_blocks=blocks, block_size=cfg.cache.block_size))
-    sched = Scheduler(cfg, FCFSPolicy(), blocks, max_model_len=cfg.model.max_model_len)
+    sched = Scheduler(
+        cfg.scheduler, cfg.cache, FCFSPolicy(), blocks, max_model_len=cfg.model.max_model_len
+    )
     sched.add_request(
         Request(
             "h",

@@ -17,6 +17,7 @@ from baton.config import BatonConfig
 from baton.engine.core import UTILITY_METHODS, EngineCore
 from baton.errors import InvalidRequestError
 from baton.model_info import ModelInfo
+from baton.plugins.resolve import ResolvedPlugins
 from baton.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -102,21 +103,25 @@ class InprocClient(EngineCoreClient):
 
 
 def make_client(
-    config: BatonConfig, *, asyncio_mode: bool = False, **core_kwargs: Any
+    config: BatonConfig,
+    plugins: ResolvedPlugins,
+    *,
+    asyncio_mode: bool = False,
+    **core_kwargs: Any,
 ) -> EngineCoreClient:
-    """The client face for this config's transport and the caller's mode."""
-    from baton.plugins.registry import get_registry
-
+    """The client face for this config's transport and the caller's mode (``plugins``: the
+    config's, resolved once by the frontend)."""
     if not asyncio_mode and config.executor.data_parallel_size > 1:
         raise InvalidRequestError(
             f"executor.data_parallel_size = {config.executor.data_parallel_size} needs the "
             "asyncio frontend (AsyncLLM, baton serve): the synchronous LLM runs one engine; "
             "set it to 1 here"
         )
-    entry = get_registry().get("transport", config.transport.name)
-    transport = entry.create(config, entry.settings(config))
+    transport = plugins.one("transport").create(config)
     if not transport.multiprocess and not asyncio_mode:
-        return InprocClient(config, **core_kwargs)
+        return InprocClient(config, plugins=plugins, **core_kwargs)
     from baton.engine import mp_client
 
-    return mp_client.make_mp_client(config, transport, asyncio_mode=asyncio_mode, **core_kwargs)
+    return mp_client.make_mp_client(
+        config, plugins, transport, asyncio_mode=asyncio_mode, **core_kwargs
+    )

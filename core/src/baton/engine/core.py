@@ -30,8 +30,8 @@ from baton.errors import (
 from baton.interfaces import Executor
 from baton.lora.registry import EngineLoras
 from baton.model_info import ModelInfo, model_info
-from baton.plugins.check import check_config_plugins
-from baton.plugins.registry import Registry, get_registry
+from baton.plugins.registry import Registry
+from baton.plugins.resolve import ResolvedPlugins, resolve_plugins
 from baton.pooling_params import check_generation, pooled_request
 from baton.protocol import (
     EngineCoreOutput,
@@ -63,22 +63,21 @@ class EngineCore:
         config: BatonConfig,
         *,
         registry: Registry | None = None,
+        plugins: ResolvedPlugins | None = None,
         executor: Executor | None = None,
         info: ModelInfo | None = None,
         engine_index: int = 0,
     ) -> None:
         self.config = config
         self.engine_index = engine_index
-        self.registry = registry or get_registry()
-        check_config_plugins(
-            config, self.registry, skip=frozenset({"executor"}) if executor else frozenset()
+        #: The config's plugins, resolved once (by the caller, or here: the start-up check).
+        self.plugins = plugins or resolve_plugins(
+            config, registry, skip=frozenset({"executor"}) if executor else frozenset()
         )
         if executor is None and config.model.load_format == "sharded_state":
             _check_sharded_folder(config)  # a wrong layout named here, not inside an executor
         if executor is None:
-            entry = self.registry.get("executor", config.executor.backend)
-            settings = entry.settings(config)
-            executor = entry.create(config, settings)
+            executor = self.plugins.one("executor").create(config)
         self.executor: Executor = executor
         try:
             loaded = executor_model_info(executor)
@@ -89,8 +88,7 @@ class EngineCore:
                 )
             self.config = config = self._apply_model_capabilities(config)
             self.num_blocks = self._initialize_kv_cache()
-            entry = self.registry.get("scheduler_policy", config.scheduler.policy)
-            policy = entry.create(config, entry.settings(config))
+            policy = self.plugins.one("scheduler_policy").create(config)
             self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
             target = config.scheduler.target_step_ms
             if self.batch_queue_size > 1 and target != "off":
@@ -111,14 +109,18 @@ class EngineCore:
                 else None
             )
             self.scheduler = Scheduler(
-                config,
+                config.scheduler,
+                config.cache,
                 policy,
                 self.num_blocks,
                 max_model_len=self.info.max_model_len,
                 max_num_seqs_per_batch=per_batch,
                 drafts=self._drafts(config),
+                max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             )
-            self.structured_output = StructuredOutputManager(config, self.registry, self.info)
+            self.structured_output = StructuredOutputManager(
+                config, self.plugins.find("structured_output"), self.info
+            )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -147,8 +149,7 @@ class EngineCore:
                 "step's tokens before the next is scheduled. Set speculative.method='none' or "
                 "use an executor without a batch queue"
             )
-        entry = self.registry.get("speculator", method)
-        return Drafts(entry.create(config, entry.settings(config)), config.speculative)
+        return Drafts(self.plugins.one("speculator").create(config), config.speculative)
 
     def _apply_model_capabilities(self, config: BatonConfig) -> BatonConfig:
         caps = executor_capabilities(self.executor)

@@ -23,7 +23,7 @@ from baton.engine.mp_client import AsyncMPClient
 from baton.errors import EngineDeadError, PluginError
 from baton.interfaces import Router, Transport
 from baton.parallel.expert import expert_parallel_size
-from baton.plugins.registry import get_registry
+from baton.plugins.resolve import ResolvedPlugins
 from baton.protocol import (
     DPWaveStart,
     EngineCoreOutput,
@@ -44,12 +44,12 @@ class DPAsyncMPClient(AsyncMPClient):
     def __init__(
         self,
         config: BatonConfig,
+        plugins: ResolvedPlugins,
         transport: Transport,
         num_engines: int,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        entry = get_registry().get("router", config.routing.router)
-        self.router: Router = entry.create(config, entry.settings(config))
+        self.router: Router = plugins.one("router").create(config)
         self._router_name = config.routing.router
         self._owner: dict[str, int] = {}
         self._in_flight = [0] * num_engines
@@ -64,7 +64,7 @@ class DPAsyncMPClient(AsyncMPClient):
         if expert_parallel_size(config) > 1:
             self._store = _serve_store(config.executor.data_parallel_master_port)
             self.waves = Waves()
-        super().__init__(config, transport, num_engines, loop)
+        super().__init__(config, plugins, transport, num_engines=num_engines, loop=loop)
 
     def _engine_config(self, index: int) -> BatonConfig:
         update: dict[str, Any] = {"data_parallel_rank": index}

@@ -19,7 +19,7 @@ from baton.plugins.hookspecs import hookimpl
 if TYPE_CHECKING:
     from baton.config import BatonConfig
     from baton.interfaces import EngineLauncher, Transport
-    from baton.plugins.registry import Registry
+    from baton.plugins.resolve import ResolvedPlugins
 
 
 class ProcessHandle:
@@ -90,7 +90,9 @@ def create_process_launcher(config: BatonConfig, settings: Any) -> ProcessLaunch
     return ProcessLauncher()
 
 
-def make_launcher(config: BatonConfig, transport: Transport, registry: Registry) -> EngineLauncher:
+def make_launcher(
+    config: BatonConfig, transport: Transport, plugins: ResolvedPlugins
+) -> EngineLauncher:
     """The launcher ``executor.data_parallel_backend`` names, for engines behind ``transport``.
 
     Only ``mp`` may start engines for a transport whose engines live in the frontend's
@@ -103,9 +105,8 @@ def make_launcher(config: BatonConfig, transport: Transport, registry: Registry)
             f"but transport.name={config.transport.name!r} keeps them in it: use a transport "
             "that crosses processes (transport.name = 'zmq') or data_parallel_backend = 'mp'"
         )
-    entry = registry.get("engine_launcher", name)
     try:
-        launcher: EngineLauncher = entry.create(config, entry.settings(config))
+        launcher: EngineLauncher = plugins.one("engine_launcher").create(config)
     except PluginError as e:
         if isinstance(e.__cause__, ConfigError):  # the launcher refused the config: keep its type
             raise ConfigError(str(e)) from e.__cause__

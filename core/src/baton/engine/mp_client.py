@@ -38,7 +38,7 @@ from baton.errors import (
     error_from_message,
 )
 from baton.interfaces import ClientChannel, EngineLauncher, Transport
-from baton.plugins.registry import get_registry
+from baton.plugins.resolve import ResolvedPlugins
 from baton.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -98,8 +98,16 @@ class _Resources:
 class MPClient(EngineCoreClient):
     """Start engines, handshake, then deliver their outputs through ``_deliver``."""
 
-    def __init__(self, config: BatonConfig, transport: Transport, num_engines: int = 1) -> None:
+    def __init__(
+        self,
+        config: BatonConfig,
+        plugins: ResolvedPlugins,
+        transport: Transport,
+        *,
+        num_engines: int = 1,
+    ) -> None:
         self.config = config
+        self.plugins = plugins
         self.num_engines = num_engines
         self.resources = _Resources(shutdown_timeout=config.server.shutdown_timeout)
         self._finalizer = weakref.finalize(self, self.resources.close)
@@ -120,13 +128,12 @@ class MPClient(EngineCoreClient):
 
     def _start(self, config: BatonConfig, transport: Transport) -> None:
         res = self.resources
-        registry = get_registry()
         if transport.multiprocess or config.executor.data_parallel_backend != "mp":
             # before the channel binds: a launcher may refuse the config (and any launcher but
             # mp refuses a transport whose engines run on threads of this process)
-            res.launcher = make_launcher(config, transport, registry)
+            res.launcher = make_launcher(config, transport, self.plugins)
         channel = res.channel = transport.create_client(self.num_engines)
-        fingerprint = registry.fingerprint()
+        fingerprint = self.plugins.registry.fingerprint()
         for i in range(self.num_engines):
             if res.launcher is not None:
                 p: Any = res.launcher.launch(
@@ -335,9 +342,9 @@ class MPClient(EngineCoreClient):
 class SyncMPClient(MPClient):
     """Blocking face: get_output() waits on a queue the output thread fills."""
 
-    def __init__(self, config: BatonConfig, transport: Transport) -> None:
+    def __init__(self, config: BatonConfig, plugins: ResolvedPlugins, transport: Transport) -> None:
         self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        super().__init__(config, transport)
+        super().__init__(config, plugins, transport)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         self._outputs.put(item)
@@ -359,15 +366,12 @@ class AsyncMPClient(MPClient):
     """asyncio face: outputs land in an asyncio.Queue of the loop that created the client."""
 
     def __init__(
-        self,
-        config: BatonConfig,
-        transport: Transport,
-        num_engines: int = 1,
-        loop: asyncio.AbstractEventLoop | None = None,
+        self, *args: Any, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any
     ) -> None:
+        """``MPClient``'s arguments; ``loop``: where outputs are delivered (the running one)."""
         self._loop = loop or asyncio.get_running_loop()
         self._outputs_async: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
-        super().__init__(config, transport, num_engines)
+        super().__init__(*args, **kwargs)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         # a RuntimeError means the loop is closed: nobody is listening any more
@@ -420,6 +424,7 @@ def _dead_index(frames: list[Any]) -> int | None:
 
 def make_mp_client(
     config: BatonConfig,
+    plugins: ResolvedPlugins,
     transport: Transport,
     *,
     asyncio_mode: bool,
@@ -432,9 +437,9 @@ def make_mp_client(
             raise InvalidRequestError(
                 "executor.data_parallel_size > 1 needs the asyncio client (AsyncLLM / baton serve)"
             )
-        return SyncMPClient(config, transport)
+        return SyncMPClient(config, plugins, transport)
     if num_engines > 1:
         from baton.engine.dp_client import DPAsyncMPClient
 
-        return DPAsyncMPClient(config, transport, num_engines, loop)
-    return AsyncMPClient(config, transport, 1, loop)
+        return DPAsyncMPClient(config, plugins, transport, num_engines, loop=loop)
+    return AsyncMPClient(config, plugins, transport, loop=loop)

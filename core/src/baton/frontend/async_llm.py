@@ -32,8 +32,7 @@ from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import RequestTracer, make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
-from baton.plugins.check import check_config_plugins
-from baton.plugins.registry import get_registry
+from baton.plugins.resolve import ResolvedPlugins, resolve_plugins
 from baton.pooling_params import PoolingParams, check_generation
 from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
@@ -58,6 +57,8 @@ class AsyncLLM:
         engine: EngineCoreClient,
         tokenizer: Any,
         tracer: RequestTracer | None = None,
+        *,
+        plugins: ResolvedPlugins,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -67,7 +68,7 @@ class AsyncLLM:
         #: The request tracer (observability.tracing); None: tracing is off.
         self.tracer = tracer if tracer is not None else make_tracer(config)
         self.output_processor = OutputProcessor(tokenizer, tracer=self.tracer)
-        self.stat_loggers = StatLoggers(config)
+        self.stat_loggers = StatLoggers(config, plugins)
         self._ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
         #: Beam searches' engine requests -> where their raw outputs go (past the processor).
@@ -89,14 +90,15 @@ class AsyncLLM:
             else BatonConfig.load(config, model=model, **overrides)
         )
         # a bad config is refused before the tokenizer and the weights load
-        check_config_plugins(cfg, get_registry())
+        plugins = resolve_plugins(cfg)
         tracer = make_tracer(cfg)  # tracing asked for without its packages: refused here too
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:
             info = model_info(cfg)
             tokenizer = load_tokenizer(cfg, info)
-            return make_client(cfg, asyncio_mode=True, loop=loop, info=info), tokenizer
+            client = make_client(cfg, plugins, asyncio_mode=True, loop=loop, info=info)
+            return client, tokenizer
 
         try:
             engine, tokenizer = await loop.run_in_executor(None, start)
@@ -104,7 +106,7 @@ class AsyncLLM:
             if tracer is not None:
                 tracer.shutdown()
             raise
-        llm = cls(cfg, engine, tokenizer, tracer)
+        llm = cls(cfg, engine, tokenizer, tracer, plugins=plugins)
         llm._ensure_handler()
         return llm
 

@@ -28,8 +28,7 @@ from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import check_tracing, make_tracer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
-from baton.plugins.check import check_config_plugins
-from baton.plugins.registry import get_registry
+from baton.plugins.resolve import resolve_plugins
 from baton.pooling_params import PoolingParams, check_generation
 from baton.protocol import EngineCoreOutput, WorkerMemory
 from baton.sampling_params import SamplingParams
@@ -54,12 +53,13 @@ class LLM:
     ) -> None:
         self.config = BatonConfig.load(config, model=model, **overrides)
         # a bad config is refused before the tokenizer and the weights load
-        check_config_plugins(self.config, get_registry())
+        #: The config's plugins, resolved once (the start-up check)
+        self.plugins = resolve_plugins(self.config)
         check_tracing(self.config)  # tracing asked for without its packages: refused here
         info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, info)
-        self.stat_loggers = StatLoggers(self.config)
-        self.engine: EngineCoreClient = make_client(self.config, info=info)
+        self.stat_loggers = StatLoggers(self.config, self.plugins)
+        self.engine: EngineCoreClient = make_client(self.config, self.plugins, info=info)
         try:
             #: The request tracer (observability.tracing); None: tracing is off.
             self.tracer = make_tracer(self.config)

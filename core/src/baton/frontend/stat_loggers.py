@@ -7,21 +7,23 @@ import time
 from baton.config import BatonConfig
 from baton.interfaces import StatLogger
 from baton.metrics.stats import IterationStats
-from baton.plugins.registry import get_registry
+from baton.plugins.resolve import ResolvedPlugins
 from baton.protocol import SchedulerStats
 
 
 class StatLoggers:
-    def __init__(self, config: BatonConfig, engine_index: int = 0) -> None:
+    """The stat loggers ``plugins`` resolved (``observability.stat_loggers``), when
+    ``observability.log_stats`` is on; ``config`` is what their factories take."""
+
+    def __init__(
+        self, config: BatonConfig, plugins: ResolvedPlugins, engine_index: int = 0
+    ) -> None:
         self.interval = config.observability.log_stats_interval
         self.enabled = config.observability.log_stats
         self.loggers: list[StatLogger] = []
         if self.enabled:
-            reg = get_registry()
-            for name in config.observability.stat_loggers:
-                entry = reg.get("stat_logger", name)
-                settings = entry.settings(config)
-                self.loggers.append(entry.create(config, settings, engine_index))
+            for chosen in plugins.all("stat_logger"):
+                self.loggers.append(chosen.create(config, engine_index))
         self._next_log = time.monotonic() + self.interval
 
     def record(

@@ -17,7 +17,7 @@ from baton.config import BatonConfig
 from baton.config.sections import SECTIONS
 from baton.errors import BatonError, ConfigError
 from baton.plugins.kinds import BY_SECTION, PLUGIN_KINDS, PluginKind
-from baton.plugins.registry import PluginEntry, Registry
+from baton.plugins.registry import ChosenPlugin, Registry
 
 
 class Selected(msgspec.Struct, frozen=True):
@@ -53,8 +53,17 @@ def find_plugin_problems(
     config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()
 ) -> tuple[list[Selected], list[BatonError]]:
     """``check_config_plugins``'s checks: the plugins that passed, and every problem found."""
+    chosen, errors = find_chosen_plugins(config, registry, skip)
+    return [_selection(c) for c in chosen], errors
+
+
+def find_chosen_plugins(
+    config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()
+) -> tuple[list[ChosenPlugin], list[BatonError]]:
+    """The checks, keeping what passed as registry entries with their validated settings
+    (in ``PLUGIN_KINDS`` order, a list selector's names in the config's order)."""
     errors: list[BatonError] = []
-    selected: list[Selected] = []
+    chosen: list[ChosenPlugin] = []
     done: set[tuple[str, str]] = set()  # (kind, name) whose sub-table was checked
     for kind in PLUGIN_KINDS.values():
         if kind.name in skip:
@@ -67,10 +76,10 @@ def find_plugin_problems(
             except BatonError as e:
                 errors.append(e)
                 continue
-            selected.append(_selection(kind, entry, settings))
+            chosen.append(ChosenPlugin(entry, settings))
     for section in SECTIONS:
         errors += _check_sub_tables(config, section, registry, done)
-    return selected, errors
+    return chosen, errors
 
 
 def _selected_names(kind: PluginKind, config: BatonConfig, registry: Registry) -> list[str]:
@@ -80,11 +89,12 @@ def _selected_names(kind: PluginKind, config: BatonConfig, registry: Registry) -
     return kind.selected(config)
 
 
-def _selection(kind: PluginKind, entry: PluginEntry, settings: Any) -> Selected:
+def _selection(chosen: ChosenPlugin) -> Selected:
+    entry, settings = chosen.entry, chosen.settings
     return Selected(
-        kind=kind.name,
+        kind=entry.kind,
         name=entry.name,
-        selected_by=kind.selector_path(),
+        selected_by=PLUGIN_KINDS[entry.kind].selector_path(),
         distribution=entry.distribution,
         version=entry.version,
         settings=None if settings is None else settings.model_dump(mode="json"),

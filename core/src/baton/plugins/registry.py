@@ -75,6 +75,22 @@ class PluginEntry:
         return f"{kind_word(self.kind)} {self.name!r} (plugin {self.plugin!r} from {self.distribution} {self.version})"
 
 
+@dataclass(frozen=True)
+class ChosenPlugin:
+    """A plugin the config selects, with its settings validated once (``baton.plugins.resolve``)."""
+
+    entry: PluginEntry
+    settings: BaseModel | None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def create(self, config: BatonConfig, *args: Any) -> Any:
+        """Build its product: ``factory(config, settings, *args)`` (the kind's factory protocol)."""
+        return self.entry.create(config, self.settings, *args)
+
+
 @dataclass
 class Registry:
     entries: dict[tuple[str, str], PluginEntry] = field(default_factory=dict)

@@ -77,7 +77,7 @@ from baton.sched.victims import VictimCandidate
 from baton.sched.victims import candidates as victim_candidates
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config.sections import CacheSection, SchedulerSection
     from baton.interfaces import SchedulerPolicy
     from baton.speculative.drafting import Drafts
 
@@ -95,14 +95,17 @@ class Scheduler:
 
     def __init__(
         self,
-        config: BatonConfig,
+        scheduler: SchedulerSection,
+        cache: CacheSection,
         policy: SchedulerPolicy,
         num_blocks: int,
         clock: Callable[[], float] = time.monotonic,
         max_model_len: int | None = None,
         max_num_seqs_per_batch: int | None = None,
         drafts: Drafts | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's."""
         self.policy = policy
         #: Speculative decoding's bookkeeping (``speculative.method``); None: off.
         self.drafts = drafts
@@ -116,7 +119,11 @@ class Scheduler:
             getattr(policy, "choose_victim", None)
         )
         self.clock = clock
-        self._set_limits(config, max_model_len, max_num_seqs_per_batch)
+        self._set_limits(scheduler, cache, max_num_seqs_per_batch)
+        #: Most distinct LoRA adapters among running requests (lora.max_loras; None: LoRA off):
+        #: a waiting request with another adapter waits until one of them has no request left.
+        self.max_loras = max_loras
+        self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
         #: Finished requests that keep their KV for forks (beam search), and the copies owed.
         self.forks = KVForks(self.kv)
@@ -144,26 +151,24 @@ class Scheduler:
         self.counters = SchedulerCounters()
 
     def _set_limits(
-        self, config: BatonConfig, max_model_len: int | None, max_num_seqs_per_batch: int | None
+        self, section: SchedulerSection, cache: CacheSection, max_num_seqs_per_batch: int | None
     ) -> None:
-        """The scheduler's limits and switches, from ``config`` and the engine's overrides."""
-        self.max_num_seqs = config.scheduler.max_num_seqs
+        """The scheduler's limits and switches, from its sections and the engine's override."""
+        self.max_num_seqs = section.max_num_seqs
         #: Most requests in one SchedulerOutput (None: max_num_seqs). The batch queue sets it to
         #: ceil(max_num_seqs / batches) so that running requests spread over the batches in flight.
         self.max_num_seqs_per_batch = max_num_seqs_per_batch or self.max_num_seqs
-        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.enable_chunked_prefill = config.scheduler.enable_chunked_prefill
-        self.reserve_full_prompt = config.scheduler.reserve_full_prompt
+        self.max_num_batched_tokens = section.max_num_batched_tokens
+        self.enable_chunked_prefill = section.enable_chunked_prefill
+        self.reserve_full_prompt = section.reserve_full_prompt
         # both caps need chunked prefill: without it a prompt is computed whole
         chunked = self.enable_chunked_prefill
         self.long_prefill_token_threshold = (
-            config.scheduler.long_prefill_token_threshold if chunked else None
+            section.long_prefill_token_threshold if chunked else None
         )
-        self.max_num_partial_prefills = (
-            config.scheduler.max_num_partial_prefills if chunked else None
-        )
-        self.block_size = config.cache.block_size
-        target_ms = config.scheduler.target_step_ms if chunked else "off"
+        self.max_num_partial_prefills = section.max_num_partial_prefills if chunked else None
+        self.block_size = cache.block_size
+        target_ms = section.target_step_ms if chunked else "off"
         #: The latency-aware prompt-token budget (``scheduler.target_step_ms``); None: off.
         self.prefill_budget = (
             PrefillBudget(
@@ -174,13 +179,7 @@ class Scheduler:
             if target_ms != "off"
             else None
         )
-        self.enable_caching = config.cache.enable_prefix_caching
-        #: Most distinct LoRA adapters among running requests (lora.max_loras; None: LoRA off):
-        #: a waiting request with another adapter waits until one of them has no request left.
-        self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
-        self.max_model_len = (
-            max_model_len if max_model_len is not None else config.model.max_model_len
-        )
+        self.enable_caching = cache.enable_prefix_caching
 
     @property
     def total_preemptions(self) -> int:

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 from baton.config import BatonConfig
 from baton.errors import StructuredOutputError
 from baton.model_info import ModelInfo
-from baton.plugins.check import resolve_structured_output_backend
-from baton.plugins.registry import Registry
+from baton.plugins.registry import ChosenPlugin
 from baton.protocol import GrammarOutput, SchedulerOutput
 from baton.request import Request, RequestStatus
 from baton.structured.drafts import fill_draft_rows
@@ -38,11 +37,13 @@ COMPILED_CACHE_SIZE = 1024
 class StructuredOutputManager:
     """Compiles grammars off the step thread and fills each step's bitmask. Driven by EngineCore."""
 
-    def __init__(self, config: BatonConfig, registry: Registry, info: ModelInfo) -> None:
+    def __init__(self, config: BatonConfig, chosen: ChosenPlugin | None, info: ModelInfo) -> None:
+        """``chosen``: the resolved backend (``structured_output.backend``); None: none installed
+        ("auto") or turned off ("none"). ``config`` is what the backend's factory takes."""
         self.config = config
-        self.registry = registry
+        self.chosen = chosen
         self.info = info
-        self.backend_name = resolve_structured_output_backend(config, registry)
+        self.backend_name = chosen.name if chosen is not None else None
         self._backend: StructuredOutputBackend | None = None
         self._backend_error: BaseException | None = None
         self._backend_lock = threading.Lock()
@@ -91,13 +92,13 @@ class StructuredOutputManager:
     def _create_backend(self) -> StructuredOutputBackend:
         from baton.frontend.tokenizer import load_tokenizer
 
-        assert self.backend_name is not None
-        entry = self.registry.get("structured_output", self.backend_name)
-        settings = entry.settings(self.config)
+        assert self.chosen is not None
         tokenizer = load_tokenizer(self.config, self.info)
-        log.info("structured output: backend %r, vocabulary %d", entry.name, self.info.vocab_size)
+        log.info(
+            "structured output: backend %r, vocabulary %d", self.chosen.name, self.info.vocab_size
+        )
         # the model's vocabulary size (the logits' width), which may exceed the tokenizer's
-        return entry.create(self.config, settings, tokenizer, self.info.vocab_size)
+        return self.chosen.create(self.config, tokenizer, self.info.vocab_size)
 
     # ------------------------------------------------------------------ requests
 

@@ -301,7 +301,14 @@ class PolicyHarness(SchedulerDriver):
         self.step_s = step_s
         clock = SimClock()
         super().__init__(
-            Scheduler(config, self.policy, num_blocks, clock=clock, max_model_len=None),
+            Scheduler(
+                config.scheduler,
+                config.cache,
+                self.policy,
+                num_blocks,
+                clock=clock,
+                max_model_len=config.model.max_model_len,
+            ),
             FakeExecutor(
                 block_size=config.cache.block_size, num_blocks=num_blocks, deep_check=deep_check
             ),

@@ -101,11 +101,12 @@ def run_scheduler_bench(
     )
     clock = SimClock()  # follows the fake executor's simulated time (its cost model)
     sched = Scheduler(
-        config,
+        config.scheduler,
+        config.cache,
         make_policy(config, config.scheduler.policy),
         num_blocks,
         clock=clock,
-        max_model_len=None,
+        max_model_len=config.model.max_model_len,
     )
     driver = SchedulerDriver(sched, ex, clock=clock, record=False)
     params = {

@@ -88,7 +88,8 @@ def simulate(
     ex = FakeExecutor(block_size=config.cache.block_size, num_blocks=num_blocks, check=check)
     clock = SimClock()
     sched = Scheduler(
-        config,
+        config.scheduler,
+        config.cache,
         make_policy(config, policy),
         num_blocks,
         clock=clock,

@@ -138,7 +138,13 @@ class ExecutorConformance:
         self, executor: Any, config: BatonConfig, num_blocks: int | None = None
     ) -> Scheduler:
         n = self.init_cache(executor, config, num_blocks)
-        return Scheduler(config, FCFSPolicy(), n, max_model_len=config.model.max_model_len)
+        return Scheduler(
+            config.scheduler,
+            config.cache,
+            FCFSPolicy(),
+            n,
+            max_model_len=config.model.max_model_len,
+        )
 
     def requests(self, tag: str, lens: list[tuple[int, int]]) -> list[Request]:
         return [
