@@ -200,7 +200,7 @@ def test_hook_register_structured_output_backends(monkeypatch):
     assert plugins.registry.get("structured_output", "only-token-hook").plugin == "so-hook-plugin"
     # the fake model has no tokenizer; this backend does not need one
     monkeypatch.setattr(
-        "baton.frontend.tokenizer.load_tokenizer", lambda config, info: "no-tokenizer"
+        "baton.model.tokenizer.load_tokenizer", lambda config, info: "no-tokenizer"
     )
     config = BatonConfig.load(structured_output="only-token-hook", max_model_len=512)
     core = EngineCore(config, registry=plugins.registry, executor=FakeExecutor(), info=INFO)

@@ -22,10 +22,10 @@ from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
-from baton.frontend.tokenizer import load_tokenizer
 from baton.lora.request import LoRARequest, check_lora_request
 from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import check_tracing, make_tracer
+from baton.model.tokenizer import load_tokenizer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins.check import check_config_plugins

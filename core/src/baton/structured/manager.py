@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from baton.config import BatonConfig
 from baton.errors import StructuredOutputError
+from baton.model import tokenizer as tokenizers
 from baton.model_info import ModelInfo
 from baton.plugins.check import resolve_structured_output_backend
 from baton.plugins.registry import Registry
@@ -89,12 +90,10 @@ class StructuredOutputManager:
             return self._backend
 
     def _create_backend(self) -> StructuredOutputBackend:
-        from baton.frontend.tokenizer import load_tokenizer
-
         assert self.backend_name is not None
         entry = self.registry.get("structured_output", self.backend_name)
         settings = entry.settings(self.config)
-        tokenizer = load_tokenizer(self.config, self.info)
+        tokenizer = tokenizers.load_tokenizer(self.config, self.info)
         log.info("structured output: backend %r, vocabulary %d", entry.name, self.info.vocab_size)
         # the model's vocabulary size (the logits' width), which may exceed the tokenizer's
         return entry.create(self.config, settings, tokenizer, self.info.vocab_size)
