@@ -1,11 +1,11 @@
 """EngineCoreClient: one interface, several faces.
 
 - InprocClient: the core in this process, driven by the caller's thread (sync).
-- AsyncInprocClient / SyncMPClient / AsyncMPClient / DPAsyncMPClient live in
-  baton.engine.mp_client: the core behind a transport plugin's channel.
+- AsyncInprocClient / SyncMPClient / AsyncMPClient live in baton.engine.mp_client,
+  DPAsyncMPClient in baton.engine.dp_client: the core behind a transport plugin's channel.
 
-``make_client`` picks the face from the transport (``multiprocess``) and the
-caller (asyncio or not).
+``baton.engine.clients.make_client`` picks the face from the transport (``multiprocess``)
+and the caller (asyncio or not).
 """
 
 from __future__ import annotations
@@ -99,24 +99,3 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self.core.shutdown()
-
-
-def make_client(
-    config: BatonConfig, *, asyncio_mode: bool = False, **core_kwargs: Any
-) -> EngineCoreClient:
-    """The client face for this config's transport and the caller's mode."""
-    from baton.plugins.registry import get_registry
-
-    if not asyncio_mode and config.executor.data_parallel_size > 1:
-        raise InvalidRequestError(
-            f"executor.data_parallel_size = {config.executor.data_parallel_size} needs the "
-            "asyncio frontend (AsyncLLM, baton serve): the synchronous LLM runs one engine; "
-            "set it to 1 here"
-        )
-    entry = get_registry().get("transport", config.transport.name)
-    transport = entry.create(config, entry.settings(config))
-    if not transport.multiprocess and not asyncio_mode:
-        return InprocClient(config, **core_kwargs)
-    from baton.engine import mp_client
-
-    return mp_client.make_mp_client(config, transport, asyncio_mode=asyncio_mode, **core_kwargs)

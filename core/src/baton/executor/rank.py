@@ -50,6 +50,11 @@ from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.member import Message
 from baton.executor.wire import Kind
+from baton.parallel.context import ParallelContext, get_parallel_context, set_parallel_context
+from baton.plugins.registry import get_registry
+from baton.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from baton.serial import MsgpackDecoder, MsgpackEncoder
+from baton.worker.worker import Worker, select_device
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +147,6 @@ def rank_bootstraps(
     (default: this machine's cores shared by the ranks). The plugin set checked on every
     rank is this process's.
     """
-    from baton.plugins.registry import get_registry
-
     world = tp_size * pp_size
     fingerprint = get_registry().fingerprint()
     return [
@@ -176,8 +179,6 @@ def host_store(host: str, timeout_s: float = 600.0) -> Any:
 
 def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
     """BatonError when this process's plugins differ from the engine's (``who`` names it)."""
-    from baton.plugins.registry import get_registry
-
     ours = get_registry().fingerprint()  # plugins load in every process baton starts
     if [tuple(x) for x in parent_fingerprint] != ours:
         theirs = {tuple(x) for x in parent_fingerprint}
@@ -190,11 +191,8 @@ def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: s
 
 def check_rpc_method(method: str | Callable[..., Any]) -> None:
     """ExecutorError when ``method`` names no Worker method (a typo must not fail every rank)."""
-    if isinstance(method, str):
-        from baton.worker.worker import Worker
-
-        if not callable(getattr(Worker, method, None)):
-            raise ExecutorError(f"the worker has no method {method!r}")
+    if isinstance(method, str) and not callable(getattr(Worker, method, None)):
+        raise ExecutorError(f"the worker has no method {method!r}")
 
 
 class StepCodec:
@@ -203,9 +201,6 @@ class StepCodec:
     Not thread-safe: one per thread, or under a lock."""
 
     def __init__(self) -> None:
-        from baton.protocol import ModelRunnerOutput
-        from baton.serial import MsgpackDecoder, MsgpackEncoder
-
         self._encoder = MsgpackEncoder()
         self._out_decoder = MsgpackDecoder(ModelRunnerOutput)
 
@@ -265,8 +260,6 @@ _stats = StepStats()
 def parallel_stats(worker: Any, timeline: bool = False) -> dict[str, Any]:
     """collective_rpc target: this rank's per-step timings (broadcast delivery, collectives, step);
     with ``timeline``, also (step_id, start, end) of each step."""
-    from baton.parallel.context import get_parallel_context
-
     ctx = get_parallel_context()
     runner = worker.model_runner
     return {
@@ -296,8 +289,6 @@ class Rank:
         self.rank = boot.rank
         check_plugin_set(boot.parent_fingerprint, f"worker {self.rank}")
         self.ctx = self._init_distributed(store)
-        from baton.worker.worker import Worker
-
         self.worker = Worker(boot.config, rank=self.rank, runner=boot.runner)
         self.worker.init_device()
         self.worker.load_model()
@@ -307,9 +298,6 @@ class Rank:
 
     def _init_distributed(self, store: Any) -> Any:
         import torch.distributed as dist
-
-        from baton.parallel.context import ParallelContext, set_parallel_context
-        from baton.worker.worker import select_device
 
         b = self.boot
         if b.socket_ifname and sys.platform.startswith("linux"):
@@ -350,9 +338,6 @@ class Rank:
     def serve(self, member: RankMember) -> None:
         """Answer ``member``'s calls in order until SHUTDOWN; the member's BatonError (its
         channel closed) ends it too, raised."""
-        from baton.protocol import GrammarOutput, SchedulerOutput
-        from baton.serial import MsgpackDecoder, MsgpackEncoder
-
         self._encoder = MsgpackEncoder()
         self._so_decoder = MsgpackDecoder(SchedulerOutput)
         self._grammar_decoder = MsgpackDecoder(GrammarOutput)

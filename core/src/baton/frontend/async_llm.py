@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
-from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.client import EngineCoreClient
+from baton.engine.clients import make_client
 from baton.engine.core import check_sleep_level
 from baton.errors import (
     EngineDeadError,

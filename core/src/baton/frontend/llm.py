@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
-from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.client import EngineCoreClient
+from baton.engine.clients import make_client
 from baton.engine.core import check_sleep_level
 from baton.errors import EngineSleepingError, InvalidRequestError
 from baton.frontend.beam_run import BeamRun
