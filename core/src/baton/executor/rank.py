@@ -51,6 +51,7 @@ from baton.executor import wire
 from baton.executor.member import Message
 from baton.executor.wire import Kind
 from baton.parallel.context import ParallelContext, get_parallel_context, set_parallel_context
+from baton.plugins.moved import retired
 from baton.plugins.registry import get_registry
 from baton.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from baton.serial import MsgpackDecoder, MsgpackEncoder
@@ -177,7 +178,7 @@ def host_store(host: str, timeout_s: float = 600.0) -> Any:
     )
 
 
-def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
+def _check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
     """BatonError when this process's plugins differ from the engine's (``who`` names it)."""
     ours = get_registry().fingerprint()  # plugins load in every process baton starts
     if [tuple(x) for x in parent_fingerprint] != ours:
@@ -189,7 +190,7 @@ def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: s
         )
 
 
-def check_rpc_method(method: str | Callable[..., Any]) -> None:
+def _check_rpc_method(method: str | Callable[..., Any]) -> None:
     """ExecutorError when ``method`` names no Worker method (a typo must not fail every rank)."""
     if isinstance(method, str) and not callable(getattr(Worker, method, None)):
         raise ExecutorError(f"the worker has no method {method!r}")
@@ -219,6 +220,9 @@ class StepCodec:
     def encode_rpc(
         method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None
     ) -> list[bytes]:
+        """An RPC's frames; ExecutorError first when ``method`` names no Worker method (a typo
+        must not fail every rank)."""
+        _check_rpc_method(method)
         return [pickle.dumps((method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)]
 
     @staticmethod
@@ -287,7 +291,7 @@ class Rank:
     def __init__(self, boot: RankBootstrap, store: Any = None) -> None:
         self.boot = boot
         self.rank = boot.rank
-        check_plugin_set(boot.parent_fingerprint, f"worker {self.rank}")
+        _check_plugin_set(boot.parent_fingerprint, f"worker {self.rank}")
         self.ctx = self._init_distributed(store)
         self.worker = Worker(boot.config, rank=self.rank, runner=boot.runner)
         self.worker.init_device()
@@ -429,3 +433,12 @@ class Rank:
                 dist.destroy_process_group()
         except RuntimeError as e:  # a peer died: its connections are gone, nothing left to flush
             log.info("worker %d: closing the process group: %s", self.rank, e)
+
+
+__getattr__ = retired(
+    __name__,
+    {
+        "check_rpc_method": ("_check_rpc_method", "StepCodec.encode_rpc checks the method"),
+        "check_plugin_set": ("_check_plugin_set", "Rank(boot, store) checks the plugin set"),
+    },
+)

@@ -3,7 +3,7 @@ folders; ``baton.lora.registry`` is the engine core's book of loaded adapters an
 ``baton.lora.model`` the adapted layers in the model runner.
 
 ``LLM(model=..., enable_lora=True).generate(prompts, params, lora_request=LoRARequest("sql", 1,
-"/path/to/adapter"))``; see docs/architecture.md (LoRA adapters).
+"/path/to/adapter"))``; see docs/lora.md.
 """
 
 from baton.lora.request import LoRARequest, as_lora_request, check_lora_request

@@ -109,7 +109,7 @@ class Worker:
         if self.cfg.executor.num_threads is not None:
             torch.set_num_threads(self.cfg.executor.num_threads)
         if self.device.type == "cpu":
-            # ~15% faster prefill on the 2-core reference machine (scripts/profile_runner.py --malloc-tune)
+            # ~15% faster prefill on the 2-core reference machine (plugins/bench/scripts/profile_runner.py --malloc-tune)
             log.debug("glibc malloc tuned for large activations: %s", tune_malloc())
         torch.manual_seed(self.cfg.model.seed)
         log.info(
