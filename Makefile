@@ -69,6 +69,8 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check core plugins contrib tests tools
 	$(VENV)/bin/ruff format --check core plugins contrib tests tools
+	# the import rule of docs/architecture.md: import-linter's contracts in pyproject.toml
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV)

@@ -200,9 +200,7 @@ def test_hook_register_structured_output_backends(monkeypatch):
     plugins = plugins_with(Plugin(), "so-hook-plugin")
     assert plugins.registry.get("structured_output", "only-token-hook").plugin == "so-hook-plugin"
     # the fake model has no tokenizer; this backend does not need one
-    monkeypatch.setattr(
-        "baton.frontend.tokenizer.load_tokenizer", lambda config, info: "no-tokenizer"
-    )
+    monkeypatch.setattr("baton.model.tokenizer.load_tokenizer", lambda config, info: "no-tokenizer")
     config = BatonConfig.load(structured_output="only-token-hook", max_model_len=512)
     core = EngineCore(config, registry=plugins.registry, executor=FakeExecutor(), info=INFO)
     tokens = serve(core, n=2, structured_outputs=StructuredOutputSpec(choice=["77"]))

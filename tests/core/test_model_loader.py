@@ -17,11 +17,11 @@ from baton.model.loader import (
     MARKER,
     check_architecture,
     convert_gguf_cached,
-    load_model,
     load_tokenizer,
     model_cache_dir,
     resolve_model,
 )
+from baton.model.weights import load_model
 from baton.testing.tiny_model import ARCHS, tiny_model
 
 

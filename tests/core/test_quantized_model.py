@@ -17,8 +17,9 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton.model.loader import MARKER, load_model
+from baton.model.loader import MARKER
 from baton.model.quantization import _why_dequantized
+from baton.model.weights import load_model
 from baton.protocol import KVCacheConfig
 from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
 from baton.testing.tiny_gguf import F16_TENSOR, make_tiny_gguf

@@ -476,7 +476,7 @@ class EngineLauncher(Protocol):
         engine_index: int,
         fingerprint: list[tuple[str, str, str, str]],
     ) -> EngineHandle:
-        """Start ``baton.engine.core_proc.run_engine_core(config, address, engine_index,
+        """Start ``baton.engine.launch.run_engine_core(config, address, engine_index,
         fingerprint)`` (engine ``engine_index`` connects to the transport's ``address`` and
         answers READY through it) and return its handle without waiting for READY. Raise a
         ``BatonError`` (ConfigError for a setting that cannot work) when it cannot start."""

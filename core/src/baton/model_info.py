@@ -8,6 +8,7 @@ from typing import Any
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError, ModelLoadError
+from baton.model.loader import check_causal_architectures, model_folder
 from baton.protocol import ModelInfo
 
 __all__ = ["ModelInfo", "model_info", "read_model_info"]
@@ -15,8 +16,6 @@ __all__ = ["ModelInfo", "model_info", "read_model_info"]
 
 def model_info(config: BatonConfig) -> ModelInfo:
     """Resolve the configured model (converting a GGUF once) and read its limits."""
-    from baton.model.loader import model_folder  # heavy imports stay off the CLI's start-up
-
     folder = model_folder(config)
     return read_model_info(folder, config.model.max_model_len)
 
@@ -33,8 +32,6 @@ def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
         )
     runner_type = "generate"
     if not cfg.get("auto_map"):  # remote-code models are refused when loaded, with their reason
-        from baton.model.loader import check_causal_architectures
-
         runner_type = check_causal_architectures(cfg.get("architectures"), str(path))
     vocab_size = _positive_int(text_cfg, "vocab_size", path)
     if vocab_size is None:

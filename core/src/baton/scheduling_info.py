@@ -19,6 +19,7 @@ constants) and checked by ``baton.validation.check_scheduling``.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,8 @@ import msgspec
 from baton.errors import InvalidRequestError
 from baton.sampling_params import show_value
 
+#: A request's priority is an int64 (it crosses the msgpack boundary).
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 #: Most tags one request may carry.
 MAX_TAGS = 16
 #: Longest tag key and value, in characters.
@@ -100,8 +103,6 @@ def as_scheduling_info(value: Any, priority: int | None = None) -> SchedulingInf
         )
     if priority is None:
         return info
-    from baton.validation import check_priority  # validation imports this module
-
     check_priority(priority)
     if priority == 0 or priority == info.priority or not isinstance(info.priority, int):
         return info  # a bad scheduling.priority is check_scheduling's to report
@@ -112,3 +113,17 @@ def as_scheduling_info(value: Any, priority: int | None = None) -> SchedulingInf
         "disagree: give the priority once",
         param="priority",
     )
+
+
+def check_priority(priority: Any) -> None:
+    """An int64 (lower values are served first by the priority policy)."""
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        raise InvalidRequestError(
+            f"priority must be an integer, got {show_value(priority)} ({type(priority).__name__})",
+            param="priority",
+        )
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InvalidRequestError(
+            f"priority must be in [-2**63, 2**63) (an int64), got {show_value(priority)}",
+            param="priority",
+        )

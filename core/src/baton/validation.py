@@ -38,13 +38,15 @@ from baton.scheduling_info import (
     MAX_TENANT_CHARS,
     SchedulingInfo,
     as_scheduling_info,
+    check_priority,
 )
+
+# public at this path (docs/stability.md); defined with the other bounds in baton.scheduling_info
+from baton.scheduling_info import PRIORITY_MAX as PRIORITY_MAX
+from baton.scheduling_info import PRIORITY_MIN as PRIORITY_MIN
 
 if TYPE_CHECKING:
     from baton.protocol import EngineCoreRequest
-
-#: A request's priority is an int64 (it crosses the msgpack boundary).
-PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 def check_request(
@@ -254,20 +256,6 @@ def check_params_for_model(params: SamplingParams, info: ModelInfo) -> None:
                 f"got {show_value(bad)}",
                 param=name,
             )
-
-
-def check_priority(priority: Any) -> None:
-    """An int64 (lower values are served first by the priority policy)."""
-    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
-        raise InvalidRequestError(
-            f"priority must be an integer, got {show_value(priority)} ({type(priority).__name__})",
-            param="priority",
-        )
-    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-        raise InvalidRequestError(
-            f"priority must be in [-2**63, 2**63) (an int64), got {show_value(priority)}",
-            param="priority",
-        )
 
 
 def check_scheduling(info: Any) -> None:

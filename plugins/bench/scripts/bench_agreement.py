@@ -26,7 +26,7 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.config import BatonConfig
-from baton.model.loader import load_model
+from baton.model.weights import load_model
 from baton.quant import QuantLinear
 from baton_bench.common import default_bench_dir
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
-from baton.frontend.tokenizer import load_tokenizer
+from baton.model.tokenizer import load_tokenizer
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, StructuredOutputSpec
 from baton.worker import step_sampling

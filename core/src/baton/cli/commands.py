@@ -9,10 +9,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from baton import SamplingParams
 from baton.cli.config_check import config_command
 from baton.cli.main import add_engine_arguments, engine_overrides
-from baton.errors import PluginNotFoundError
+from baton.errors import InvalidRequestError, PluginNotFoundError
 from baton.plugins.hookspecs import hookimpl
+from baton.plugins.registry import get_registry
+from baton.scheduling_info import as_scheduling_info
+from baton.validation import check_scheduling
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -28,8 +32,6 @@ def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
-    from baton import SamplingParams
-
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -67,10 +69,6 @@ def _add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
 
 def _scheduling(args: argparse.Namespace) -> Any:
     """The SchedulingInfo of the scheduling flags, checked before any model loads."""
-    from baton.errors import InvalidRequestError
-    from baton.scheduling_info import as_scheduling_info
-    from baton.validation import check_scheduling
-
     tags: dict[str, str] = {}
     for item in args.tag:
         key, sep, value = item.partition("=")
@@ -102,6 +100,7 @@ def generate_command(p: argparse.ArgumentParser) -> Handler:
     _add_scheduling_arguments(p)
 
     def run(args: argparse.Namespace) -> int:
+        # the engine's modules load when a command runs, not with every process's plugins
         from baton import LLM
 
         scheduling = _scheduling(args)
@@ -138,6 +137,7 @@ def chat_command(p: argparse.ArgumentParser) -> Handler:
     _add_scheduling_arguments(p)
 
     def run(args: argparse.Namespace) -> int:
+        # the engine's modules load when a command runs, not with every process's plugins
         from baton import LLM
 
         params = _sampling_params(args)
@@ -172,8 +172,6 @@ def plugins_command(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--json", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
-        from baton.plugins.registry import get_registry
-
         reg = get_registry()
         rows = [
             {
@@ -207,9 +205,9 @@ def env_command(p: argparse.ArgumentParser) -> Handler:
     )
 
     def run(args: argparse.Namespace) -> int:
-        # torch loads here, not when the CLI's plugins load in every process
         import msgspec
 
+        # torch loads here, not when the CLI's plugins load in every process
         from baton.kernels.report import collect, render
 
         report = collect(build_kernels=not args.no_build)
@@ -231,8 +229,6 @@ def _no_bench(args: argparse.Namespace) -> int:
 
 def bench_command(p: argparse.ArgumentParser) -> Handler:
     """Benchmarks: scheduler, simulate, transport, throughput, latency, and those plugins register."""
-    from baton.plugins.registry import get_registry
-
     entries = get_registry().of_kind("bench")
     if not entries:  # `baton --help` and the other commands still work without baton-bench
         return _no_bench

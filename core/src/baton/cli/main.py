@@ -9,8 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from baton import __version__
+from baton.config.sections import LOG_LEVELS
 from baton.errors import BatonError
 from baton.plugins.moved import retired
+from baton.plugins.registry import get_registry
 
 #: The environment variable giving the CLI's default log level.
 LOG_LEVEL_ENV = "BATON_LOG_LEVEL"
@@ -121,8 +124,6 @@ __getattr__ = retired(
 
 
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
-    from baton.config.sections import LOG_LEVELS
-
     parser.add_argument(
         "--log-level",
         type=str.upper,
@@ -133,9 +134,6 @@ def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from baton import __version__
-    from baton.plugins.registry import get_registry
-
     parser = argparse.ArgumentParser(
         prog="baton", description="baton: a plugin-first LLM inference engine"
     )
@@ -159,8 +157,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
-        from baton.config.sections import LOG_LEVELS
-
         if args.log_level not in LOG_LEVELS:  # a default from the environment skips the choices
             parser.error(
                 f"{LOG_LEVEL_ENV}={os.environ.get(LOG_LEVEL_ENV)!r} is not a log level: use one of "

@@ -1,11 +1,11 @@
 """EngineCoreClient: one interface, several faces.
 
 - InprocClient: the core in this process, driven by the caller's thread (sync).
-- AsyncInprocClient / SyncMPClient / AsyncMPClient / DPAsyncMPClient live in
-  baton.engine.mp_client: the core behind a transport plugin's channel.
+- AsyncInprocClient / SyncMPClient / AsyncMPClient live in baton.engine.mp_client,
+  DPAsyncMPClient in baton.engine.dp_client: the core behind a transport plugin's channel.
 
-``make_client`` picks the face from the transport (``multiprocess``) and the
-caller (asyncio or not).
+``baton.engine.clients.make_client`` picks the face from the transport (``multiprocess``)
+and the caller (asyncio or not).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from baton.config import BatonConfig
 from baton.engine.core import UTILITY_METHODS, EngineCore
 from baton.errors import InvalidRequestError
 from baton.model_info import ModelInfo
-from baton.plugins.resolve import ResolvedPlugins
 from baton.protocol import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -100,28 +99,3 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self.core.shutdown()
-
-
-def make_client(
-    config: BatonConfig,
-    plugins: ResolvedPlugins,
-    *,
-    asyncio_mode: bool = False,
-    **core_kwargs: Any,
-) -> EngineCoreClient:
-    """The client face for this config's transport and the caller's mode (``plugins``: the
-    config's, resolved once by the frontend)."""
-    if not asyncio_mode and config.executor.data_parallel_size > 1:
-        raise InvalidRequestError(
-            f"executor.data_parallel_size = {config.executor.data_parallel_size} needs the "
-            "asyncio frontend (AsyncLLM, baton serve): the synchronous LLM runs one engine; "
-            "set it to 1 here"
-        )
-    transport = plugins.one("transport").create(config)
-    if not transport.multiprocess and not asyncio_mode:
-        return InprocClient(config, plugins=plugins, **core_kwargs)
-    from baton.engine import mp_client
-
-    return mp_client.make_mp_client(
-        config, plugins, transport, asyncio_mode=asyncio_mode, **core_kwargs
-    )

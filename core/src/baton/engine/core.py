@@ -29,6 +29,7 @@ from baton.errors import (
 )
 from baton.interfaces import Executor
 from baton.lora.registry import EngineLoras
+from baton.model.loader import model_folder
 from baton.model_info import ModelInfo, model_info
 from baton.plugins.registry import Registry
 from baton.plugins.resolve import ResolvedPlugins, resolve_plugins
@@ -44,6 +45,7 @@ from baton.protocol import (
     WorkerMemory,
 )
 from baton.request import Request, RequestStatus
+from baton.rpc import run_worker_rpc
 from baton.sched.scheduler import Scheduler
 from baton.speculative.drafting import Drafts
 from baton.structured.manager import StructuredOutputManager
@@ -407,7 +409,7 @@ class EngineCore:
 
     def start_profile(self) -> None:
         """Start the torch profiler in every worker; traces go to ``observability.profile_dir``."""
-        from baton.worker.profiler import profile_dir
+        from baton.worker.profiler import profile_dir  # torch: the frontend's import stays light
 
         profile_dir(self.config.observability.profile_dir)  # unset: refused here, by name
         if self.profiling:
@@ -430,8 +432,7 @@ class EngineCore:
         Load it back with ``model.load_format = "sharded_state"`` at the same TP size."""
         from pathlib import Path
 
-        from baton.model.loader import model_folder
-        from baton.model.sharded_state import write_folder_files
+        from baton.model.sharded_state import write_folder_files  # torch, as start_profile's
 
         ex, m = self.config.executor, self.config.model
         if not isinstance(path, str) or not path:
@@ -476,8 +477,6 @@ class EngineCore:
         name); one result per worker, in rank order, as msgpack builtins (a struct becomes the
         list of its fields), the same whichever transport carries them. A target that raises
         fails this call with its error and rank; the engine goes on."""
-        from baton.rpc import run_worker_rpc
-
         if not isinstance(method, str):
             raise InvalidRequestError(
                 f"collective_rpc method {method!r}: give a name (a str)", param="method"
@@ -563,8 +562,7 @@ UTILITY_METHODS: dict[str, Any] = {
 
 def _check_sharded_folder(config: BatonConfig) -> None:
     """ConfigError unless the model folder is a sharded state of the engine's TP x PP layout."""
-    from baton.model.loader import model_folder
-    from baton.model.sharded_state import check_marker
+    from baton.model.sharded_state import check_marker  # torch, as start_profile's
 
     ex = config.executor
     check_marker(model_folder(config), ex.tensor_parallel_size, ex.pipeline_parallel_size)

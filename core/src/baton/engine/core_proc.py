@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -23,12 +22,9 @@ from typing import Any
 
 import msgspec
 
-from baton.config import BatonConfig
 from baton.engine.core import UTILITY_METHODS, EngineCore
 from baton.errors import BatonError, ExecutorError, ProtocolError, TransportError
 from baton.interfaces import EngineChannel
-from baton.plugins.registry import get_registry
-from baton.process_exit import exit_now
 from baton.protocol import (
     ENGINE_CORE_DEAD,
     DPWaveStart,
@@ -324,71 +320,3 @@ class EngineCoreProc:
             self.core.shutdown()
         finally:
             self.channel.close()
-
-
-def run_engine_core(
-    config: BatonConfig,
-    address: Any,
-    engine_index: int = 0,
-    parent_fingerprint: list[tuple[str, str, str, str]] | None = None,
-    in_thread: bool = False,
-    shutdown_event: threading.Event | None = None,
-) -> None:
-    """Entry point of an engine process (or thread): connect, build the core, serve."""
-    if not in_thread:
-        logging.basicConfig(
-            level=config.observability.log_level,
-            format=f"%(asctime)s %(levelname)s engine{engine_index} %(name)s: %(message)s",
-        )
-    registry = get_registry()  # plugins load in every process the kernel spawns
-    entry = registry.get("transport", config.transport.name)
-    transport = entry.create(config, entry.settings(config))
-    channel = transport.connect_engine(address, engine_index)
-    try:
-        if (
-            parent_fingerprint is not None
-            and [tuple(x) for x in parent_fingerprint] != registry.fingerprint()
-        ):
-            ours, theirs = set(registry.fingerprint()), {tuple(x) for x in parent_fingerprint}
-            raise BatonError(
-                "the engine process sees other plugins than the frontend: only in frontend "
-                f"{sorted(theirs - ours)}, only in engine {sorted(ours - theirs)}; install the same "
-                "plugins in one environment"
-            )
-        core = EngineCore(config, registry=registry, engine_index=engine_index)
-        try:
-            proc = _proc_class(core)(core, channel, engine_index, shutdown_event)
-        except BaseException:
-            core.shutdown()
-            raise
-    except BaseException as e:
-        log.error("engine %d failed to start: %s", engine_index, e)
-        channel.send(
-            [ENGINE_CORE_DEAD, f"engine failed to start: {type(e).__name__}: {e}".encode()]
-        )
-        time.sleep(0.1)  # let the frame leave before the channel closes
-        channel.close()
-        if in_thread:
-            return
-        raise SystemExit(1) from e
-    if not in_thread:
-        signal.signal(signal.SIGTERM, proc.request_shutdown)
-        signal.signal(signal.SIGINT, proc.request_shutdown)
-    code = 0
-    try:
-        proc.run()
-    except BaseException:
-        code = 1
-    if not in_thread:  # the loop has stopped and the channel is closed
-        exit_now(code)
-
-
-def _proc_class(core: EngineCore) -> type[EngineCoreProc]:
-    """The loop this engine needs: waves when its experts are shared with the other engines."""
-    from baton.parallel.expert import expert_parallel_size
-
-    if expert_parallel_size(core.config) > 1:
-        from baton.engine.dp_core_proc import DPEngineCoreProc
-
-        return DPEngineCoreProc
-    return EngineCoreProc

@@ -13,6 +13,7 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from baton import processes
 from baton.errors import ConfigError, PluginError
 from baton.plugins.hookspecs import hookimpl
 
@@ -65,9 +66,9 @@ class ProcessLauncher:
         engine_index: int,
         fingerprint: list[tuple[str, str, str, str]],
     ) -> ProcessHandle:
-        from baton.engine.core_proc import run_engine_core as run
-
-        return self.start(run, (config, address, engine_index, fingerprint), engine_index)
+        return self.start(
+            run_engine_core, (config, address, engine_index, fingerprint), engine_index
+        )
 
     def start(
         self, target: Callable[..., None], args: Sequence[Any], engine_index: int
@@ -75,8 +76,6 @@ class ProcessLauncher:
         """``target(*args)`` in a local process named for engine ``engine_index`` (forkserver or
         spawn: ``target`` at module level); its handle. For a launcher whose process does
         something around ``run_engine_core``."""
-        from baton import processes
-
         return ProcessHandle(
             processes.start(target, tuple(args), name=f"baton-engine-{engine_index}")
         )
@@ -132,7 +131,8 @@ def run_engine_core(
     ``threading.Event`` ``shutdown_event`` is the graceful shutdown, and it returns when the
     engine has stopped (a failure to start included, after ENGINE_CORE_DEAD went out).
     """
-    from baton.engine.core_proc import run_engine_core as run
+    # the engine's modules (torch) load in the engine's process, not when the plugins load
+    from baton.engine.core_main import run_engine_core as run
 
     run(config, address, engine_index, parent_fingerprint, in_thread, shutdown_event)
 

@@ -28,7 +28,8 @@ import msgspec
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
 from baton.engine.core import UTILITY_METHODS
-from baton.engine.core_proc import READY, run_engine_core
+from baton.engine.core_main import run_engine_core
+from baton.engine.core_proc import READY
 from baton.engine.launch import make_launcher
 from baton.errors import (
     BatonError,
@@ -420,26 +421,3 @@ def _dead_index(frames: list[Any]) -> int | None:
         return int(bytes(frames[2])) if len(frames) > 2 else None
     except ValueError:
         return None
-
-
-def make_mp_client(
-    config: BatonConfig,
-    plugins: ResolvedPlugins,
-    transport: Transport,
-    *,
-    asyncio_mode: bool,
-    loop: asyncio.AbstractEventLoop | None = None,
-    **_: Any,
-) -> EngineCoreClient:
-    num_engines = config.executor.data_parallel_size
-    if not asyncio_mode:
-        if num_engines > 1:
-            raise InvalidRequestError(
-                "executor.data_parallel_size > 1 needs the asyncio client (AsyncLLM / baton serve)"
-            )
-        return SyncMPClient(config, plugins, transport)
-    if num_engines > 1:
-        from baton.engine.dp_client import DPAsyncMPClient
-
-        return DPAsyncMPClient(config, plugins, transport, num_engines, loop=loop)
-    return AsyncMPClient(config, plugins, transport, loop=loop)

@@ -37,10 +37,10 @@ from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.group import WorkerGroup
-from baton.executor.rank import StepCodec, parallel_stats
+from baton.executor.rank import StepCodec, parallel_stats, rank_bootstraps
 from baton.executor.wire import Kind
 from baton.executor.worker_proc import worker_main
-from baton.executor.workers import MultiprocSettings, pick_device, pick_transport, worker_args
+from baton.executor.workers import MultiprocSettings, pick_device, pick_transport
 from baton.interfaces import RunnerFactory
 from baton.protocol import (
     GrammarOutput,
@@ -51,6 +51,7 @@ from baton.protocol import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from baton.runner import StockRunner
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,6 @@ class MultiprocExecutor:
                 )
             return runner
         if legacy is None:
-            from baton.runner import StockRunner
-
             return StockRunner()
         warnings.warn(
             f"{type(self).__qualname__}.runner_cls = {legacy!r} is deprecated: pass "
@@ -288,3 +287,18 @@ class MultiprocExecutor:
         if self.group is not None:
             self.group.shutdown()
         self._store = None
+
+
+def worker_args(ex: Any, backend: str, device: str, store_port: int) -> list[Any]:
+    """Each rank's RankBootstrap for executor ``ex`` (a MultiprocExecutor), in rank order:
+    what ``WorkerGroup.start`` hands to ``baton.executor.worker_proc.worker_main``."""
+    return rank_bootstraps(
+        ex.config,
+        ex.tp_size,
+        ex.pp_size,
+        runner=ex.runner,
+        backend=backend,
+        device=device,
+        store_port=store_port,
+        dist_timeout_s=ex.settings.dist_timeout,
+    )

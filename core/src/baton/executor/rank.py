@@ -50,7 +50,12 @@ from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.member import Message
 from baton.executor.wire import Kind
+from baton.parallel.context import ParallelContext, get_parallel_context, set_parallel_context
 from baton.plugins.moved import retired
+from baton.plugins.registry import get_registry
+from baton.protocol import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from baton.serial import MsgpackDecoder, MsgpackEncoder
+from baton.worker.worker import Worker, select_device
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +148,6 @@ def rank_bootstraps(
     (default: this machine's cores shared by the ranks). The plugin set checked on every
     rank is this process's.
     """
-    from baton.plugins.registry import get_registry
-
     world = tp_size * pp_size
     fingerprint = get_registry().fingerprint()
     return [
@@ -177,8 +180,6 @@ def host_store(host: str, timeout_s: float = 600.0) -> Any:
 
 def _check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
     """BatonError when this process's plugins differ from the engine's (``who`` names it)."""
-    from baton.plugins.registry import get_registry
-
     ours = get_registry().fingerprint()  # plugins load in every process baton starts
     if [tuple(x) for x in parent_fingerprint] != ours:
         theirs = {tuple(x) for x in parent_fingerprint}
@@ -191,11 +192,8 @@ def _check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: 
 
 def _check_rpc_method(method: str | Callable[..., Any]) -> None:
     """ExecutorError when ``method`` names no Worker method (a typo must not fail every rank)."""
-    if isinstance(method, str):
-        from baton.worker.worker import Worker
-
-        if not callable(getattr(Worker, method, None)):
-            raise ExecutorError(f"the worker has no method {method!r}")
+    if isinstance(method, str) and not callable(getattr(Worker, method, None)):
+        raise ExecutorError(f"the worker has no method {method!r}")
 
 
 class StepCodec:
@@ -204,9 +202,6 @@ class StepCodec:
     Not thread-safe: one per thread, or under a lock."""
 
     def __init__(self) -> None:
-        from baton.protocol import ModelRunnerOutput
-        from baton.serial import MsgpackDecoder, MsgpackEncoder
-
         self._encoder = MsgpackEncoder()
         self._out_decoder = MsgpackDecoder(ModelRunnerOutput)
 
@@ -269,8 +264,6 @@ _stats = StepStats()
 def parallel_stats(worker: Any, timeline: bool = False) -> dict[str, Any]:
     """collective_rpc target: this rank's per-step timings (broadcast delivery, collectives, step);
     with ``timeline``, also (step_id, start, end) of each step."""
-    from baton.parallel.context import get_parallel_context
-
     ctx = get_parallel_context()
     runner = worker.model_runner
     return {
@@ -300,8 +293,6 @@ class Rank:
         self.rank = boot.rank
         _check_plugin_set(boot.parent_fingerprint, f"worker {self.rank}")
         self.ctx = self._init_distributed(store)
-        from baton.worker.worker import Worker
-
         self.worker = Worker(boot.config, rank=self.rank, runner=boot.runner)
         self.worker.init_device()
         self.worker.load_model()
@@ -311,9 +302,6 @@ class Rank:
 
     def _init_distributed(self, store: Any) -> Any:
         import torch.distributed as dist
-
-        from baton.parallel.context import ParallelContext, set_parallel_context
-        from baton.worker.worker import select_device
 
         b = self.boot
         if b.socket_ifname and sys.platform.startswith("linux"):
@@ -354,9 +342,6 @@ class Rank:
     def serve(self, member: RankMember) -> None:
         """Answer ``member``'s calls in order until SHUTDOWN; the member's BatonError (its
         channel closed) ends it too, raised."""
-        from baton.protocol import GrammarOutput, SchedulerOutput
-        from baton.serial import MsgpackDecoder, MsgpackEncoder
-
         self._encoder = MsgpackEncoder()
         self._so_decoder = MsgpackDecoder(SchedulerOutput)
         self._grammar_decoder = MsgpackDecoder(GrammarOutput)

@@ -38,6 +38,7 @@ class UniprocExecutor:
     max_concurrent_batches = 1
 
     def __init__(self, config: BatonConfig, settings: Any = None) -> None:
+        # torch loads when an engine starts, not when the plugins load (this module is an entry point)
         from baton.worker.worker import Worker
 
         if config.executor.tensor_parallel_size != 1 or config.executor.pipeline_parallel_size != 1:
@@ -50,6 +51,7 @@ class UniprocExecutor:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-uniproc")
         self.worker = Worker(config)
         try:
+            # torch, as above
             from baton.parallel.expert import expert_parallel_runner, expert_parallel_size
 
             if expert_parallel_size(config) > 1:  # this engine's experts only (issue 18)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from baton.config import BatonConfig
 from baton.errors import ExecutorError
+from baton.plugins.registry import get_registry
 
 #: Transports tried by ``transport = "auto"``, fastest first (docs/parallel.md has the figures).
 AUTO_TRANSPORTS = ("shm", "zmq")
@@ -58,8 +59,6 @@ def pick_device(config: BatonConfig, world_size: int, name: str) -> str:
 
 def pick_transport(config: BatonConfig, name: str) -> Any:
     """The transport of the worker channel: ``name``, or for "auto" the first of AUTO_TRANSPORTS installed."""
-    from baton.plugins.registry import get_registry
-
     registry = get_registry()
     if name == "auto":
         installed = set(registry.names("transport"))
@@ -76,27 +75,3 @@ def pick_transport(config: BatonConfig, name: str) -> Any:
             f"transport {name!r} cannot reach other processes; choose shm or zmq for the workers"
         )
     return transport
-
-
-def worker_config(config: BatonConfig, rank: int, world_size: int, device: str) -> BatonConfig:
-    """``config`` for one worker: its own device, and on CPU an equal share of the cores."""
-    from baton.executor.rank import rank_config
-
-    return rank_config(config, world_size, device, None, rank)
-
-
-def worker_args(ex: Any, backend: str, device: str, store_port: int) -> list[Any]:
-    """Each rank's RankBootstrap for executor ``ex`` (a MultiprocExecutor), in rank order:
-    what ``WorkerGroup.start`` hands to ``baton.executor.worker_proc.worker_main``."""
-    from baton.executor.rank import rank_bootstraps
-
-    return rank_bootstraps(
-        ex.config,
-        ex.tp_size,
-        ex.pp_size,
-        runner=ex.runner,
-        backend=backend,
-        device=device,
-        store_port=store_port,
-        dist_timeout_s=ex.settings.dist_timeout,
-    )

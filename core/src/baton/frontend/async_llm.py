@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
-from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.client import EngineCoreClient
+from baton.engine.clients import make_client
 from baton.engine.core import check_sleep_level
 from baton.errors import (
     EngineDeadError,
@@ -26,10 +27,10 @@ from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
-from baton.frontend.tokenizer import load_tokenizer
 from baton.lora.request import LoRARequest, check_lora_request
 from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import RequestTracer, make_tracer
+from baton.model.tokenizer import load_tokenizer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins.resolve import ResolvedPlugins, resolve_plugins

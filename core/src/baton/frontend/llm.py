@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
-from baton.engine.client import EngineCoreClient, make_client
+from baton.engine.client import EngineCoreClient
+from baton.engine.clients import make_client
 from baton.engine.core import check_sleep_level
 from baton.errors import EngineSleepingError, InvalidRequestError
 from baton.frontend.beam_run import BeamRun
@@ -22,10 +23,10 @@ from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
 from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
-from baton.frontend.tokenizer import load_tokenizer
 from baton.lora.request import LoRARequest, check_lora_request
 from baton.metrics.stats import IterationStats
 from baton.metrics.tracing import check_tracing, make_tracer
+from baton.model.tokenizer import load_tokenizer
 from baton.model_info import model_info
 from baton.outputs import PoolingRequestOutput, RequestOutput
 from baton.plugins.resolve import resolve_plugins

@@ -8,12 +8,12 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from baton.config import LoRASection
 from baton.errors import InvalidRequestError, error_from_message
-from baton.interfaces import Executor
 from baton.lora.request import LoRARequest, as_lora_request
 
 if TYPE_CHECKING:
+    from baton.config import LoRASection
+    from baton.interfaces import Executor
     from baton.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -106,7 +106,7 @@ def make_tracer(config: BatonConfig) -> RequestTracer | None:
         return None
     check_tracing(config)
     try:
-        from baton.metrics.otel import OtelTracer
+        from baton.metrics.otel import OtelTracer  # OpenTelemetry: optional (baton-core[otel])
     except ImportError as e:  # installed but broken (a missing dependency of theirs)
         raise ConfigError(
             f"observability.tracing: the OpenTelemetry packages failed to import ({e}): "

@@ -21,18 +21,15 @@ import shutil
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from baton.errors import ConfigError, ModelLoadError
+from baton.errors import ModelLoadError
 from baton.model.hub import from_hub, is_repo_id
 
 if TYPE_CHECKING:
-    import torch
-
     from baton.config import BatonConfig
 
 log = logging.getLogger(__name__)
@@ -358,119 +355,6 @@ def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
         return folder, AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the model config in {folder}: {e}") from e
-
-
-#: One from_pretrained at a time per process: it builds the model under accelerate's
-#: init_empty_weights, which patches torch.nn.Module globally, so two engine cores loading on
-#: threads of one process (data parallel with the in-process transport) would see each other's
-#: meta tensors.
-_FROM_PRETRAINED = threading.Lock()
-
-
-def load_model(
-    cfg: BatonConfig,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    prepare: Callable[[torch.nn.Module], None] | None = None,
-) -> torch.nn.Module:
-    """Load ``cfg.model.name`` onto ``device`` with attn_implementation="baton", in eval mode.
-
-    ``prepare(model)`` runs on the loaded model before it moves to ``device``
-    (tensor- and pipeline-parallel workers shard or prune it there, so only
-    their part ever reaches the device); ``model.quantization`` applies after it
-    (``baton.model.quantization``).
-    """
-    # torch-heavy: model_folder and resolve_model stay light for the engine core and the CLI
-    from baton.kernels import attention
-    from baton.model.compute_dtype import resolve_dtype
-
-    folder, hf_config = load_hf_config(cfg)
-    cls = check_architecture(hf_config)
-    dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device, cfg.model.quantization)
-    attention.register()
-    t0 = time.monotonic()
-    if cfg.model.load_format == "sharded_state":
-        model = _load_sharded(cfg, folder, hf_config, cls, dtype, prepare)
-        model.to(device)
-        model.eval()
-        model.requires_grad_(False)
-        log.info("loaded %s's sharded state on %s in %.1f s", folder, device, time.monotonic() - t0)
-        return model
-    try:
-        with _FROM_PRETRAINED:
-            model = cls.from_pretrained(
-                folder, dtype=dtype, attn_implementation=attention.ATTN_IMPL
-            )
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
-    if prepare is not None:
-        prepare(model)
-    from baton.model.quantization import quantize_model
-
-    quantize_model(model, cfg, folder, device, dtype)
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    log.info(
-        "loaded %s (%s, %.1f MiB of weights, %s activations) on %s in %.1f s",
-        cfg.model.name,
-        type(model).__name__,
-        weight_bytes(model) / 2**20,
-        str(dtype).removeprefix("torch."),
-        device,
-        time.monotonic() - t0,
-    )
-    return model
-
-
-def _load_sharded(
-    cfg: BatonConfig,
-    folder: Path,
-    hf_config: Any,
-    cls: Any,
-    dtype: torch.dtype,
-    prepare: Callable[[torch.nn.Module], None] | None,
-) -> torch.nn.Module:
-    """The model built on meta from its config, prepared (sharded) as at save, then filled with
-    this rank's tensors from ``folder`` (``baton.model.sharded_state``); no full weights read."""
-    import torch
-
-    from baton.kernels import attention
-    from baton.model.sharded_state import check_marker, load_sharded_state
-
-    ex = cfg.executor
-    tp, pp = ex.tensor_parallel_size, ex.pipeline_parallel_size
-    check_marker(folder, tp, pp)
-    if cfg.model.quantization in ("int8", "int4"):
-        raise ConfigError(
-            f"model.quantization={cfg.model.quantization!r} with load_format='sharded_state': "
-            "a sharded state holds float weights as saved; use quantization 'auto' or 'none'"
-        )
-    rank = 0
-    if tp * pp > 1:
-        from baton.parallel.context import get_parallel_context
-
-        rank = get_parallel_context().rank
-    with torch.device("meta"):
-        model = cls._from_config(hf_config, dtype=dtype, attn_implementation=attention.ATTN_IMPL)
-    if prepare is not None:
-        prepare(model)
-    load_sharded_state(model, folder, rank)
-    return model
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
-    seen: set[int] = set()
-    total = 0
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type == "meta":  # a shape placeholder (a sharded LM head's full size)
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def tokenizer_path(cfg: BatonConfig) -> Path:

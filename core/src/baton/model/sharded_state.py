@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from baton import __version__
 from baton.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 #: The file name pattern of vLLM's ShardedStateLoader.
@@ -106,8 +107,6 @@ def write_folder_files(
     source: Path, folder: str | Path, tp_size: int, pp_size: int, dtype: str
 ) -> None:
     """Copy ``source``'s non-weight files (config, tokenizer, generation config) and write MARKER."""
-    from baton import __version__
-
     folder = Path(folder)
     for f in source.iterdir():
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != MARKER:

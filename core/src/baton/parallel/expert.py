@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
+from baton.runner import StockRunner, model_config
 from baton.worker.runner_hooks import ModelRunnerHooks
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,6 @@ def expert_parallel_size(config: BatonConfig, hf_config: Any | None = None) -> i
     if not ex.expert_parallel or ex.data_parallel_size == 1:
         return 1
     if hf_config is None:
-        from baton.runner import (
-            model_config,  # loads the model stack: dp_client imports this module
-        )
-
         hf_config = model_config(config)
     experts = num_experts(hf_config)
     if experts == 0:
@@ -295,6 +292,4 @@ class ExpertParallelHooks(ModelRunnerHooks):
 def expert_parallel_runner(config: BatonConfig, device: torch.device) -> Any:
     """A runner factory (``baton.interfaces.RunnerFactory``): the stock runner holding this
     engine's experts only."""
-    from baton.runner import StockRunner
-
     return StockRunner(functools.partial(ExpertParallelHooks, config, device))(config, device)

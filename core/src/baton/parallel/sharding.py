@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from baton.errors import ConfigError, ExecutorError
 from baton.parallel.context import ParallelContext
+from baton.parallel.expert import num_experts
 from baton.worker.runner_hooks import KVShape
 
 #: Plan styles applied as-is; "replicated_with_grad_allreduce" (q/k norms) needs nothing at inference.
@@ -37,8 +38,6 @@ def text_config(hf_config: Any) -> Any:
 
 def tp_plan(hf_config: Any) -> dict[str, str]:
     """The model's base-model tp plan; ConfigError when it has none or uses a style we do not apply."""
-    from baton.parallel.expert import num_experts
-
     text = text_config(hf_config)
     experts = num_experts(text)
     if experts:

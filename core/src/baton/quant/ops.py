@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from baton.kernels import loader
 from baton.quant.dequant import dequantize_torch
-from baton.quant.formats import QType, check_raw
+from baton.quant.formats import QType, block_shape, check_raw
 
 
 def kernels_loaded() -> bool:
@@ -20,8 +21,6 @@ def kernels_loaded() -> bool:
 def use_kernels(kernels: bool | None) -> bool:
     """``kernels``, or when None: whether baton's kernels build and load here."""
     if kernels is None:
-        from baton.kernels import loader
-
         return loader.load() and kernels_loaded()
     return kernels
 
@@ -31,8 +30,6 @@ def dequantize_native(
 ) -> torch.Tensor:
     """float32 [N, K] (into ``out`` when given) through ``torch.ops.baton.dequantize_q`` (CPU)."""
     if out is None:
-        from baton.quant.formats import block_shape
-
         block, size = block_shape(qtype)
         out = torch.empty(raw.shape[0], raw.shape[1] // size * block)
     torch.ops.baton.dequantize_q(raw.contiguous(), int(qtype), out)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from baton.config import BatonConfig
 from baton.errors import StructuredOutputError
+from baton.model import tokenizer as tokenizers
 from baton.model_info import ModelInfo
 from baton.plugins.registry import ChosenPlugin
 from baton.protocol import GrammarOutput, SchedulerOutput
@@ -90,10 +91,8 @@ class StructuredOutputManager:
             return self._backend
 
     def _create_backend(self) -> StructuredOutputBackend:
-        from baton.frontend.tokenizer import load_tokenizer
-
         assert self.chosen is not None
-        tokenizer = load_tokenizer(self.config, self.info)
+        tokenizer = tokenizers.load_tokenizer(self.config, self.info)
         log.info(
             "structured output: backend %r, vocabulary %d", self.chosen.name, self.info.vocab_size
         )

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from baton.errors import TransportError
+from baton.serial import MsgpackEncoder
 
 READY = b"READY"
 _READY_TAIL = struct.Struct("<HQ")
@@ -96,8 +97,6 @@ def _run_emit(chan: Any, command: bytes) -> None:
         for _ in range(count):
             chan.send([payload])
     elif command.startswith(_TENSORS):
-        from baton.serial import MsgpackEncoder
-
         encoder = MsgpackEncoder()
         tensor = _tensor(size)
         for _ in range(count):

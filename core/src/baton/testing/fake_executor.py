@@ -27,9 +27,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from baton import __version__
 from baton.errors import ExecutorError, worker_error
 from baton.executor.latch import FailureLatch
 from baton.plugins.hookspecs import hookimpl
+from baton.plugins.registry import get_plugins
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -432,11 +434,7 @@ class _FakeExecutorPlugin:
 def register_fake_executor(plugins: Any = None) -> None:
     """Make executor ``fake`` selectable in ``plugins`` (default: the process-wide one). Idempotent."""
     if plugins is None:
-        from baton.plugins.registry import get_plugins
-
         plugins = get_plugins()
     if plugins.pm.has_plugin(PLUGIN_NAME):
         return
-    from baton import __version__
-
     plugins.register(_FakeExecutorPlugin(), PLUGIN_NAME, "baton-core", __version__)

@@ -22,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from baton.model.loader import MARKER
+from baton.testing.tiny_model import make_tiny_model
+
 #: Dimensions that fit the K types' 256-weight blocks (every linear's in_features is 256 or 512).
 TINY_GGUF_CONFIG: dict[str, Any] = dict(
     hidden_size=256,
@@ -65,9 +68,6 @@ def make_tiny_gguf(dest: Path, seed: int = 0) -> tuple[Path, Path]:
     import torch
     from gguf import GGMLQuantizationType as G
     from transformers import AutoModelForCausalLM
-
-    from baton.model.loader import MARKER
-    from baton.testing.tiny_model import make_tiny_model
 
     dest.mkdir(parents=True, exist_ok=True)
     src = make_tiny_model("llama", dest / "source", seed=seed, **TINY_GGUF_CONFIG)

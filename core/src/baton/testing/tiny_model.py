@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from baton.model.loader import DEFAULT_ALIAS, resolve_model
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3")
 #: mixture-of-experts models: 4 experts per layer, 2 per token (expert parallel's tests)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -141,8 +143,6 @@ def make_tiny_model(
 
 
 def _default_tokenizer_dir() -> Path:
-    from baton.model.loader import DEFAULT_ALIAS, resolve_model
-
     return resolve_model(DEFAULT_ALIAS)
 
 

@@ -25,8 +25,9 @@ from baton.kernels.cpu_features import native_compute
 from baton.kernels.cpu_linear import CpuLMHead, use_small_batch_linears
 from baton.lora.model import LoRAModel
 from baton.lora.request import LoRARequest
-from baton.model.loader import load_model, model_folder
+from baton.model.loader import model_folder
 from baton.model.no_lm_head import head_kwargs, is_bidirectional
+from baton.model.weights import load_model
 from baton.model_info import read_model_info
 from baton.pooling_params import default_pooling_type
 from baton.protocol import (

@@ -23,11 +23,13 @@ from typing import Any, ClassVar
 
 import pytest
 
+from baton import LLM
 from baton.config import BatonConfig
 from baton.errors import EngineDeadError
 from baton.interfaces import EngineHandle, EngineLauncher
 from baton.plugins.registry import get_registry
 from baton.sampling_params import SamplingParams
+from baton.testing.tiny_model import tiny_model
 
 #: The prompts (token ids) of the serving checks.
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7] * 12]
@@ -50,8 +52,6 @@ class EngineLauncherConformance:
     def overrides(self, **changes: Any) -> dict[str, Any]:
         """The suite's engine settings (``LLM(**overrides)``): a tiny model on the CPU, this
         launcher, ``transport``; ``changes`` on top."""
-        from baton.testing.tiny_model import tiny_model
-
         if self.name is None:
             raise NotImplementedError("set name = '<registered launcher>' or override overrides")
         base: dict[str, Any] = {
@@ -100,8 +100,6 @@ class EngineLauncherConformance:
         launcher.close()
 
     def test_its_engine_serves_like_one_in_this_process(self) -> None:
-        from baton import LLM
-
         with LLM(**self.overrides(transport="inproc", data_parallel_backend="mp")) as llm:
             expected = self.greedy(llm)
         with LLM(**self.overrides()) as llm:
@@ -114,8 +112,6 @@ class EngineLauncherConformance:
         assert isinstance(handle.describe(), str)
 
     def test_a_killed_engine_is_a_dead_engine(self) -> None:
-        from baton import LLM
-
         with LLM(**self.overrides()) as llm:
             (handle,) = self.handles(llm)
             assert len(self.greedy(llm)) == len(PROMPTS)

@@ -23,10 +23,12 @@ from typing import Any, ClassVar
 
 import pytest
 
+from baton import AsyncLLM, SamplingParams
 from baton.config import BatonConfig
 from baton.interfaces import Router
 from baton.plugins.registry import get_registry
 from baton.routing.types import EngineLoad, RouteRequest
+from baton.testing.tiny_model import tiny_model
 
 
 def loads(n: int, rng: random.Random) -> list[EngineLoad]:
@@ -111,9 +113,6 @@ class RouterConformance:
     # ------------------------------------------------------------------ through real engines
 
     def test_outputs_through_two_engines_equal_one_engines(self) -> None:
-        from baton import AsyncLLM, SamplingParams
-        from baton.testing.tiny_model import tiny_model
-
         model = str(tiny_model("llama"))
         prefix = list(range(100, 148))
         prompts = [[*prefix, i, i + 1] for i in range(6)] + [[7, 8, 9], list(range(300, 340))]

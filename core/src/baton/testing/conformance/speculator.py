@@ -27,11 +27,13 @@ from typing import Any, ClassVar
 import pytest
 
 from baton.config import BatonConfig
+from baton.engine.core import EngineCore
 from baton.interfaces import Speculator
 from baton.plugins.registry import get_registry
 from baton.protocol import EngineCoreRequest
 from baton.request import Request
 from baton.sampling_params import SamplingParams
+from baton.testing.tiny_model import tiny_model
 
 #: Prompts (token ids of the SmolLM2 vocabulary): repetitive ones, where copying pays, and one
 #: that does not repeat.
@@ -47,8 +49,6 @@ def run_engine(
 ) -> tuple[dict[str, list[int]], Any]:
     """Run ``prompts`` to completion on an in-process EngineCore: tokens per request id
     ("r0", "r1", ...) and the scheduler's totals (``SchedulerStats``)."""
-    from baton.engine.core import EngineCore
-
     core = EngineCore(config)
     try:
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -143,8 +143,6 @@ class SpeculatorConformance:
     # ------------------------------------------------------------------ through the engine
 
     def _engine_config(self, method: str) -> BatonConfig:
-        from baton.testing.tiny_model import tiny_model
-
         cfg = self.config(model=str(tiny_model("llama")), max_model_len=256, log_stats=True)
         if method == "none":
             cfg = cfg.replace(speculative={"method": "none"})

@@ -33,7 +33,10 @@ from typing import Any
 import pytest
 import torch
 
+from baton.config import BatonConfig
 from baton.errors import StructuredOutputError
+from baton.model.loader import DEFAULT_ALIAS, resolve_model
+from baton.plugins.registry import get_registry
 from baton.sampling_params import StructuredOutputSpec
 
 NESTED_SCHEMA: dict[str, Any] = {
@@ -94,9 +97,6 @@ class StructuredOutputConformance:
 
     def make_backend(self, tokenizer: Any, vocab_size: int) -> Any:
         """Build the backend under test; by default through its registered factory with default settings."""
-        from baton.config import BatonConfig
-        from baton.plugins.registry import get_registry
-
         entry = get_registry().get("structured_output", self.name)
         config = BatonConfig.load()
         settings = entry.settings(config)
@@ -107,8 +107,6 @@ class StructuredOutputConformance:
     @classmethod
     def tokenizer(cls) -> Any:
         from transformers import AutoTokenizer
-
-        from baton.model.loader import DEFAULT_ALIAS, resolve_model
 
         return AutoTokenizer.from_pretrained(resolve_model(DEFAULT_ALIAS))
 
@@ -155,8 +153,6 @@ class StructuredOutputConformance:
     # ------------------------------------------------------------------ registration and compile
 
     def test_registered_under_its_name(self) -> None:
-        from baton.plugins.registry import get_registry
-
         assert self.name, "set the class attribute `name` to the backend's registered name"
         assert self.name in get_registry().names("structured_output")
 

@@ -33,8 +33,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from baton.config import BatonConfig
 from baton.errors import TransportError
 from baton.interfaces import ClientChannel, Transport
+from baton.plugins.registry import get_registry
+from baton.serial import MsgpackDecoder, MsgpackEncoder
 from baton.testing import echo
 from baton.testing.echo import echo_engines
 from baton.testing.leaks import leftover_files, open_fds
@@ -130,9 +133,6 @@ class TransportConformance:
     def test_registered(self, transport: Transport) -> None:
         if self.name is None:
             pytest.skip("no registered name given")
-        from baton.config import BatonConfig
-        from baton.plugins.registry import get_registry
-
         entry = get_registry().get("transport", self.name)
         config = BatonConfig.load()
         made = entry.create(config, entry.settings(config))
@@ -168,8 +168,6 @@ class TransportConformance:
 
     def test_large_tensors_bit_exact(self, transport: Transport, client: ClientChannel) -> None:
         import torch
-
-        from baton.serial import MsgpackDecoder, MsgpackEncoder
 
         gen = torch.Generator().manual_seed(0)
         tensor = torch.randn(4 * 1024 * 1024, generator=gen)  # 16 MiB of float32
