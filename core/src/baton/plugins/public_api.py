@@ -113,8 +113,8 @@ PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
         "SpeculativeSection",
         "RoutingSection",
         "LoRASection",
-        "ServerSection",
         "ObservabilitySection",
+        "ServingSettings",
     ),
     "baton.sampling_params": (
         "SamplingParams",
