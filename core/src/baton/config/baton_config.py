@@ -9,8 +9,8 @@ with ``--config`` or ``BATON_CONFIG``), defaults.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ class BatonConfig(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         plugins = config_sections.registered()
         if plugins:
-            sources.append(EnvSettingsSource(_plugin_env_model(plugins)))
+            sources.append(EnvSettingsSource(_plugin_env_model(tuple(plugins.items()))))
         path = _config_file.get()
         if path is not None:
             if path.suffix in (".yaml", ".yml"):
@@ -322,9 +322,10 @@ class _PluginEnv(BaseSettings):
     )
 
 
-def _plugin_env_model(plugins: Mapping[str, type[BaseModel]]) -> type[BaseSettings]:
+@functools.lru_cache(maxsize=8)
+def _plugin_env_model(plugins: tuple[tuple[str, type[BaseModel]], ...]) -> type[BaseSettings]:
     """A settings class with one field per plugin section, for their environment variables."""
-    fields: dict[str, Any] = {name: (model | None, None) for name, model in plugins.items()}
+    fields: dict[str, Any] = {name: (model | None, None) for name, model in plugins}
     return pydantic.create_model("BatonPluginSections", __base__=_PluginEnv, **fields)
 
 
