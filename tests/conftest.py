@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model (SmolLM2-135M-Instruct) as an HF folder, converted once from its GGUF."""
-    from baton.worker.model_loader import resolve_model
+    from baton.model.loader import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 

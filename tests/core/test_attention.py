@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from baton.kernels import loader
+from baton.kernels.attention import key_cache_view, model_capabilities, paged_attention
 from baton.protocol import NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
-from baton.worker.attention import key_cache_view, model_capabilities, paged_attention
 from baton.worker.input_batch import InputBatch
 from baton.worker.step_inputs import StepInputBuilder
 

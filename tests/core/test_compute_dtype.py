@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baton.worker import compute_dtype, cpu_features
-from baton.worker.compute_dtype import resolve_dtype
-from baton.worker.cpu_features import features_from, native_compute, read_flags
+from baton.kernels import cpu_features
+from baton.kernels.cpu_features import features_from, native_compute, read_flags
+from baton.model import compute_dtype
+from baton.model.compute_dtype import resolve_dtype
 
 CPU = torch.device("cpu")
 AVX2 = frozenset({"avx2", "fma", "f16c"})
@@ -76,7 +77,7 @@ def test_this_machine_is_detected():
 
 def test_auto_keeps_a_bf16_checkpoint_where_native(cpu, caplog):
     cpu(AVX2 | {"avx512_bf16"})
-    with caplog.at_level(logging.INFO, "baton.worker.compute_dtype"):
+    with caplog.at_level(logging.INFO, "baton.model.compute_dtype"):
         assert resolve_dtype("auto", BF16_CKPT, CPU) == torch.bfloat16
     assert "bfloat16 as the checkpoint stores it, native on this CPU" in caplog.text
     assert "avx512_bf16" in caplog.text
@@ -84,7 +85,7 @@ def test_auto_keeps_a_bf16_checkpoint_where_native(cpu, caplog):
 
 def test_auto_upcasts_a_bf16_checkpoint_where_emulated(cpu, caplog):
     cpu(AVX2)
-    with caplog.at_level(logging.INFO, "baton.worker.compute_dtype"):
+    with caplog.at_level(logging.INFO, "baton.model.compute_dtype"):
         assert resolve_dtype("auto", BF16_CKPT, CPU) == torch.float32
     assert "weights are upcast once to float32 at load" in caplog.text
     assert "no native bfloat16 arithmetic" in caplog.text
@@ -114,7 +115,7 @@ def test_auto_on_cuda_takes_the_checkpoint_dtype(cpu):
 
 def test_explicit_bf16_runs_as_asked_and_warns_once_where_emulated(cpu, caplog):
     cpu(AVX2)
-    with caplog.at_level(logging.INFO, "baton.worker.compute_dtype"):
+    with caplog.at_level(logging.INFO, "baton.model.compute_dtype"):
         assert resolve_dtype("bfloat16", BF16_CKPT, CPU) == torch.bfloat16
         assert resolve_dtype("bfloat16", SimpleNamespace(dtype="float32"), CPU) == torch.bfloat16
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -126,7 +127,7 @@ def test_explicit_bf16_runs_as_asked_and_warns_once_where_emulated(cpu, caplog):
 
 def test_explicit_bf16_where_native_does_not_warn(cpu, caplog):
     cpu(AVX2 | {"amx_bf16"})
-    with caplog.at_level(logging.INFO, "baton.worker.compute_dtype"):
+    with caplog.at_level(logging.INFO, "baton.model.compute_dtype"):
         assert resolve_dtype("bfloat16", BF16_CKPT, CPU) == torch.bfloat16
         assert resolve_dtype("float32", BF16_CKPT, CPU) == torch.float32
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

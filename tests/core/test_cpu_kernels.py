@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import loader
-from baton.worker.cpu_linear import (
+from baton.kernels.cpu_linear import (
     KERNEL_MAX_ROWS,
     CpuLMHead,
     SmallBatchLinear,

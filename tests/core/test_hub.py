@@ -15,8 +15,8 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.errors import ModelLoadError
+from baton.model.loader import resolve_model
 from baton.testing.tiny_model import tiny_model
-from baton.worker.model_loader import resolve_model
 
 from .fake_hub import COMMIT, FakeHub
 

@@ -399,10 +399,10 @@ def test_the_batched_update_is_each_tokens_own_adapter(base, request):
     small-batch (baton's kernel) and a quantized (int8, GGUF blocks) linear."""
     import numpy as np
 
+    from baton.kernels.cpu_linear import SmallBatchLinear
     from baton.lora.adapter import AdapterConfig, AdapterWeights
+    from baton.lora.model import LoRAModel
     from baton.quant.linear import QuantLinear
-    from baton.worker.cpu_linear import SmallBatchLinear
-    from baton.worker.lora import LoRAModel
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96, bias=True)

@@ -12,9 +12,8 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ModelLoadError
-from baton.testing.tiny_model import ARCHS, tiny_model
-from baton.worker import model_loader
-from baton.worker.model_loader import (
+from baton.model import loader as model_loader
+from baton.model.loader import (
     MARKER,
     check_architecture,
     convert_gguf_cached,
@@ -23,6 +22,7 @@ from baton.worker.model_loader import (
     model_cache_dir,
     resolve_model,
 )
+from baton.testing.tiny_model import ARCHS, tiny_model
 
 
 def fake_convert(calls: list):

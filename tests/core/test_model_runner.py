@@ -24,7 +24,7 @@ from baton.protocol import (
 from baton.sampling_params import SamplingParams
 from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
-from baton.worker import model_runner
+from baton.worker import kv_cache
 from baton.worker.model_runner import ModelRunner
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -302,7 +302,7 @@ def test_kv_cache_dtype_sizes_the_cache(monkeypatch):
     assert spec.dtype == "bfloat16" and runner.kv_caches[0].dtype == torch.bfloat16
     assert spec.page_size_bytes == 2 * spec.num_layers * 4 * spec.num_kv_heads * spec.head_size * 2
     # the CPU default keeps the float32 cache's tokens, in half the memory
-    monkeypatch.setattr(model_runner, "CPU_DEFAULT_KV_BYTES", 2**20)
+    monkeypatch.setattr(kv_cache, "CPU_DEFAULT_KV_BYTES", 2**20)
     assert runner.determine_available_memory() == 2**19
     runner.cfg.cache.kv_cache_memory = "1MiB"  # an explicit budget buys twice the blocks
     assert runner.determine_available_memory() == 2**20

@@ -12,7 +12,7 @@ import torch
 from baton import LLM, RequestOutput, SamplingParams
 from baton.errors import InvalidRequestError
 from baton.testing.tiny_model import tiny_model
-from baton.worker import model_runner
+from baton.worker import step_sampling
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,7 +60,7 @@ def run(llm: LLM, prompt: list[int], **params: object) -> RequestOutput:
 def test_prompt_logprobs_equal_transformers_over_chunks(
     llm: LLM, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_runner, "PROMPT_SCORE_ROWS", 2)  # each chunk scored in parts
+    monkeypatch.setattr(step_sampling, "PROMPT_SCORE_ROWS", 2)  # each chunk scored in parts
     prompt = prompt_of(23)
     ref = reference(path, prompt)
     out = run(llm, prompt, prompt_logprobs=3)
@@ -146,7 +146,7 @@ def test_runner_scores_a_prompt_again_after_a_preemption_mid_prompt(path: str) -
 def test_a_fault_while_scoring_fails_only_that_request(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(model_runner, "PROMPT_SCORE_ROWS", 0)  # range() refuses a zero step
+    monkeypatch.setattr(step_sampling, "PROMPT_SCORE_ROWS", 0)  # range() refuses a zero step
     scored, plain = llm.generate(
         [{"prompt_token_ids": prompt_of(12, seed=9)}, {"prompt_token_ids": prompt_of(8, seed=10)}],
         [

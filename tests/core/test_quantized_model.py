@@ -17,13 +17,13 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
+from baton.model.loader import MARKER, load_model
+from baton.model.quantization import _why_dequantized
 from baton.protocol import KVCacheConfig
 from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
 from baton.testing.tiny_gguf import F16_TENSOR, make_tiny_gguf
 from baton.testing.tiny_model import tiny_model
-from baton.worker.model_loader import MARKER, load_model
 from baton.worker.model_runner import ModelRunner
-from baton.worker.quantize_model import _why_dequantized
 
 CPU = torch.device("cpu")
 
@@ -120,7 +120,7 @@ def test_the_gguf_index_reads_what_gguf_py_reads(tiny_gguf):
     import numpy as np
     from gguf import GGUFReader
 
-    from baton.worker.gguf_tensors import GGUFTensors
+    from baton.model.gguf_tensors import GGUFTensors
 
     path, _ = tiny_gguf
     ours = GGUFTensors(path)
@@ -183,7 +183,7 @@ def test_auto_layers_compute_what_the_converted_weights_do(tiny_gguf):
 
 
 def test_a_wrong_row_order_keeps_the_layer_float(tiny_gguf, monkeypatch, caplog):
-    from baton.worker import gguf_tensors
+    from baton.model import gguf_tensors
 
     _, folder = tiny_gguf
     monkeypatch.setattr(gguf_tensors, "PERMUTED_QK_ARCHS", frozenset())  # "forget" the permutation

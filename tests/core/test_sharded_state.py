@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from baton import LLM, AsyncLLM, SamplingParams
 from baton.errors import ConfigError, InvalidRequestError
+from baton.model.sharded_state import MARKER
 from baton.testing.tiny_model import tiny_model
-from baton.worker.sharded_state import MARKER
 
 PROMPTS = ["the quick brown fox", "hello there"]
 

@@ -20,7 +20,7 @@ from baton.errors import ConfigError
 from baton.plugins.registry import get_plugins
 from baton.request import Request
 from baton.sampling_params import SamplingParams
-from baton.spec.ngram import NgramSpeculator
+from baton.speculative.ngram import NgramSpeculator
 from baton.testing import FakeExecutor
 from baton.testing.conformance.speculator import PROMPTS, SpeculatorConformance, run_engine
 from baton.testing.tiny_model import tiny_model

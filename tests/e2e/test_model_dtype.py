@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baton import LLM, SamplingParams
+from baton.kernels import cpu_features
+from baton.kernels.cpu_features import features_from
 from baton.testing.tiny_model import tiny_model
-from baton.worker import cpu_features
-from baton.worker.cpu_features import features_from
 from baton_bench.common import dtype_config
 
 from .parity import PROMPTS

@@ -124,7 +124,7 @@ def test_pipeline_stages_keep_their_quantized_layers(
 def test_smollm2_gguf_auto_matches_transformers(default_model_dir, prompt_ids, caplog):
     """The default model runs on its Q4_1 / Q8_0 blocks; transformers on the converted folder."""
     ref = hf_greedy(default_model_dir, prompt_ids, MAX_NEW)
-    with caplog.at_level(logging.INFO, logger="baton.worker.quantize_model"):
+    with caplog.at_level(logging.INFO, logger="baton.model.quantization"):
         ours = engine_tokens(default_model_dir, prompt_ids, **{"model.quantization": "auto"})
     assert "210 Q4_1, 2 Q8_0 quantized" in caplog.text  # 30 x 7 linears; embedding = tied head
     assert_parity(default_model_dir, prompt_ids, ours, ref)

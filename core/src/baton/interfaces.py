@@ -138,7 +138,7 @@ class VictimAwarePolicy(Protocol):
 class Speculator(Protocol):
     """Proposes draft tokens for a running request; the model verifies them in one step.
 
-    The kernel (``baton.spec.drafts``) asks for drafts when a request is
+    The kernel (``baton.speculative.drafting``) asks for drafts when a request is
     about to decode, schedules them with its next token, verifies them in the
     same forward pass and keeps the longest prefix the model would have produced
     itself (greedy: the argmax; sampling: the token drawn at that position), plus

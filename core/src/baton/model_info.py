@@ -15,7 +15,7 @@ __all__ = ["ModelInfo", "model_info", "read_model_info"]
 
 def model_info(config: BatonConfig) -> ModelInfo:
     """Resolve the configured model (converting a GGUF once) and read its limits."""
-    from baton.worker.model_loader import model_folder  # heavy imports stay off the CLI's start-up
+    from baton.model.loader import model_folder  # heavy imports stay off the CLI's start-up
 
     folder = model_folder(config)
     return read_model_info(folder, config.model.max_model_len)
@@ -33,7 +33,7 @@ def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:
         )
     runner_type = "generate"
     if not cfg.get("auto_map"):  # remote-code models are refused when loaded, with their reason
-        from baton.worker.model_loader import check_causal_architectures
+        from baton.model.loader import check_causal_architectures
 
         runner_type = check_causal_architectures(cfg.get("architectures"), str(path))
     vocab_size = _positive_int(text_cfg, "vocab_size", path)

@@ -35,7 +35,7 @@ PRELOAD = (
     "torch",
     "transformers",
     "baton.engine.core_proc",
-    "baton.worker.worker_proc",
+    "baton.executor.worker_proc",
     "baton.worker.model_runner",
 )
 

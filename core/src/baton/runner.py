@@ -27,67 +27,28 @@ module level.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from baton.errors import PluginError
+from baton.model.loader import load_hf_config
+from baton.worker.model_runner import ModelRunner as Stock
+from baton.worker.runner_hooks import HooksFactory, KVShape, LoadedModel, ModelRunnerHooks
+from baton.worker.worker import Worker
 
 if TYPE_CHECKING:
     import torch
 
     from baton.config import BatonConfig
     from baton.interfaces import ModelRunner, RunnerFactory
-    from baton.worker.worker import Worker as StockWorker
 
-
-class KVShape(msgspec.Struct, frozen=True, kw_only=True):
-    """The layers and heads one runner holds; its KV cache is sized from them."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-
-
-class LoadedModel(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``ModelRunnerHooks.loaded`` learns about the model once it is on its device."""
-
-    model: Any  # torch.nn.Module, after prepare_model, quantization and the move to the device
-    device: Any  # torch.device
-    dtype: Any  # torch.dtype of the activations
-    #: Most tokens one step feeds the forward (scheduler.max_num_batched_tokens).
-    max_num_tokens: int
-    #: The model's own layers and heads (before any hook changed them).
-    shape: KVShape
-
-
-class ModelRunnerHooks:
-    """What a runner variant changes in the stock runner. Every default changes nothing.
-
-    One instance per runner, made in the worker process (where
-    ``baton.parallel.get_parallel_context()`` is set).
-    """
-
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        """Change the loaded model in place, on the CPU, before it moves to the device."""
-
-    def loaded(self, model: LoadedModel) -> KVShape:
-        """The layers and heads this runner's KV cache holds (default: the model's own)."""
-        return model.shape
-
-    def forward(self, run: Callable[[], torch.Tensor], num_tokens: int) -> torch.Tensor:
-        """Run one step's forward (``run()``: logits for the positions that sample, then for
-        the prompt positions that prompt_logprobs scores) over ``num_tokens`` flattened tokens;
-        wrap it to do work before or after."""
-        return run()
-
-    def samples(self) -> bool:
-        """Whether this runner samples: False for ranks whose logits are partial or absent."""
-        return True
-
-
-HooksFactory = Callable[[], ModelRunnerHooks]
+__all__ = [
+    "KVShape",
+    "LoadedModel",
+    "ModelRunnerHooks",
+    "StockRunner",
+    "load_worker",
+    "model_config",
+]
 
 
 class StockRunner:
@@ -105,8 +66,6 @@ class StockRunner:
         self.hooks = hooks
 
     def __call__(self, config: BatonConfig, device: torch.device) -> ModelRunner:
-        from baton.worker.model_runner import ModelRunner as Stock
-
         hooks = self.hooks() if self.hooks is not None else None
         if hooks is not None and not isinstance(hooks, ModelRunnerHooks):
             raise PluginError(
@@ -121,7 +80,7 @@ class StockRunner:
 
 def load_worker(
     config: BatonConfig, runner: RunnerFactory | None = None, *, rank: int = 0
-) -> StockWorker:
+) -> Worker:
     """baton's worker for ``config``, loaded: its device chosen (``executor.device``, torch
     threads ``executor.num_threads``), its runner made by ``runner`` (default
     ``StockRunner()``) and the runner's ``load_model()`` done. Call it in the process (and
@@ -131,8 +90,6 @@ def load_worker(
     ``collective_rpc`` call) and passes the runner's own on: ``determine_available_memory()``,
     ``initialize_kv_cache(config)``, ``execute_model(scheduler_output)``,
     ``sample_tokens(grammar_output)``; ``rank`` is what ``memory_usage`` reports."""
-    from baton.worker.worker import Worker
-
     worker = Worker(config, rank=rank, runner=runner)
     worker.init_device()
     worker.load_model()
@@ -142,6 +99,4 @@ def load_worker(
 def model_config(config: BatonConfig) -> Any:
     """The transformers config of ``config.model.name`` (read from its folder, no weights):
     an executor's checks before any worker starts (head counts, layers)."""
-    from baton.worker.model_loader import load_hf_config
-
     return load_hf_config(config)[1]

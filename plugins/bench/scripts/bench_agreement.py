@@ -26,8 +26,8 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.config import BatonConfig
+from baton.model.loader import load_model
 from baton.quant import QuantLinear
-from baton.worker.model_loader import load_model
 from baton_bench.common import default_bench_dir
 
 

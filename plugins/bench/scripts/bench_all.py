@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from baton.worker.model_loader import alias_gguf, resolve_model
+from baton.model.loader import alias_gguf, resolve_model
 from baton_bench import peers
 from baton_bench.common import default_bench_dir
 

@@ -84,7 +84,7 @@ def bench(
         ex = core.executor
         parallel = hasattr(ex, "parallel_stats")
         if parallel:
-            from baton.worker.worker_proc import reset_parallel_stats
+            from baton.executor.rank import reset_parallel_stats
 
             ex.collective_rpc(reset_parallel_stats)
             ex.broadcast_s.clear()

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import loader
+from baton.kernels.cpu_linear import linear_small
 from baton.quant import QType, QuantLinear, quantize
-from baton.worker.cpu_linear import linear_small
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]

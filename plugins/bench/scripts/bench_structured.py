@@ -35,7 +35,7 @@ from baton.engine.core import EngineCore
 from baton.frontend.tokenizer import load_tokenizer
 from baton.protocol import EngineCoreRequest
 from baton.sampling_params import SamplingParams, StructuredOutputSpec
-from baton.worker import model_runner
+from baton.worker import step_sampling
 from tests.plugins.xgrammar.test_model import PERSON_SCHEMA
 
 BATCH = 64
@@ -119,7 +119,7 @@ class Side:
 
 def bench_steps(model: str, runs: int, steps: int) -> dict[str, Any]:
     """Two cores, stepped alternately (order flipped each step), so machine noise hits both alike."""
-    apply = model_runner.apply_bitmask = Timed(model_runner.apply_bitmask)  # type: ignore[attr-defined]
+    apply = step_sampling.apply_bitmask = Timed(step_sampling.apply_bitmask)  # type: ignore[attr-defined]
     free, constrained = Side("unconstrained", model), Side("constrained", model)
     ratios: list[float] = []
     per_run: list[dict[str, float]] = []
@@ -157,7 +157,7 @@ def bench_steps(model: str, runs: int, steps: int) -> dict[str, Any]:
         )
     free.core.shutdown()
     constrained.core.shutdown()
-    model_runner.apply_bitmask = apply.fn  # type: ignore[attr-defined]
+    step_sampling.apply_bitmask = apply.fn  # type: ignore[attr-defined]
     q = statistics.quantiles(ratios, n=4)
     return {
         "batch": BATCH,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from baton import LLM, SamplingParams
-from baton.worker.model_loader import resolve_model
+from baton.model.loader import resolve_model
 from baton_bench.common import default_bench_dir, digest, load_workload
 
 TIE_GAP = 1e-4

@@ -14,7 +14,6 @@ import pytest
 
 from baton import hookimpl
 from baton.cli.main import main as baton_main
-from baton import hookimpl
 from baton.plugins.registry import get_plugins, get_registry
 from baton_bench.serve import RequestRecord, arrival_offsets, goodput, slo_fields
 

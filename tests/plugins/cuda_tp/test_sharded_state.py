@@ -7,8 +7,8 @@ import json
 import pytest
 
 from baton.errors import ConfigError
+from baton.model.sharded_state import MARKER
 from baton.testing.tiny_model import tiny_model
-from baton.worker.sharded_state import MARKER
 from tests.core.test_sharded_state import greedy, make_llm
 
 

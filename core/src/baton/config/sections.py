@@ -212,7 +212,7 @@ class ExecutorSection(_Section):
     """Batch-invariant inference: a request's tokens and logprobs are the same bits whatever else
     runs beside it (batch size and composition, its row, prefill chunk boundaries, speculative
     verify rows). Every step, prefill included, runs fast_decode's native layer stack with one
-    summation order per output whatever the number of rows (docs/architecture.md). Default: the
+    summation order per output whatever the number of rows (docs/cpu-kernels.md). Default: the
     environment variable BATON_BATCH_INVARIANT (1/true/yes/on), else false. Refused (an error
     naming why) where it cannot hold: CUDA, tensor / pipeline / expert parallelism, LoRA,
     cpu_kernels or fast_decode off, dtype other than float32, a model fast_decode does not run."""
@@ -220,7 +220,7 @@ class ExecutorSection(_Section):
     """With data_parallel_size N > 1 and a mixture-of-experts model (Mixtral, Qwen2/3-MoE, OLMoE):
     each engine core holds E/N of every MoE layer's E experts and the layers dispatch tokens to
     them across the engines (gloo on CPU, NCCL on CUDA), which then step together in waves
-    (docs/architecture.md, Data parallel). vLLM's --enable-expert-parallel. Ignored (a warning)
+    (docs/data-parallel.md). vLLM's --enable-expert-parallel. Ignored (a warning)
     for a dense model; needs E divisible by N, tensor/pipeline_parallel_size 1."""
     data_parallel_master_port: int = Field(0, ge=0, le=65535)
     """With expert_parallel: the 127.0.0.1 TCP port where the engine cores meet to build their

@@ -20,7 +20,6 @@ import msgspec
 from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
-from baton.engine.loras import EngineLoras
 from baton.errors import (
     ConfigError,
     EngineSleepingError,
@@ -29,6 +28,7 @@ from baton.errors import (
     worker_error,
 )
 from baton.interfaces import Executor
+from baton.lora.registry import EngineLoras
 from baton.model_info import ModelInfo, model_info
 from baton.plugins.check import check_config_plugins
 from baton.plugins.registry import Registry, get_registry
@@ -45,7 +45,7 @@ from baton.protocol import (
 )
 from baton.request import Request, RequestStatus
 from baton.sched.scheduler import Scheduler
-from baton.spec.drafts import Drafts
+from baton.speculative.drafting import Drafts
 from baton.structured.manager import StructuredOutputManager
 from baton.validation import check_engine_request
 
@@ -425,12 +425,12 @@ class EngineCore:
         self, path: str, pattern: str | None = None, max_size: int | None = None
     ) -> None:
         """Every worker writes its already sharded weights into ``path``; the model folder's
-        config and tokenizer files and a marker of the layout follow (``baton.worker.sharded_state``).
+        config and tokenizer files and a marker of the layout follow (``baton.model.sharded_state``).
         Load it back with ``model.load_format = "sharded_state"`` at the same TP size."""
         from pathlib import Path
 
-        from baton.worker.model_loader import model_folder
-        from baton.worker.sharded_state import write_folder_files
+        from baton.model.loader import model_folder
+        from baton.model.sharded_state import write_folder_files
 
         ex, m = self.config.executor, self.config.model
         if not isinstance(path, str) or not path:
@@ -562,8 +562,8 @@ UTILITY_METHODS: dict[str, Any] = {
 
 def _check_sharded_folder(config: BatonConfig) -> None:
     """ConfigError unless the model folder is a sharded state of the engine's TP x PP layout."""
-    from baton.worker.model_loader import model_folder
-    from baton.worker.sharded_state import check_marker
+    from baton.model.loader import model_folder
+    from baton.model.sharded_state import check_marker
 
     ex = config.executor
     check_marker(model_folder(config), ex.tensor_parallel_size, ex.pipeline_parallel_size)

@@ -37,8 +37,9 @@ from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.group import WorkerGroup
-from baton.executor.rank import StepCodec, check_rpc_method
+from baton.executor.rank import StepCodec, check_rpc_method, parallel_stats
 from baton.executor.wire import Kind
+from baton.executor.worker_proc import worker_main
 from baton.executor.workers import MultiprocSettings, pick_device, pick_transport, worker_args
 from baton.interfaces import RunnerFactory
 from baton.protocol import (
@@ -128,8 +129,6 @@ class MultiprocExecutor:
                 timeout=timedelta(seconds=s.dist_timeout),
                 wait_for_workers=False,
             )
-            from baton.worker.worker_proc import worker_main
-
             infos: list[wire.WorkerReady] = self.group.start(
                 worker_main,
                 worker_args(self, backend, device, self._store.port),
@@ -278,8 +277,6 @@ class MultiprocExecutor:
     def parallel_stats(self, timeline: bool = False) -> list[dict[str, Any]]:
         """Each rank's per-step timings: broadcast delivery, all-reduce, gather, send/recv, step
         (and with ``timeline`` when each step ran)."""
-        from baton.worker.worker_proc import parallel_stats
-
         return self.collective_rpc(parallel_stats, kwargs={"timeline": timeline}, timeout=30)
 
     def _group(self) -> WorkerGroup:

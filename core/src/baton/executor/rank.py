@@ -1,7 +1,7 @@
 """One rank of a tensor x pipeline parallel group, in whatever process an executor placed it.
 
 The local executors start their ranks as ``WorkerGroup`` processes
-(``baton.worker.worker_proc.worker_main``); an executor that places ranks itself
+(``baton.executor.worker_proc.worker_main``); an executor that places ranks itself
 (baton-plugin-ray's actors, another launcher) builds the same rank from the same
 parts, so every executor runs the same model runner and the same step protocol:
 

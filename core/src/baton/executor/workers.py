@@ -87,7 +87,7 @@ def worker_config(config: BatonConfig, rank: int, world_size: int, device: str) 
 
 def worker_args(ex: Any, backend: str, device: str, store_port: int) -> list[Any]:
     """Each rank's RankBootstrap for executor ``ex`` (a MultiprocExecutor), in rank order:
-    what ``WorkerGroup.start`` hands to ``baton.worker.worker_proc.worker_main``."""
+    what ``WorkerGroup.start`` hands to ``baton.executor.worker_proc.worker_main``."""
     from baton.executor.rank import rank_bootstraps
 
     return rank_bootstraps(

@@ -173,7 +173,7 @@ class AsyncLLM:
     ) -> BeamSearchOutput:
         """``LLM.beam_search`` for one prompt: its best ``params.beam_width`` beams, best first.
 
-        Beams fork their parent's KV in the engine (docs/architecture.md, "Beam search").
+        Beams fork their parent's KV in the engine (docs/beam-search.md).
         Cancelling the call aborts its engine requests. One engine only (not with
         ``executor.data_parallel_size`` > 1: a beam's fork must reach its parent's engine).
         """

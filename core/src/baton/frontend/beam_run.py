@@ -3,7 +3,7 @@
 Each step sends every live beam as a one-token request that keeps its KV when it finishes
 (``retain_kv``) and forks the KV of the request its beam grew from (``fork_from``); once a
 step's requests are added, the previous step's are aborted, which frees what the new ones
-do not share. See docs/architecture.md, "Beam search".
+do not share. See docs/beam-search.md.
 """
 
 from __future__ import annotations

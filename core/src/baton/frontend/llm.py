@@ -155,7 +155,7 @@ class LLM:
         Each step sends every live beam as a one-token request asking for the top
         ``2 * beam_width`` logprobs; a beam's request forks the KV of the request its beam
         grew from (shared full blocks, a copied partial last block), so no token's KV is
-        computed twice (see docs/architecture.md, "Beam search").
+        computed twice (see docs/beam-search.md).
         """
         self._check_awake()
         check_generation(self.info)

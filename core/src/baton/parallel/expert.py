@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton.runner import ModelRunnerHooks
+from baton.worker.runner_hooks import ModelRunnerHooks
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ def expert_parallel_size(config: BatonConfig, hf_config: Any | None = None) -> i
     if not ex.expert_parallel or ex.data_parallel_size == 1:
         return 1
     if hf_config is None:
-        from baton.runner import model_config
+        from baton.runner import (
+            model_config,  # loads the model stack: dp_client imports this module
+        )
 
         hf_config = model_config(config)
     experts = num_experts(hf_config)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from baton.errors import ConfigError, ExecutorError
 from baton.parallel.context import ParallelContext
-from baton.runner import KVShape
+from baton.worker.runner_hooks import KVShape
 
 #: Plan styles applied as-is; "replicated_with_grad_allreduce" (q/k norms) needs nothing at inference.
 COLWISE, ROWWISE, REPLICATED = "colwise", "rowwise", "replicated_with_grad_allreduce"

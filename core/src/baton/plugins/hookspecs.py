@@ -168,7 +168,7 @@ def register_speculators(register: Register[SpeculatorFactory]) -> None:
 
     Selected by ``speculative.method`` (``none``, the default: no speculation).
     The factory is called once per engine core, in the engine process.
-    Built in: ``ngram`` (prompt lookup, ``baton.spec.ngram``).
+    Built in: ``ngram`` (prompt lookup, ``baton.speculative.ngram``).
     """
 
 

@@ -8,7 +8,7 @@ from baton.protocol import SchedulerStats
 
 if TYPE_CHECKING:
     from baton.kv.manager import KVCacheManager
-    from baton.spec.drafts import Drafts
+    from baton.speculative.drafting import Drafts
 
 
 class SchedulerCounters:

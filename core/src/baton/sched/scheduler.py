@@ -17,7 +17,7 @@ so that the step takes about that long: the running decodes are counted first
 and always scheduled, and the engine feeds each step's measured time back
 through ``observe_step_time``.
 
-With a speculator (``speculative.method``) a running request about to decode
+With a speculator (``speculative.method``, ``baton.speculative.drafting``) a running request about to decode
 may be scheduled with draft tokens (``sched/step_update.py`` says how).
 
 Admission takes the blocks of a request's whole sequence at once
@@ -79,7 +79,7 @@ from baton.sched.victims import candidates as victim_candidates
 if TYPE_CHECKING:
     from baton.config import BatonConfig
     from baton.interfaces import SchedulerPolicy
-    from baton.spec.drafts import Drafts
+    from baton.speculative.drafting import Drafts
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ takes back rejected draft tokens, appends the sampled tokens with their stop che
 (``sched/stop.py``), registers full blocks in the prefix cache and builds the request's
 EngineCoreOutput (None for a prompt chunk, which has nothing to report yet).
 
-With a speculator (``speculative.method``, ``baton.spec.drafts``) a running
+With a speculator (``speculative.method``, ``baton.speculative.drafting``) a running
 request about to decode may be scheduled with draft tokens: ``1 + k`` tokens,
 counted in the budget and given KV slots like any others, its
 ``num_computed_tokens`` advanced by all of them. The runner verifies the drafts
@@ -29,7 +29,7 @@ from baton.sched.stop import append_and_check_stop
 
 if TYPE_CHECKING:
     from baton.sched.scheduler import Scheduler
-    from baton.spec.drafts import Drafts
+    from baton.speculative.drafting import Drafts
 
 _FINISHED = RequestStatus.FINISHED_STOPPED  # every status >= this one is finished
 _ERROR = RequestStatus.FINISHED_ERROR

@@ -66,8 +66,8 @@ def make_tiny_gguf(dest: Path, seed: int = 0) -> tuple[Path, Path]:
     from gguf import GGMLQuantizationType as G
     from transformers import AutoModelForCausalLM
 
+    from baton.model.loader import MARKER
     from baton.testing.tiny_model import make_tiny_model
-    from baton.worker.model_loader import MARKER
 
     dest.mkdir(parents=True, exist_ok=True)
     src = make_tiny_model("llama", dest / "source", seed=seed, **TINY_GGUF_CONFIG)

@@ -141,7 +141,7 @@ def make_tiny_model(
 
 
 def _default_tokenizer_dir() -> Path:
-    from baton.worker.model_loader import DEFAULT_ALIAS, resolve_model
+    from baton.model.loader import DEFAULT_ALIAS, resolve_model
 
     return resolve_model(DEFAULT_ALIAS)
 

@@ -13,7 +13,7 @@ It applies to models whose layers are exactly the Llama block: LlamaForCausalLM,
 Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM, without sliding windows,
 float32 on CPU with baton's kernels, linears that are nn.Linear /
 SmallBatchLinear / QuantLinear, and no hooks on any module (other wrappers change
-the modules and are refused). baton's own LoRA layers (``worker/lora.py``) wrap the
+the modules and are refused). baton's own LoRA layers (``lora/model.py``) wrap the
 linears after this path is built from their weights; the runner sends a step with
 any adapter through transformers' modules instead. ``build_fast_decode`` returns None,
 with a debug log of the reason, for anything else; transformers' code then runs
@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.errors import ExecutorError
-from baton.worker.attention import key_cache_view
+from baton.kernels.attention import key_cache_view
+from baton.kernels.cpu_linear import (
+    HEAD_KERNEL_MAX_ROWS,
+    KERNEL_MAX_ROWS,
+    CpuLMHead,
+    SmallBatchLinear,
+)
+from baton.quant.linear import QuantLinear
 from baton.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -331,9 +338,6 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
             )
     eps = _norm(inner.norm, eps, norms, "final norm")
     assert eps is not None and scale is not None  # at least one layer
-    from baton.quant.linear import QuantLinear
-    from baton.worker.cpu_linear import KERNEL_MAX_ROWS
-
     return FastDecode(
         head_args=_head_args(head),
         embed=embed,
@@ -358,14 +362,6 @@ def _head_args(
 ) -> tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None:
     """The LM head for decode_layers when its module would run one of baton's kernels at a few
     rows (the same kernel, so the same logits), else None."""
-    from baton.quant.linear import QuantLinear
-    from baton.worker.cpu_linear import (
-        HEAD_KERNEL_MAX_ROWS,
-        KERNEL_MAX_ROWS,
-        CpuLMHead,
-        SmallBatchLinear,
-    )
-
     bias = head.bias.detach() if getattr(head, "bias", None) is not None else None
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
@@ -419,9 +415,6 @@ def _linear(
     q8a: list[int],
 ) -> None:
     """Append one linear's weight, bias (empty: none), qtype (-1: float32) and int8-activation flag."""
-    from baton.quant.linear import QuantLinear
-    from baton.worker.cpu_linear import SmallBatchLinear
-
     bias = m.bias.detach() if m.bias is not None else None
     if type(m) in (torch.nn.Linear, SmallBatchLinear):
         w = m.weight.detach()

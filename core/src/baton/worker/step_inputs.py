@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from baton.errors import ExecutorError
+from baton.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.protocol import SchedulerOutput
-from baton.worker.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from baton.worker.input_batch import InputBatch
 from baton.worker.sampler import SamplingMetadata
 from baton.worker.token_constraints import token_constraints
@@ -78,6 +78,35 @@ class StepInputs:
         return len(self.sample_req_ids)
 
 
+@dataclass
+class _Scheduled:
+    """The requests a step computes, aligned: batch rows and token ranges."""
+
+    req_ids: list[str]  # in the scheduler's order
+    rows: np.ndarray  # their batch rows
+    q_lens: np.ndarray  # tokens scheduled
+    start: np.ndarray  # computed tokens before the step
+    end: np.ndarray  # start + q_lens
+    num_tokens: np.ndarray  # tokens the request has (prompt and output)
+    n_drafts: np.ndarray | None  # drafts verified; None when the step verifies none
+
+
+@dataclass
+class _Segments:
+    """The step's flattened segments: decode rows (longest context first), then prefill chunks."""
+
+    order: np.ndarray  # segment -> index into the scheduled requests
+    rows: np.ndarray  # its batch row
+    q: np.ndarray  # its tokens
+    start: np.ndarray  # its first position
+    end: np.ndarray  # one past its last position
+    offsets: np.ndarray | None  # its position past the request's computed tokens (drafts)
+    cu: np.ndarray  # cumulative tokens
+    q_start: np.ndarray  # where it starts in the flattened sequence
+    nd: int  # decode rows (the first nd segments)
+    num_decodes: int  # requests that decode (fewer than nd when one verifies drafts)
+
+
 class StepInputBuilder:
     """Builds StepInputs; owns the staging buffers sized by max_num_batched_tokens."""
 
@@ -123,7 +152,55 @@ class StepInputBuilder:
     def build(self, so: SchedulerOutput, skip: Collection[str] = ()) -> StepInputs:
         """The inputs of the scheduled requests, less those in ``skip`` (they failed to prepare)."""
         b = self.batch
-        bs = b.block_size
+        sch = self._scheduled(so, skip)
+        seg = self._segments(sch)
+        total = int(sch.q_lens.sum())
+        positions, token_rows = self._flatten(seg, total)
+        lora_ids = b.lora_id[token_rows] if b.lora_id[sch.rows].any() else None
+        token_blocks = None
+        if self.token_tables:  # blocks up to the step's longest context, for every token
+            nb = int(positions.max()) // b.block_size + 1
+            token_blocks = self._to_device(torch.from_numpy(b.block_table[token_rows, :nb]))
+        samples = seg.end >= sch.num_tokens[seg.order]  # the last token, or a verifying row
+        sample_idx = np.nonzero(samples)[0]
+        flat = seg.cu[sample_idx] - 1
+        req_ids = sch.req_ids
+        prompt_rows = self._prompt_rows(
+            req_ids, seg.order, seg.rows, seg.start, seg.end, seg.q_start
+        )
+        if prompt_rows is not None:
+            flat = np.concatenate([flat, prompt_rows[1]])
+        attn = AttentionMetadata(
+            kv_caches=self._kv_caches,
+            slot_mapping=self._to_device(self._slots[:total]),
+            block_size=b.block_size,
+            decode_groups=self._decode_groups(seg.rows[: seg.nd], seg.end[: seg.nd]),
+            prefills=self._prefills(seg),
+            num_tokens=total,
+            out=self._attn_out,
+            kernels=self.kernels,
+        )
+        return StepInputs(
+            input_ids=self._to_device(self._ids[:total]),
+            positions=self._to_device(self._pos[:total]),
+            logits_indices=self._to_device(torch.from_numpy(flat)),
+            attn=attn,
+            req_ids=req_ids,
+            sample_req_ids=[req_ids[j] for j in seg.order[sample_idx]],
+            sample_rows=seg.rows[sample_idx],
+            flat_req_ids=[req_ids[j] for j in seg.order],
+            query_start=seg.q_start,
+            sample_offsets=seg.offsets[sample_idx] if seg.offsets is not None else None,
+            drafts=so.scheduled_spec_decode_tokens or None,
+            rows_share_context=seg.nd > seg.num_decodes,
+            prompt_rows=prompt_rows[0] if prompt_rows is not None else None,
+            lora_ids=lora_ids,
+            token_blocks=token_blocks,
+        )
+
+    def _scheduled(self, so: SchedulerOutput, skip: Collection[str]) -> _Scheduled:
+        """The scheduled requests' batch rows and token ranges, checked against the batch."""
+        b = self.batch
         scheduled = so.num_scheduled_tokens
         if skip:
             scheduled = {r: q for r, q in scheduled.items() if r not in skip}
@@ -161,8 +238,12 @@ class StepInputBuilder:
             raise ExecutorError(
                 f"{total} tokens scheduled > max_num_batched_tokens={self.max_num_tokens}"
             )
+        return _Scheduled(req_ids, rows, q_lens, start, end, num_tokens, n_drafts)
 
-        # segments: one per decode row (a verifying request gives one per token), one per chunk
+    def _segments(self, sch: _Scheduled) -> _Segments:
+        """One segment per decode row (a verifying request gives one per token), longest
+        context first, then one per prefill chunk."""
+        q_lens, start, end, n_drafts = sch.q_lens, sch.start, sch.end, sch.n_drafts
         is_dec = q_lens == 1
         if n_drafts is not None:
             is_dec |= n_drafts > 0
@@ -185,17 +266,29 @@ class StepInputBuilder:
             end_o = np.concatenate([seg_end, end[pre]])
             start_o = end_o - q_o
             off_o = np.concatenate([seg_off, np.zeros(len(pre), dtype=np.int64)])
-        rows_o = rows[order]
         cu = np.cumsum(q_o)
-        q_start = cu - q_o
-        n = len(order)  # segments from here on
+        return _Segments(
+            order=order,
+            rows=sch.rows[order],
+            q=q_o,
+            start=start_o,
+            end=end_o,
+            offsets=off_o,
+            cu=cu,
+            q_start=cu - q_o,
+            nd=len(seg_req),
+            num_decodes=len(dec),
+        )
 
-        # flattened token arrays
-        tok_req = np.repeat(self._arange[:n], q_o)
+    def _flatten(self, seg: _Segments, total: int) -> tuple[np.ndarray, np.ndarray]:
+        """Write the step's token ids, positions and KV slots into the staging buffers; return
+        each token's position and batch row."""
+        b = self.batch
+        bs = b.block_size
+        tok_seg = np.repeat(self._arange[: len(seg.order)], seg.q)
         positions = self._pos_np[:total]
-        np.add(np.repeat(start_o - q_start, q_o), self._arange[:total], out=positions)
-        token_rows = rows_o[tok_req]
-        lora_ids = b.lora_id[token_rows] if b.lora_id[rows].any() else None
+        np.add(np.repeat(seg.start - seg.q_start, seg.q), self._arange[:total], out=positions)
+        token_rows = seg.rows[tok_seg]
         np.take(
             b.token_ids.reshape(-1),
             token_rows * b.max_model_len + positions,
@@ -203,56 +296,20 @@ class StepInputBuilder:
         )
         blocks = b.block_table[token_rows, positions // bs]
         np.add(blocks * bs, positions % bs, out=self._slots_np[:total])
-        token_blocks = None
-        if self.token_tables:  # blocks up to the step's longest context, for every token
-            nb = int(positions.max()) // bs + 1
-            token_blocks = self._to_device(torch.from_numpy(b.block_table[token_rows, :nb]))
+        return positions, token_rows
 
-        nd = len(seg_req)
-        groups = self._decode_groups(rows_o[:nd], end_o[:nd])
+    def _prefills(self, seg: _Segments) -> list[PrefillSeq]:
+        """The prefill chunks (the segments after the decode rows), with their cached blocks."""
+        b, bs = self.batch, self.batch.block_size
         prefills = []
-        for i in range(nd, n):
-            p_len = int(start_o[i])
+        for i in range(seg.nd, len(seg.order)):
+            p_len = int(seg.start[i])
             blocks = None
             if p_len > 0:
-                nb = -(-int(end_o[i]) // bs)
-                blocks = self._to_device(torch.from_numpy(b.block_table[rows_o[i], :nb].copy()))
-            prefills.append(PrefillSeq(int(q_start[i]), int(q_o[i]), p_len, blocks))
-
-        samples = end_o >= num_tokens[order]  # the last token, or a verifying row
-        sample_idx = np.nonzero(samples)[0]
-        flat = cu[sample_idx] - 1
-        prompt_rows = self._prompt_rows(req_ids, order, rows_o, start_o, end_o, q_start)
-        if prompt_rows is not None:
-            flat = np.concatenate([flat, prompt_rows[1]])
-        logits_indices = torch.from_numpy(flat)
-        attn = AttentionMetadata(
-            kv_caches=self._kv_caches,
-            slot_mapping=self._to_device(self._slots[:total]),
-            block_size=bs,
-            decode_groups=groups,
-            prefills=prefills,
-            num_tokens=total,
-            out=self._attn_out,
-            kernels=self.kernels,
-        )
-        return StepInputs(
-            input_ids=self._to_device(self._ids[:total]),
-            positions=self._to_device(self._pos[:total]),
-            logits_indices=self._to_device(logits_indices),
-            attn=attn,
-            req_ids=req_ids,
-            sample_req_ids=[req_ids[j] for j in order[sample_idx]],
-            sample_rows=rows_o[sample_idx],
-            flat_req_ids=[req_ids[j] for j in order],
-            query_start=q_start,
-            sample_offsets=off_o[sample_idx] if off_o is not None else None,
-            drafts=spec or None,
-            rows_share_context=len(seg_req) > len(dec),
-            prompt_rows=prompt_rows[0] if prompt_rows is not None else None,
-            lora_ids=lora_ids,
-            token_blocks=token_blocks,
-        )
+                nb = -(-int(seg.end[i]) // bs)
+                blocks = self._to_device(torch.from_numpy(b.block_table[seg.rows[i], :nb].copy()))
+            prefills.append(PrefillSeq(int(seg.q_start[i]), int(seg.q[i]), p_len, blocks))
+        return prefills
 
     def _prompt_rows(
         self,

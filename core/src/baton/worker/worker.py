@@ -14,6 +14,7 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ExecutorError, InvalidRequestError
+from baton.model.sharded_state import save_sharded_state
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -108,7 +109,7 @@ class Worker:
         if self.cfg.executor.num_threads is not None:
             torch.set_num_threads(self.cfg.executor.num_threads)
         if self.device.type == "cpu":
-            # ~15% faster prefill on the 2-core reference machine (scripts/profile_runner.py --malloc-tune)
+            # ~15% faster prefill on the 2-core reference machine (plugins/bench/scripts/profile_runner.py --malloc-tune)
             log.debug("glibc malloc tuned for large activations: %s", tune_malloc())
         torch.manual_seed(self.cfg.model.seed)
         log.info(
@@ -189,10 +190,8 @@ class Worker:
     def save_sharded_state(
         self, path: str, pattern: str | None = None, max_size: int | None = None
     ) -> list[str]:
-        """Write this rank's model, as sharded, into ``path`` (``baton.worker.sharded_state``);
+        """Write this rank's model, as sharded, into ``path`` (``baton.model.sharded_state``);
         the file names written. Refused for quantized layers and LoRA wrappers."""
-        from baton.worker.sharded_state import save_sharded_state
-
         runner = self._runner()
         model = getattr(runner, "model", None)
         if not isinstance(model, torch.nn.Module):

@@ -108,7 +108,7 @@ class StructuredOutputConformance:
     def tokenizer(cls) -> Any:
         from transformers import AutoTokenizer
 
-        from baton.worker.model_loader import DEFAULT_ALIAS, resolve_model
+        from baton.model.loader import DEFAULT_ALIAS, resolve_model
 
         return AutoTokenizer.from_pretrained(resolve_model(DEFAULT_ALIAS))
 

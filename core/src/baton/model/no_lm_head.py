@@ -21,12 +21,12 @@ def is_bidirectional(model: torch.nn.Module) -> bool:
 
 
 def head_kwargs(
-    model: torch.nn.Module, keep: torch.Tensor, num_tokens: int, headless: bool
+    model: torch.nn.Module, keep: torch.Tensor, num_tokens: int, no_lm_head: bool
 ) -> dict[str, Any]:
     """The forward's keyword arguments besides ids and positions: the logits to keep for a
     causal LM; for a base model none, but all-zero ``token_type_ids`` where it takes them (its
     default buffer is only max_position_embeddings long, shorter than a step may be)."""
-    if not headless:
+    if not no_lm_head:
         return {"logits_to_keep": keep}
     if "token_type_ids" in inspect.signature(model.forward).parameters:
         return {"token_type_ids": torch.zeros(1, num_tokens, dtype=torch.long, device=keep.device)}

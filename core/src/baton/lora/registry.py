@@ -6,15 +6,26 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baton.config import LoRASection
 from baton.errors import InvalidRequestError, error_from_message
 from baton.interfaces import Executor
 from baton.lora.request import LoRARequest, as_lora_request
-from baton.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from baton.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+def lora_rpc(worker: object, method: str, args: tuple[object, ...]) -> tuple[bool, object]:
+    """In a worker: ``(True, result)`` of ``worker.<method>(*args)`` (add_lora, remove_lora,
+    list_loras), or ``(False, "Type: message")``: a bad adapter fails the call, not the worker."""
+    try:
+        return True, getattr(worker, method)(*args)
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"
 
 
 class EngineLoras:
@@ -99,8 +110,6 @@ class EngineLoras:
         return True
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        from baton.worker.lora import lora_rpc
-
         outcomes = self.executor.collective_rpc(lora_rpc, (method, args))
         for rank, (ok, value) in enumerate(outcomes):
             if not ok:

@@ -1,7 +1,7 @@
 """The dtype a model loads and computes in, from ``model.dtype``, the checkpoint and the device.
 
 On CPU a 16-bit dtype is only worth it where the CPU computes it natively
-(``baton.worker.cpu_features``); elsewhere torch emulates it through float32
+(``baton.kernels.cpu_features``); elsewhere torch emulates it through float32
 around every op, and baton's C++ kernels and fast decode (float32 only) are off:
 
 - ``auto``: the checkpoint's bfloat16 / float16 where native, else float32
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from baton.worker import cpu_features
+from baton.kernels import cpu_features
 
 log = logging.getLogger(__name__)
 

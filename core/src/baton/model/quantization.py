@@ -30,11 +30,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from baton.errors import ModelLoadError
+from baton.model.gguf_tensors import (
+    TOKEN_EMBD,
+    GGUFTensors,
+    gguf_source,
+    gguf_tensor_name,
+    qk_row_order,
+    tensor_name_map,
+)
+from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
 
 if TYPE_CHECKING:
     from baton.config import BatonConfig
-    from baton.quant import QuantLinear
-    from baton.worker.gguf_tensors import GGUFTensors
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +113,6 @@ def _quantize_weights(
     if mode == "none":
         return report
     if mode == "auto":
-        from baton.worker.gguf_tensors import gguf_source
-
         source = gguf_source(folder)
         if source is None:
             return report  # a checkpoint runs as stored
@@ -134,7 +139,6 @@ def _quantize_weights(
 
 def set_activation_quantization(model: torch.nn.Module, mode: str) -> None:
     """Set every QuantLinear's ``int8_activations`` from ``model.activation_quantization``."""
-    from baton.quant import QuantLinear
 
     for m in model.modules():
         if isinstance(m, QuantLinear):
@@ -205,7 +209,6 @@ def quantize_linears(
     model: torch.nn.Module, mode: str, kernels: bool | None, report: QuantizationReport
 ) -> None:
     """Quantize every plain nn.Linear, the LM head and the embedding of ``model`` in place."""
-    from baton.quant import QuantEmbedding, QuantLinear, quantize
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
         raw, qtype = quantize(weight.detach().float(), mode)
@@ -258,8 +261,6 @@ def keep_gguf_types(
     model: torch.nn.Module, source: Path, kernels: bool | None, report: QuantizationReport
 ) -> None:
     """Replace ``model``'s layers by the GGUF ``source``'s quantized tensors, where it has them."""
-    from baton.quant import QuantEmbedding
-    from baton.worker.gguf_tensors import TOKEN_EMBD, GGUFTensors, gguf_tensor_name, tensor_name_map
 
     text = model.config.get_text_config()
     tensors = GGUFTensors(source)
@@ -310,7 +311,6 @@ def keep_gguf_types(
 
 def _kept_modules(model: torch.nn.Module, report: QuantizationReport) -> None:
     """Record the other modules holding a float weight matrix (a sharded or custom layer)."""
-    from baton.quant import QuantEmbedding, QuantLinear
 
     for name, module in model.named_modules():
         if name in report.quantized or name in report.kept:
@@ -333,9 +333,6 @@ def _from_gguf(
 ) -> QuantLinear | str:
     """A QuantLinear over GGUF tensor ``tname`` for the layer ``module_name``, or why it stays float."""
     from gguf import GGMLQuantizationType
-
-    from baton.quant import QType, QuantLinear, dequantize
-    from baton.worker.gguf_tensors import qk_row_order
 
     if tname is None:
         return "no GGUF tensor name for it"

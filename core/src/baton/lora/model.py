@@ -313,12 +313,3 @@ class LoRAModel:
     def end_step(self) -> None:
         self.active = False
         self.mask = self.rows = None
-
-
-def lora_rpc(worker: object, method: str, args: tuple[object, ...]) -> tuple[bool, object]:
-    """In a worker: ``(True, result)`` of ``worker.<method>(*args)`` (add_lora, remove_lora,
-    list_loras), or ``(False, "Type: message")``: a bad adapter fails the call, not the worker."""
-    try:
-        return True, getattr(worker, method)(*args)
-    except Exception as e:
-        return False, f"{type(e).__name__}: {e}"

@@ -22,21 +22,11 @@ import traceback
 
 from baton.errors import BatonError
 from baton.executor.member import MemberLink
-from baton.executor.rank import (  # noqa: F401  (the names this module had)
-    STATS_WINDOW,
-    Rank,
-    RankBootstrap,
-    StepStats,
-    parallel_stats,
-    reset_parallel_stats,
-)
+from baton.executor.rank import Rank, RankBootstrap
 from baton.executor.wire import Kind
 from baton.process_exit import exit_now
 
 log = logging.getLogger(__name__)
-
-#: The name the rank's bootstrap had here.
-WorkerBootstrap = RankBootstrap
 
 
 def worker_main(link: MemberLink, boot: RankBootstrap) -> None:

@@ -8,7 +8,7 @@ under the model cache (``cfg.model.cache_dir``, else ``$BATON_CACHE_DIR``, else
 the user cache dir), written to a temporary folder and renamed into place so a
 crash never leaves half a model behind. The model loads from that folder; with
 ``model.quantization = "auto"`` its layers then take the GGUF's own quantized
-blocks again (``baton.worker.quantize_model``).
+blocks again (``baton.model.quantization``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from baton.errors import ModelLoadError
+from baton.errors import ConfigError, ModelLoadError
+from baton.model.hub import from_hub, is_repo_id
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +100,7 @@ def resolve_model(
     download: bool = True,
 ) -> Path:
     """A local Hugging Face folder for ``name``, converting a GGUF file on first use; a Hub id
-    (``org/name``) from the local Hub cache, downloaded there when allowed (baton.worker.hub)."""
+    (``org/name``) from the local Hub cache, downloaded there when allowed (baton.model.hub)."""
     if name in ALIASES:
         gguf = alias_gguf(name)
         return convert_gguf_cached(gguf, model_cache_dir(cache_dir) / name)
@@ -124,8 +125,6 @@ def resolve_model(
 
 
 def _from_hub(name: str, revision: str | None, download: bool) -> Path:
-    from baton.worker.hub import from_hub, is_repo_id
-
     known = ", ".join(sorted(ALIASES))
     hint = f"use a built-in alias ({known}), a local Hugging Face model folder, or a .gguf file"
     if not is_repo_id(name):
@@ -379,10 +378,11 @@ def load_model(
     ``prepare(model)`` runs on the loaded model before it moves to ``device``
     (tensor- and pipeline-parallel workers shard or prune it there, so only
     their part ever reaches the device); ``model.quantization`` applies after it
-    (``baton.worker.quantize_model``).
+    (``baton.model.quantization``).
     """
-    from baton.worker import attention
-    from baton.worker.compute_dtype import resolve_dtype
+    # torch-heavy: model_folder and resolve_model stay light for the engine core and the CLI
+    from baton.kernels import attention
+    from baton.model.compute_dtype import resolve_dtype
 
     folder, hf_config = load_hf_config(cfg)
     cls = check_architecture(hf_config)
@@ -405,7 +405,7 @@ def load_model(
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
     if prepare is not None:
         prepare(model)
-    from baton.worker.quantize_model import quantize_model
+    from baton.model.quantization import quantize_model
 
     quantize_model(model, cfg, folder, device, dtype)
     model.to(device)
@@ -432,12 +432,11 @@ def _load_sharded(
     prepare: Callable[[torch.nn.Module], None] | None,
 ) -> torch.nn.Module:
     """The model built on meta from its config, prepared (sharded) as at save, then filled with
-    this rank's tensors from ``folder`` (``baton.worker.sharded_state``); no full weights read."""
+    this rank's tensors from ``folder`` (``baton.model.sharded_state``); no full weights read."""
     import torch
 
-    from baton.errors import ConfigError
-    from baton.worker import attention
-    from baton.worker.sharded_state import check_marker, load_sharded_state
+    from baton.kernels import attention
+    from baton.model.sharded_state import check_marker, load_sharded_state
 
     ex = cfg.executor
     tp, pp = ex.tensor_parallel_size, ex.pipeline_parallel_size

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from baton.errors import ModelLoadError
-from baton.worker.model_loader import MARKER
+from baton.model.loader import MARKER
 
 log = logging.getLogger(__name__)
 
