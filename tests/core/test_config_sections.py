@@ -98,9 +98,12 @@ def test_a_top_level_key_no_section_owns_is_refused(webhook, tmp_path):
 def test_config_check_reports_a_plugin_sections_problems(webhook, tmp_path, capsys):
     toml = tmp_path / "baton.toml"
     toml.write_text("[webhook]\ntimeout_s = -1\ntypo = 1\n")
-    assert main(["config", "check", str(toml)]) == 1
+    assert main(["config", "check", str(toml), "--policy", "nope"]) == 1
     err = capsys.readouterr().err
+    # the refused value is put back to its default and the plugins are still checked
     assert "webhook.timeout_s: Input should be greater than 0 (got -1)" in err
+    assert "webhook.typo: unknown setting" in err
+    assert "scheduler policy 'nope' is not installed" in err
     toml.write_text("[webhook]\ntypo = 1\n")
     assert main(["config", "check", str(toml)]) == 1
     assert (
