@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
-from baton.cli.main import build_parser, main
+from baton.cli.main import add_engine_arguments, build_parser, engine_argv, engine_overrides, main
 
 
 @pytest.mark.parametrize(
@@ -65,3 +66,24 @@ def test_a_model_that_cannot_load_is_one_line(tmp_path, monkeypatch, capsys, mak
     err = capsys.readouterr().err
     assert err.startswith("baton: error: ") and fragment in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_engine_argv_gives_the_engine_flags_back_as_arguments() -> None:
+    """What a command that starts another baton command passes on: parsed again, the same
+    overrides (switches, --tp's long name, --set items), and nothing for a flag not given."""
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    given = ["--model", "tiny", "--tp", "2", "--enable-lora", "--set", "cache.block_size=32"]
+    args = parser.parse_args(given)
+    argv = engine_argv(args)
+    assert argv == [
+        "--model",
+        "tiny",
+        "--tensor-parallel-size",
+        "2",
+        "--enable-lora",
+        "--set",
+        "cache.block_size=32",
+    ]
+    assert engine_overrides(parser.parse_args(argv)) == engine_overrides(args)
+    assert engine_argv(parser.parse_args([])) == []

@@ -4,7 +4,8 @@ in the processes baton spawns), and the page's conformance test for it runs as i
 run it (pytest in a fresh process), so the page cannot drift from what passes: the executors on
 MultiprocExecutor ("timed") and on WorkerGroup ("group", section 9), the speculator ("bigram", 10), the router ("sticky-user", 11,
 with its two-engine AsyncLLM script) and the engine launcher ("niced", 12). The field tables of
-the docs (``<!-- fields: module.Struct -->``) list exactly their struct's fields, in order.
+the docs (``<!-- fields: module.Struct -->``) list exactly their struct's fields, in order, and
+the argument tables (``<!-- arguments: module.Callable -->``) their callable's parameters.
 
 The executor on WorkerGroup ("group") is also checked through ``LLM`` against ``uniproc``: the
 same greedy tokens, ``get_memory_usage`` answered alike, and a ``collective_rpc`` target that
@@ -14,7 +15,9 @@ raises fails that call only (``sleep`` / ``wake_up`` and steps go on).
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -227,3 +230,37 @@ def test_hooks_md_names_every_field_a_router_reads():
     for struct in ("baton.routing.types.RouteRequest", "baton.routing.types.EngineLoad"):
         missing = [f for f in struct_fields(struct) if f not in named]
         assert not missing, (struct, missing)
+
+
+ARGUMENTS = re.compile(r"^<!-- arguments: ([\w.]+) -->\n(.*?)^<!-- /arguments -->", re.S | re.M)
+
+
+def parameters(path: str) -> list[str]:
+    """A callable's parameters as a table names them (``**overrides``), ``self``/``cls`` left out;
+    ``path`` is a module's attribute, or an attribute of one (``module.Class.method``)."""
+    target = pkgutil.resolve_name(path)
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [
+        stars.get(p.kind, "") + p.name
+        for p in inspect.signature(target).parameters.values()
+        if p.name not in ("self", "cls")
+    ]
+
+
+def test_the_docs_argument_tables_list_their_callables_parameters():
+    """What a third-party author once had to read source for (Request's constructor,
+    AsyncLLM.create / generate) is a table that cannot drift from the signature."""
+    tables = [
+        (doc.name, m)
+        for doc in sorted(DOCS.glob("*.md"))
+        for m in ARGUMENTS.finditer(doc.read_text())
+    ]
+    assert {m.group(1) for _, m in tables} >= {
+        "baton.request.Request",
+        "baton.frontend.async_llm.AsyncLLM.create",
+        "baton.frontend.async_llm.AsyncLLM.generate",
+    }
+    for doc, m in tables:
+        rows = [line for line in m.group(2).splitlines() if line.startswith("|")][2:]
+        documented = [re.match(r"\| `(\**\w+)` \|", row).group(1) for row in rows]
+        assert documented == parameters(m.group(1)), (doc, m.group(1))

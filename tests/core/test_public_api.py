@@ -13,7 +13,14 @@ import pytest
 
 import baton.plugins
 from baton.plugins import registry
-from baton.plugins.public_api import PUBLIC_NAMES, is_public, markdown, missing_names
+from baton.plugins.kinds import PLUGIN_KINDS
+from baton.plugins.public_api import (
+    PUBLIC_NAMES,
+    SURFACE,
+    is_public,
+    markdown,
+    missing_names,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STABILITY = ROOT / "docs" / "stability.md"
@@ -154,3 +161,36 @@ def test_a_moved_public_module_still_works_and_warns(old: str, new: str, name: s
 def test_the_plugins_package_serves_its_public_names() -> None:
     for name in PUBLIC_NAMES["baton.plugins"]:
         assert getattr(baton.plugins, name) is getattr(registry, name)
+
+
+def test_every_plugin_kind_has_its_group_of_names() -> None:
+    """The list is grouped by who needs it: each kind an author can write has its group, and
+    each kind's product protocol is in it."""
+    for kind in PLUGIN_KINDS.values():
+        assert kind.name in SURFACE, f"no public names for {kind.name!r} plugins"
+        if kind.product is not None:
+            assert kind.product.__name__ in SURFACE[kind.name]["baton.interfaces"], kind.name
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "internal", "instead"),
+    [
+        ("baton.cli.main", "ENGINE_FLAGS", "_ENGINE_FLAGS", "engine_argv"),
+        ("baton.executor.rank", "check_rpc_method", "_check_rpc_method", "StepCodec.encode_rpc"),
+        ("baton.executor.rank", "check_plugin_set", "_check_plugin_set", "Rank"),
+    ],
+)
+def test_a_retired_public_name_still_works_and_warns(
+    module: str, name: str, internal: str, instead: str
+) -> None:
+    """docs/stability.md's deprecation rule for a name that left the public list in issue 31:
+    it works until 0.3.0 and warns, naming what to use instead."""
+    assert not is_public(module, name)
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=rf"{re.escape(module)}\.{name} is no longer"):
+        value = getattr(mod, name)
+    assert value is getattr(mod, internal)
+    with pytest.warns(DeprecationWarning, match=re.escape(instead)):
+        exec(f"from {module} import {name}", {})
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        mod.nope  # noqa: B018 - the attribute access is the test

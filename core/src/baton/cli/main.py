@@ -10,13 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from baton.errors import BatonError
+from baton.plugins.moved import retired
 
 #: The environment variable giving the CLI's default log level.
 LOG_LEVEL_ENV = "BATON_LOG_LEVEL"
 
 
 #: The named engine flags add_engine_arguments adds (argparse dests; besides --set).
-ENGINE_FLAGS = (
+_ENGINE_FLAGS = (
     "model",
     "dtype",
     "max_model_len",
@@ -86,7 +87,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The overrides for BatonConfig.load from add_engine_arguments' flags."""
-    overrides: dict[str, Any] = {n: getattr(args, n, None) for n in ENGINE_FLAGS}
+    overrides: dict[str, Any] = {n: getattr(args, n, None) for n in _ENGINE_FLAGS}
     # --dtype is the model's: a bare "dtype" is ambiguous since cache.dtype
     overrides["model.dtype"] = overrides.pop("dtype")
     for item in getattr(args, "set", None) or ():
@@ -97,6 +98,26 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
             )
         overrides[key.strip()] = value.strip()
     return overrides
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """add_engine_arguments' flags given in ``args``, as command-line arguments again: for a
+    command that starts another baton command (``baton serve``) on the same engine."""
+    argv: list[str] = []
+    for name in _ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is True:  # a switch (--enable-lora)
+            argv.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    for item in getattr(args, "set", None) or ():
+        argv += ["--set", item]
+    return argv
+
+
+__getattr__ = retired(
+    __name__, {"ENGINE_FLAGS": ("_ENGINE_FLAGS", "engine_argv(args) or engine_overrides(args)")}
+)
 
 
 def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:

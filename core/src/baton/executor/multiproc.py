@@ -37,7 +37,7 @@ from baton.config import BatonConfig
 from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.group import WorkerGroup
-from baton.executor.rank import StepCodec, check_rpc_method, parallel_stats
+from baton.executor.rank import StepCodec, parallel_stats
 from baton.executor.wire import Kind
 from baton.executor.worker_proc import worker_main
 from baton.executor.workers import MultiprocSettings, pick_device, pick_transport, worker_args
@@ -186,9 +186,9 @@ class MultiprocExecutor:
         kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        check_rpc_method(method)
+        frames = StepCodec.encode_rpc(method, args, kwargs)  # checks the method first
         group = self._group()
-        future = group.call(Kind.RPC, StepCodec.encode_rpc(method, args, kwargs))
+        future = group.call(Kind.RPC, frames)
         return group.wait(  # type: ignore[no-any-return]
             future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"
         )

@@ -50,6 +50,7 @@ from baton.errors import BatonError, ExecutorError
 from baton.executor import wire
 from baton.executor.member import Message
 from baton.executor.wire import Kind
+from baton.plugins.moved import retired
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def host_store(host: str, timeout_s: float = 600.0) -> Any:
     )
 
 
-def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
+def _check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: str) -> None:
     """BatonError when this process's plugins differ from the engine's (``who`` names it)."""
     from baton.plugins.registry import get_registry
 
@@ -188,7 +189,7 @@ def check_plugin_set(parent_fingerprint: list[tuple[str, str, str, str]], who: s
         )
 
 
-def check_rpc_method(method: str | Callable[..., Any]) -> None:
+def _check_rpc_method(method: str | Callable[..., Any]) -> None:
     """ExecutorError when ``method`` names no Worker method (a typo must not fail every rank)."""
     if isinstance(method, str):
         from baton.worker.worker import Worker
@@ -224,6 +225,9 @@ class StepCodec:
     def encode_rpc(
         method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None
     ) -> list[bytes]:
+        """An RPC's frames; ExecutorError first when ``method`` names no Worker method (a typo
+        must not fail every rank)."""
+        _check_rpc_method(method)
         return [pickle.dumps((method, tuple(args), kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)]
 
     @staticmethod
@@ -294,7 +298,7 @@ class Rank:
     def __init__(self, boot: RankBootstrap, store: Any = None) -> None:
         self.boot = boot
         self.rank = boot.rank
-        check_plugin_set(boot.parent_fingerprint, f"worker {self.rank}")
+        _check_plugin_set(boot.parent_fingerprint, f"worker {self.rank}")
         self.ctx = self._init_distributed(store)
         from baton.worker.worker import Worker
 
@@ -444,3 +448,12 @@ class Rank:
                 dist.destroy_process_group()
         except RuntimeError as e:  # a peer died: its connections are gone, nothing left to flush
             log.info("worker %d: closing the process group: %s", self.rank, e)
+
+
+__getattr__ = retired(
+    __name__,
+    {
+        "check_rpc_method": ("_check_rpc_method", "StepCodec.encode_rpc checks the method"),
+        "check_plugin_set": ("_check_plugin_set", "Rank(boot, store) checks the plugin set"),
+    },
+)

@@ -3,14 +3,16 @@
 docs/stability.md: a public name keeps working for at least one further minor release after
 it is deprecated, and warns (``DeprecationWarning``) naming its replacement and the release
 that removes it. A moved module's old path is a module whose ``__getattr__`` is
-``forward(old, new)``.
+``forward(old, new)``; a module whose names left the public list (the objects stay, under an
+internal name) has ``retired(module, names)``.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: The release that removes the old paths (on 0.x a minor release is a major one).
@@ -33,5 +35,25 @@ def forward(old: str, new: str) -> Callable[[str], Any]:
             stacklevel=2,
         )
         return getattr(target, name)
+
+    return __getattr__
+
+
+def retired(module: str, names: Mapping[str, tuple[str, str]]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``module``'s names that left the public list.
+
+    ``names``: each retired name -> (the module's internal name for the same object, what to
+    use instead). The old name keeps working until ``REMOVED_IN``, with a warning."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        internal, instead = names[name]
+        warnings.warn(
+            f"{module}.{name} is no longer public and is removed in baton {REMOVED_IN}: {instead}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(sys.modules[module], internal)
 
     return __getattr__

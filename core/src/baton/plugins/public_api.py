@@ -1,11 +1,13 @@
-"""The names a plugin may import from baton: one list, which docs/stability.md prints.
+"""The names a plugin may import from baton: one list, grouped by who needs them, which
+docs/stability.md prints.
 
-``PUBLIC_NAMES`` maps a module to its public names; ``ALL`` means every name of
-the module that does not start with an underscore. Whatever is not listed is
-internal and may change in any release. ``tests/core/test_public_api.py`` fails
-when docs/stability.md's copy differs (``python -m baton.plugins.public_api`` prints it),
-when a listed name does not exist, and when a plugin under plugins/ or contrib/
-imports an unlisted name.
+``SURFACE`` maps each audience (a plugin kind as ``PLUGIN_KINDS`` names it, or every plugin,
+or the testing kit) to the modules and names an author of it needs; ``PUBLIC_NAMES`` merges it
+per module. ``ALL`` means every name of the module that does not start with an underscore.
+Whatever is not listed is internal and may change in any release.
+``tests/core/test_public_api.py`` fails when docs/stability.md's copy differs (``python -m
+baton.plugins.public_api`` prints it), when a listed name does not exist, when a plugin kind
+has no group, and when a plugin under plugins/ or contrib/ imports an unlisted name.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Final
 
 #: Every name of the module not starting with an underscore.
 ALL: Final = "*"
+
+Names = tuple[str, ...] | str
 
 _SUITES = (
     "SchedulerPolicyConformance",
@@ -26,225 +30,274 @@ _SUITES = (
     "EngineLauncherConformance",
 )
 
-PUBLIC_NAMES: dict[str, tuple[str, ...] | str] = {
-    # the offline API and plugin basics
-    "baton": (
-        "LLM",
-        "AsyncLLM",
-        "BatonConfig",
-        "BeamSearchOutput",
-        "BeamSearchParams",
-        "BeamSearchSequence",
-        "CompletionOutput",
-        "Logprob",
-        "PLUGIN_API_VERSION",
-        "PoolingOutput",
-        "PoolingParams",
-        "PoolingRequestOutput",
-        "LoRARequest",
-        "RequestOutput",
-        "RequestOutputKind",
-        "SamplingParams",
-        "SchedulingInfo",
-        "StructuredOutputSpec",
-        "__version__",
-        "hookimpl",
-    ),
-    "baton.plugins.hookspecs": (
-        "PLUGIN_API_VERSION",
-        "hookimpl",
-        "register_scheduler_policies",
-        "register_executors",
-        "register_engine_launchers",
-        "register_transports",
-        "register_structured_output_backends",
-        "register_stat_loggers",
-        "register_speculators",
-        "register_routers",
-        "register_commands",
-        "register_benches",
-    ),
-    "baton.plugins.kinds": (
-        "PLUGIN_KINDS",
-        "PluginKind",
-        "Register",
-        "SchedulerPolicyFactory",
-        "ExecutorFactory",
-        "EngineLauncherFactory",
-        "TransportFactory",
-        "StructuredOutputFactory",
-        "StatLoggerFactory",
-        "SpeculatorFactory",
-        "RouterFactory",
-        "CommandFactory",
-        "BenchFactory",
-    ),
-    "baton.interfaces": (
-        "SchedulerPolicy",
-        "FinishAwarePolicy",
-        "VictimAwarePolicy",
-        "Executor",
-        "ModelRunner",
-        "RunnerFactory",
-        "Worker",
-        "Sleepable",
-        "EngineLauncher",
-        "EngineHandle",
-        "Transport",
-        "ClientChannel",
-        "EngineChannel",
-        "Frame",
-        "StructuredOutputBackend",
-        "GrammarMatcher",
-        "StatLogger",
-        "Speculator",
-        "Router",
-    ),
-    "baton.protocol": ALL,
-    "baton.errors": ALL,
-    "baton.config": (
-        "BatonConfig",
-        "ModelSection",
-        "CacheSection",
-        "SchedulerSection",
-        "ExecutorSection",
-        "TransportSection",
-        "StructuredOutputSection",
-        "SpeculativeSection",
-        "RoutingSection",
-        "LoRASection",
-        "ObservabilitySection",
-        "ServingSettings",
-    ),
-    "baton.sampling_params": (
-        "SamplingParams",
-        "StructuredOutputSpec",
-        "RequestOutputKind",
-        "MAX_INT32",
-        "MAX_LOGPROBS",
-        "MAX_N",
-        "MAX_SEED",
-        "show_value",
-    ),
-    "baton.pooling_params": ("PoolingParams", "POOLING_TYPES", "check_pooling", "with_defaults"),
-    "baton.scheduling_info": (
-        "SchedulingInfo",
-        "as_scheduling_info",
-        "MAX_TAGS",
-        "MAX_TAG_KEY_CHARS",
-        "MAX_TAG_VALUE_CHARS",
-        "MAX_TENANT_CHARS",
-        "MAX_DEADLINE_S",
-        "MAX_SLO_MS",
-    ),
-    "baton.request": ("Request", "RequestStatus"),
-    # what a policy reads about SLOs and preemption victims
-    "baton.sched.slo": ("has_slo", "ttft_deadline", "is_hopeless", "met_slo"),
-    "baton.sched.victims": ("VictimCandidate",),
-    # LoRA adapters: the request's adapter, PEFT folders read without peft
-    "baton.lora": ("LoRARequest", "as_lora_request", "check_lora_request"),
-    "baton.lora.request": ("LoRARequest", "as_lora_request", "check_lora_request"),
-    "baton.lora.adapter": (
-        "AdapterConfig",
-        "AdapterWeights",
-        "TARGET_MODULES",
-        "load_adapter",
-        "read_adapter_config",
-    ),
-    "baton.beam_search": (
-        "BeamSearchParams",
-        "BeamSearchOutput",
-        "BeamSearchSequence",
-        "BeamSearch",
-        "beam_search_score",
-    ),
-    "baton.outputs": (
-        "RequestOutput",
-        "CompletionOutput",
-        "Logprob",
-        "SampleLogprobs",
-        "PromptLogprobs",
-        "PoolingOutput",
-        "PoolingRequestOutput",
-    ),
-    "baton.validation": (
-        "check_request",
-        "checked_request",
-        "CheckedRequest",
-        "PRIORITY_MIN",
-        "PRIORITY_MAX",
-    ),
-    "baton.metrics.stats": ("IterationStats",),
-    # for server and command plugins
-    "baton.frontend.input_processor": ("InputProcessor",),
-    "baton.cli.main": ("add_engine_arguments", "engine_overrides", "ENGINE_FLAGS"),
-    # the installed plugins (what `baton plugins` lists), the CPU and each kernel's path (what
-    # `baton env` prints): what a server shows of itself (baton-plugin-openai's dashboard)
-    "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
-    "baton.kernels.report": ("collect", "render", "CpuReport", "KernelPath"),
-    "baton.kernels.os_grant": ("Grant",),
-    # for router plugins
-    "baton.routing": ("EngineLoad", "RouteRequest"),
-    # collective_rpc's targets: the Worker allow-list and registered names
-    "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
-    # the transport plugins' toolkit
-    "baton.transport.peer": ("PeerWatch", "POLL_SLICE", "machine_id"),
-    # engine launchers: the local-process one, and what a launcher runs where it places an engine
-    "baton.engine.launch": ("ProcessLauncher", "ProcessHandle", "run_engine_core"),
-    "baton.transport.sweep": ("sweep_stale",),
-    "baton.transport.closing": ("release_when_idle",),
-    # the executor plugins' toolkit
-    "baton.runner": (
-        "StockRunner",
-        "ModelRunnerHooks",
-        "LoadedModel",
-        "KVShape",
-        "model_config",
-        "load_worker",
-    ),
-    "baton.executor.group": ("WorkerGroup",),
-    "baton.executor.calls": ("CallBook", "Call"),
-    "baton.executor.member": ("MemberLink", "Member", "Message", "READY", "SHUTDOWN"),
-    "baton.executor.multiproc": ("MultiprocExecutor",),
-    "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
-    "baton.executor.latch": ("FailureLatch",),
-    "baton.executor.heartbeat": ("Heartbeats",),
-    "baton.executor.rank": (
-        "Rank",
-        "RankBootstrap",
-        "RankMember",
-        "rank_bootstraps",
-        "rank_config",
-        "host_store",
-        "check_plugin_set",
-        "check_rpc_method",
-        "StepCodec",
-        "parallel_stats",
-        "reset_parallel_stats",
-    ),
-    "baton.executor.wire": ("Kind", "WorkerReady"),
-    "baton.parallel": ("ParallelContext", "CommTimers", "get_parallel_context"),
-    "baton.parallel.sharding": ALL,
-    "baton.parallel.stages": ALL,
-    "baton.parallel.hooks": (
-        "TensorParallelHooks",
-        "PipelineStageHooks",
-        "parallel_runner",
-        "check_parallel_model",
-    ),
-    # the testing kit
-    "baton.testing": ("FakeExecutor", "FakeExecutorSettings", "register_fake_executor"),
-    "baton.testing.tiny_model": ("tiny_model", "make_tiny_model", "MOE_ARCHS"),
-    "baton.testing.sched_harness": ALL,
-    "baton.testing.conformance": _SUITES,
-    "baton.testing.conformance.scheduler_policy": ("SchedulerPolicyConformance",),
-    "baton.testing.conformance.executor": ("ExecutorConformance",),
-    "baton.testing.conformance.transport": ("TransportConformance",),
-    "baton.testing.conformance.structured_output": ("StructuredOutputConformance",),
-    "baton.testing.conformance.speculator": ("SpeculatorConformance", "PROMPTS", "run_engine"),
-    "baton.testing.conformance.router": ("RouterConformance",),
-    "baton.testing.conformance.engine_launcher": ("EngineLauncherConformance", "PROMPTS"),
+#: The audiences that are not a plugin kind.
+EVERY_PLUGIN: Final = "every plugin"
+TESTS: Final = "tests"
+
+SURFACE: dict[str, dict[str, Names]] = {
+    # what every plugin module and factory meets: the hooks, the kinds, the config every
+    # factory is given, the errors, the structs the engine's parts exchange
+    EVERY_PLUGIN: {
+        "baton": ("BatonConfig", "PLUGIN_API_VERSION", "__version__", "hookimpl"),
+        "baton.plugins.hookspecs": (
+            "PLUGIN_API_VERSION",
+            "hookimpl",
+            "register_scheduler_policies",
+            "register_executors",
+            "register_engine_launchers",
+            "register_transports",
+            "register_structured_output_backends",
+            "register_stat_loggers",
+            "register_speculators",
+            "register_routers",
+            "register_commands",
+            "register_config_sections",
+            "register_benches",
+        ),
+        "baton.plugins.kinds": (
+            "PLUGIN_KINDS",
+            "PluginKind",
+            "Register",
+            "SchedulerPolicyFactory",
+            "ExecutorFactory",
+            "EngineLauncherFactory",
+            "TransportFactory",
+            "StructuredOutputFactory",
+            "StatLoggerFactory",
+            "SpeculatorFactory",
+            "RouterFactory",
+            "CommandFactory",
+            "ConfigSectionModel",
+            "BenchFactory",
+        ),
+        "baton.errors": ALL,
+        "baton.protocol": ALL,
+        "baton.config": (
+            "BatonConfig",
+            "ModelSection",
+            "CacheSection",
+            "SchedulerSection",
+            "ExecutorSection",
+            "TransportSection",
+            "StructuredOutputSection",
+            "SpeculativeSection",
+            "RoutingSection",
+            "LoRASection",
+            "ObservabilitySection",
+        ),
+    },
+    # a policy decides from what it reads of the requests; the mechanism acts
+    "scheduler_policy": {
+        "baton.interfaces": ("SchedulerPolicy", "FinishAwarePolicy", "VictimAwarePolicy"),
+        "baton.request": ("Request", "RequestStatus"),
+        "baton.scheduling_info": ("SchedulingInfo",),
+        "baton.sched.slo": ("has_slo", "ttft_deadline", "is_hopeless", "met_slo"),
+        "baton.sched.victims": ("VictimCandidate",),
+    },
+    # an executor: the protocols, and the toolkit to build one from baton's worker processes,
+    # call book and ranks (baton-plugin-cuda-tp, -pipeline and -ray are built from it)
+    "executor": {
+        "baton.interfaces": ("Executor", "ModelRunner", "RunnerFactory", "Worker", "Sleepable"),
+        "baton.runner": (
+            "StockRunner",
+            "ModelRunnerHooks",
+            "LoadedModel",
+            "KVShape",
+            "model_config",
+            "load_worker",
+        ),
+        "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
+        "baton.executor.multiproc": ("MultiprocExecutor",),
+        "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
+        "baton.executor.group": ("WorkerGroup",),
+        "baton.executor.calls": ("CallBook", "Call"),
+        "baton.executor.member": ("MemberLink", "Member", "Message", "READY", "SHUTDOWN"),
+        "baton.executor.latch": ("FailureLatch",),
+        "baton.executor.heartbeat": ("Heartbeats",),
+        # an executor that places its ranks itself (the ray executor's actors)
+        "baton.executor.rank": (
+            "Rank",
+            "RankBootstrap",
+            "RankMember",
+            "rank_bootstraps",
+            "rank_config",
+            "host_store",
+            "StepCodec",
+            "parallel_stats",
+            "reset_parallel_stats",
+        ),
+        "baton.executor.wire": ("Kind", "WorkerReady"),
+        "baton.parallel": ("ParallelContext", "CommTimers", "get_parallel_context"),
+        "baton.parallel.sharding": ALL,
+        "baton.parallel.stages": ALL,
+        "baton.parallel.hooks": (
+            "TensorParallelHooks",
+            "PipelineStageHooks",
+            "parallel_runner",
+            "check_parallel_model",
+        ),
+    },
+    # an engine launcher: the local-process one, and what runs where it places an engine
+    "engine_launcher": {
+        "baton.interfaces": ("EngineLauncher", "EngineHandle"),
+        "baton.engine.launch": ("ProcessLauncher", "ProcessHandle", "run_engine_core"),
+    },
+    "transport": {
+        "baton.interfaces": ("Transport", "ClientChannel", "EngineChannel", "Frame"),
+        "baton.transport.peer": ("PeerWatch", "POLL_SLICE", "machine_id"),
+        "baton.transport.sweep": ("sweep_stale",),
+        "baton.transport.closing": ("release_when_idle",),
+    },
+    "structured_output": {
+        "baton.interfaces": ("StructuredOutputBackend", "GrammarMatcher"),
+        "baton.sampling_params": ("StructuredOutputSpec",),
+    },
+    "stat_logger": {
+        "baton.interfaces": ("StatLogger",),
+        "baton.metrics.stats": ("IterationStats",),
+    },
+    # a speculator proposes from the running requests' tokens
+    "speculator": {
+        "baton.interfaces": ("Speculator",),
+        "baton.request": ("Request",),
+    },
+    "router": {
+        "baton.interfaces": ("Router",),
+        "baton.routing": ("EngineLoad", "RouteRequest"),
+    },
+    # commands, servers among them (baton-plugin-openai): the engine they run (AsyncLLM, LLM),
+    # its requests' parameters and outputs, the engine flags, and what a server shows of itself
+    # (the installed plugins, the CPU and each kernel's path, as `baton plugins` / `baton env`)
+    "command": {
+        "baton": (
+            "LLM",
+            "AsyncLLM",
+            "BeamSearchOutput",
+            "BeamSearchParams",
+            "BeamSearchSequence",
+            "CompletionOutput",
+            "Logprob",
+            "PoolingOutput",
+            "PoolingParams",
+            "PoolingRequestOutput",
+            "LoRARequest",
+            "RequestOutput",
+            "RequestOutputKind",
+            "SamplingParams",
+            "SchedulingInfo",
+            "StructuredOutputSpec",
+        ),
+        "baton.sampling_params": (
+            "SamplingParams",
+            "StructuredOutputSpec",
+            "RequestOutputKind",
+            "MAX_INT32",
+            "MAX_LOGPROBS",
+            "MAX_N",
+            "MAX_SEED",
+            "show_value",
+        ),
+        "baton.pooling_params": (
+            "PoolingParams",
+            "POOLING_TYPES",
+            "check_pooling",
+            "with_defaults",
+        ),
+        "baton.scheduling_info": (
+            "SchedulingInfo",
+            "as_scheduling_info",
+            "MAX_TAGS",
+            "MAX_TAG_KEY_CHARS",
+            "MAX_TAG_VALUE_CHARS",
+            "MAX_TENANT_CHARS",
+            "MAX_DEADLINE_S",
+            "MAX_SLO_MS",
+        ),
+        "baton.validation": (
+            "check_request",
+            "checked_request",
+            "CheckedRequest",
+            "PRIORITY_MIN",
+            "PRIORITY_MAX",
+        ),
+        "baton.outputs": (
+            "RequestOutput",
+            "CompletionOutput",
+            "Logprob",
+            "SampleLogprobs",
+            "PromptLogprobs",
+            "PoolingOutput",
+            "PoolingRequestOutput",
+        ),
+        "baton.beam_search": (
+            "BeamSearchParams",
+            "BeamSearchOutput",
+            "BeamSearchSequence",
+            "BeamSearch",
+            "beam_search_score",
+        ),
+        # LoRA adapters: the request's adapter, PEFT folders read without peft
+        "baton.lora": ("LoRARequest", "as_lora_request", "check_lora_request"),
+        "baton.lora.adapter": (
+            "AdapterConfig",
+            "AdapterWeights",
+            "TARGET_MODULES",
+            "load_adapter",
+            "read_adapter_config",
+        ),
+        # AsyncLLM.input_processor: the engine's tokenization and chat rendering, its checks
+        "baton.frontend.input_processor": ("InputProcessor",),
+        "baton.metrics.stats": ("IterationStats",),
+        "baton.cli.main": ("add_engine_arguments", "engine_overrides", "engine_argv"),
+        "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
+        "baton.kernels.report": ("collect", "render", "CpuReport", "KernelPath"),
+        "baton.kernels.os_grant": ("Grant",),
+    },
+    # a config section (baton-plugin-openai's [server]): a pydantic model, and what the kernel
+    # reads of the serving plugin's section (its serving_settings())
+    "config_section": {
+        "baton.config": ("ServingSettings",),
+    },
+    # a benchmark measures an engine through the commands' surface (the bench toolkit itself is
+    # baton_bench.common, in baton-bench) and drives a scheduler with the testing kit's driver
+    "bench": {
+        "baton": ("LLM", "SamplingParams"),
+        "baton.cli.main": ("add_engine_arguments", "engine_overrides", "engine_argv"),
+        "baton.kernels.report": ("collect", "CpuReport"),
+        "baton.testing.sched_harness": ALL,
+    },
+    # the testing kit: a fake executor, tiny models, a scheduler driver, each kind's suite
+    TESTS: {
+        "baton.testing": ("FakeExecutor", "FakeExecutorSettings", "register_fake_executor"),
+        "baton.testing.tiny_model": ("tiny_model", "make_tiny_model", "MOE_ARCHS"),
+        "baton.testing.sched_harness": ALL,
+        "baton.testing.conformance": _SUITES,
+        "baton.testing.conformance.scheduler_policy": ("SchedulerPolicyConformance",),
+        "baton.testing.conformance.executor": ("ExecutorConformance",),
+        "baton.testing.conformance.transport": ("TransportConformance",),
+        "baton.testing.conformance.structured_output": ("StructuredOutputConformance",),
+        "baton.testing.conformance.speculator": ("SpeculatorConformance", "PROMPTS", "run_engine"),
+        "baton.testing.conformance.router": ("RouterConformance",),
+        "baton.testing.conformance.engine_launcher": ("EngineLauncherConformance", "PROMPTS"),
+    },
 }
+
+
+def _merged(surface: dict[str, dict[str, Names]]) -> dict[str, Names]:
+    """Each module's public names over every audience (in first-listed order, once each)."""
+    out: dict[str, Names] = {}
+    for modules in surface.values():
+        for module, names in modules.items():
+            before = out.get(module, ())
+            if ALL in (before, names):
+                out[module] = ALL
+            else:
+                out[module] = tuple(dict.fromkeys((*before, *names)))
+    return out
+
+
+#: Module -> its public names (``ALL``: every name without a leading underscore).
+PUBLIC_NAMES: dict[str, Names] = _merged(SURFACE)
 
 
 def is_public(module: str, name: str | None = None) -> bool:
@@ -270,15 +323,16 @@ def missing_names() -> list[str]:
 
 
 def markdown() -> str:
-    """The list as docs/stability.md shows it."""
-    rows = ["| module | public names |", "|---|---|"]
-    for module, names in PUBLIC_NAMES.items():
-        shown = (
-            "every name without a leading underscore"
-            if names == ALL
-            else ", ".join(f"`{n}`" for n in names)
-        )
-        rows.append(f"| `{module}` | {shown} |")
+    """The list as docs/stability.md shows it: one row per audience and module."""
+    rows = ["| for | module | public names |", "|---|---|---|"]
+    for audience, modules in SURFACE.items():
+        for module, names in modules.items():
+            shown = (
+                "every name without a leading underscore"
+                if names == ALL
+                else ", ".join(f"`{n}`" for n in names)
+            )
+            rows.append(f"| {audience} | `{module}` | {shown} |")
     return "\n".join(rows)
 
 

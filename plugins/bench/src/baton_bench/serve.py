@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from baton.cli.main import ENGINE_FLAGS, add_engine_arguments
+from baton.cli.main import add_engine_arguments, engine_argv
 from baton.errors import BatonError
 from baton_bench.common import (
     CpuMonitor,
@@ -353,15 +353,7 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     if getattr(args, "config", None):
         argv += ["--config", args.config]
-    for name in ENGINE_FLAGS:
-        value = getattr(args, name, None)
-        if value is True:  # a switch (--enable-lora)
-            argv.append(f"--{name.replace('_', '-')}")
-        elif value is not None and value is not False:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    for item in getattr(args, "set", None) or ():
-        argv += ["--set", item]
-    return argv
+    return argv + engine_argv(args)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -42,7 +42,6 @@ from baton.errors import BatonError, ExecutorError, worker_error
 from baton.executor.calls import Call, CallBook
 from baton.executor.rank import (
     StepCodec,
-    check_rpc_method,
     parallel_stats,
     rank_bootstraps,
 )
@@ -391,7 +390,6 @@ class RayExecutor:
         kwargs: dict | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        check_rpc_method(method)
         future = self._call(Kind.RPC, StepCodec.encode_rpc(method, args, kwargs))
         return self._calls.wait(  # type: ignore[no-any-return]
             future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"

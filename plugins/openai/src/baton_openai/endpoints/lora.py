@@ -18,8 +18,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from baton.errors import InvalidRequestError
+from baton.lora import LoRARequest
 from baton.lora.adapter import read_adapter_config
-from baton.lora.request import LoRARequest
 from baton_openai.http.errors import OpenAIError
 from baton_openai.http.openapi import error_responses
 from baton_openai.pipeline.context import ServerContext

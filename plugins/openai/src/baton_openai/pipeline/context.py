@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi import Request
 
 from baton import AsyncLLM
-from baton.lora.request import LoRARequest
+from baton.lora import LoRARequest
 from baton_openai.http.admission import QueueGate
 from baton_openai.http.errors import OpenAIError
 from baton_openai.parsing.tool_parsers import HermesToolParser
