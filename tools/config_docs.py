@@ -6,12 +6,14 @@ docs/configuration.md``; tests/core/test_config.py compares them.
 
 from __future__ import annotations
 
-from baton.config.sections import SECTION_MODELS
+from baton.config.overrides import all_section_models
+from baton.plugins.registry import get_registry
 
 HEADER = """# Configuration
 
-One settings model (`baton.config.BatonConfig`), eleven sections, every one optional.
-Sources, strongest first:
+One settings model (`baton.config.BatonConfig`), ten sections of baton-core and the
+sections installed plugins register (`register_config_sections`: baton-plugin-openai's
+`[server]`), every one optional. Sources, strongest first:
 
 1. explicit arguments: `LLM(max_num_seqs=8)`, `LLM(scheduler={"policy": "priority"})`,
    `LLM(**{"cache.block_size": 32})`, CLI flags (`--policy`, `--set cache.block_size=32`);
@@ -63,8 +65,10 @@ transformers once, so each starts in well under a second instead of 3-6 s; or
 
 def render() -> str:
     out = [HEADER]
-    for section, model in SECTION_MODELS.items():
-        out += [f"## [{section}]", "", "| field | default | meaning |", "|---|---|---|"]
+    plugins = {e.name: e.distribution for e in get_registry().of_kind("config_section")}
+    for section, model in all_section_models().items():
+        owner = f" ({plugins[section]})" if section in plugins else ""
+        out += [f"## [{section}]{owner}", "", "| field | default | meaning |", "|---|---|---|"]
         for name, field in model.model_fields.items():
             default = (
                 field.default_factory() if field.default_factory is not None else field.default

@@ -5,9 +5,7 @@ hook is registered, its registration reaches the registry, and what it registere
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
-import pytest
 import torch
 
 from baton import hookimpl
@@ -31,20 +29,6 @@ def plugins_with(plugin: object, name: str) -> Plugins:
     plugins.load_entry_points({})
     plugins.register(plugin, name, "hook-test-dist", "1.2.3")
     return plugins
-
-
-@pytest.fixture
-def global_plugin() -> Iterator:
-    """Register plugin objects in the process-wide plugin manager for one test."""
-    names: list[str] = []
-
-    def add(plugin: object, name: str) -> None:
-        get_plugins().register(plugin, name, "hook-test-dist", "1.2.3")
-        names.append(name)
-
-    yield add
-    for name in names:
-        get_plugins().unregister(name)
 
 
 def serve(core: EngineCore, n: int = 3, **params) -> dict[str, list[int]]:

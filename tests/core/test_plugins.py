@@ -20,7 +20,7 @@ from baton.errors import (
     PluginNotFoundError,
 )
 from baton.plugins.check import check_config_plugins
-from baton.plugins.registry import Plugins
+from baton.plugins.registry import Plugins, reset_plugins
 
 from .plugin_fixtures import add_to_path, make_dist
 
@@ -48,6 +48,9 @@ def plugin_path(tmp_path, monkeypatch):
     saved = list(sys.path)
     yield tmp_path
     sys.path[:] = saved
+    # building a config loads the process-wide registry (its plugins' config sections): forget
+    # the plugins it saw on this path, as later tests' engine processes will not see them
+    reset_plugins()
     for mod in [m for m in sys.modules if m.startswith("extplug")]:
         del sys.modules[mod]
 

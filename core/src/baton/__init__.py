@@ -7,6 +7,7 @@ that ``import baton`` (and the CLI's start-up) stays fast.
 
 from typing import TYPE_CHECKING, Any
 
+from baton import config_sections
 from baton.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from baton.pooling_params import PoolingParams
 from baton.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputSpec
@@ -44,6 +45,17 @@ if TYPE_CHECKING:
         PoolingRequestOutput,
         RequestOutput,
     )
+
+
+def _plugin_config_sections() -> dict[str, Any]:
+    """The config sections installed plugins register (the config's provider)."""
+    # start-up cost: the registry loads the plugins on first use, not at ``import baton``
+    from baton.plugins.registry import get_registry
+
+    return get_registry().config_sections()
+
+
+config_sections.set_provider(_plugin_config_sections)
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,7 @@ from baton.cli.main import add_engine_arguments, engine_overrides
 from baton.config import BatonConfig
 from baton.config.baton_config import CONFIG_ENV
 from baton.config.messages import describe_error
-from baton.config.overrides import nest_overrides
+from baton.config.overrides import all_section_models, nest_overrides
 from baton.errors import BatonError, ConfigError
 from baton.plugins.check import combined, find_plugin_problems
 from baton.plugins.registry import get_registry
@@ -125,10 +125,10 @@ def load_config(
 def _field_of(loc: tuple[Any, ...]) -> tuple[str, str, Any] | None:
     """(section, field, its default) for the field ``loc`` is in; None when ``loc`` names no
     field of a section (a check across fields or sections)."""
-    if len(loc) < 2 or loc[0] not in BatonConfig.model_fields:
+    sections = all_section_models()  # the sections plugins register too ([server])
+    if len(loc) < 2 or loc[0] not in sections:
         return None
-    section = BatonConfig.model_fields[str(loc[0])].annotation
-    fields = getattr(section, "model_fields", {})
+    fields = sections[str(loc[0])].model_fields
     name = next((n for n, f in fields.items() if loc[1] in (n, f.alias, f.validation_alias)), None)
     if name is None:
         return None

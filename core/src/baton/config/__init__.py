@@ -1,4 +1,5 @@
-"""baton's configuration: one pydantic-settings model, eleven sections.
+"""baton's configuration: one pydantic-settings model, ten sections, plus the sections plugins
+register (``register_config_sections``: baton-plugin-openai's ``[server]``).
 
 Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
 ``BATON_<SECTION>__<FIELD>`` environment variables, a TOML or YAML file (given
@@ -14,6 +15,10 @@ settings model the plugin registered (see ``BatonConfig.plugin_settings``).
 The public names (docs/stability.md) are importable from ``baton.config``.
 """
 
+import warnings
+from typing import Any
+
+from baton import config_sections
 from baton.config.baton_config import BatonConfig
 from baton.config.sections import (
     CacheSection,
@@ -23,7 +28,7 @@ from baton.config.sections import (
     ObservabilitySection,
     RoutingSection,
     SchedulerSection,
-    ServerSection,
+    ServingSettings,
     SpeculativeSection,
     StructuredOutputSection,
     TransportSection,
@@ -38,8 +43,22 @@ __all__ = [
     "ObservabilitySection",
     "RoutingSection",
     "SchedulerSection",
-    "ServerSection",
+    "ServingSettings",
     "SpeculativeSection",
     "StructuredOutputSection",
     "TransportSection",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ServerSection moved to baton-plugin-openai (issue 31): a release of warning
+    # (docs/stability.md), found through the registry so that baton-core imports no plugin
+    if name == "ServerSection" and "server" in config_sections.registered():
+        warnings.warn(
+            "baton.config.ServerSection moved to baton_openai.server_section.ServerSection "
+            "(baton-plugin-openai); import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return config_sections.registered()["server"]
+    raise AttributeError(f"module 'baton.config' has no attribute {name!r}")

@@ -9,20 +9,24 @@ with ``--config`` or ``BATON_CONFIG``), defaults.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 from pathlib import Path
 from typing import Any
 
 import pydantic
 from pydantic import BaseModel, Field
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
 
+from baton import config_sections
 from baton.config import sections
 from baton.config.messages import format_validation_error
 from baton.config.overrides import deep_merge, nest_overrides
@@ -39,10 +43,12 @@ _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 class BatonConfig(BaseSettings):
     """All of baton's settings. Build it with ``BatonConfig.load(...)``."""
 
+    # extra keys hold the sections plugins register (``config.server``): each validated with
+    # its plugin's model by ``_plugin_sections``, any other key refused there
     model_config = SettingsConfigDict(
         env_prefix="BATON_",
         env_nested_delimiter="__",
-        extra="forbid",
+        extra="allow",
         validate_assignment=True,
     )
 
@@ -57,7 +63,6 @@ class BatonConfig(BaseSettings):
     speculative: sections.SpeculativeSection = Field(default_factory=sections.SpeculativeSection)
     routing: sections.RoutingSection = Field(default_factory=sections.RoutingSection)
     lora: sections.LoRASection = Field(default_factory=sections.LoRASection)
-    server: sections.ServerSection = Field(default_factory=sections.ServerSection)
     observability: sections.ObservabilitySection = Field(
         default_factory=sections.ObservabilitySection
     )
@@ -72,6 +77,9 @@ class BatonConfig(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        plugins = config_sections.registered()
+        if plugins:
+            sources.append(EnvSettingsSource(_plugin_env_model(tuple(plugins.items()))))
         path = _config_file.get()
         if path is not None:
             if path.suffix in (".yaml", ".yml"):
@@ -79,6 +87,55 @@ class BatonConfig(BaseSettings):
             else:
                 sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
+
+    @pydantic.model_validator(mode="wrap")
+    @classmethod
+    def _plugin_sections(
+        cls, data: Any, handler: pydantic.ModelWrapValidatorHandler[BatonConfig]
+    ) -> BatonConfig:
+        """baton-core's sections by the handler, each plugin's section by its model (also when
+        absent: its defaults), every refusal of both together, then the plugins' checks across
+        sections (``check_config``)."""
+        plugins = config_sections.registered()
+        if not isinstance(data, dict):
+            return handler(data)
+        errors: list[Any] = [
+            {"type": "extra_forbidden", "loc": (key,), "input": value}
+            for key, value in data.items()
+            if key not in cls.model_fields and key not in plugins
+        ]
+        tables: dict[str, BaseModel] = {}
+        for name, model in plugins.items():
+            try:
+                tables[name] = model.model_validate(data.get(name, {}))
+            except pydantic.ValidationError as e:
+                errors += [_line_error(err, name) for err in e.errors()]
+        try:
+            config = handler({k: v for k, v in data.items() if k in cls.model_fields})
+        except pydantic.ValidationError as e:
+            if not errors:
+                raise
+            errors = [_line_error(err) for err in e.errors()] + errors
+            raise pydantic.ValidationError.from_exception_data(cls.__name__, errors) from None
+        if errors:
+            raise pydantic.ValidationError.from_exception_data(cls.__name__, errors)
+        assert config.__pydantic_extra__ is not None  # extra="allow"
+        config.__pydantic_extra__.update(tables)
+        for table in tables.values():
+            check = getattr(table, "check_config", None)
+            if check is not None:
+                check(config)
+        return config
+
+    @property
+    def serving(self) -> sections.ServingSettings:
+        """What the kernel reads from the serving plugin's section (its ``serving_settings()``:
+        the drain time on shutdown, the served model name); the library's defaults without one."""
+        for table in (self.model_extra or {}).values():
+            provide = getattr(table, "serving_settings", None)
+            if provide is not None:
+                return provide()  # type: ignore[no-any-return]
+        return sections.ServingSettings()
 
     @pydantic.model_validator(mode="after")
     def _quantization_without_tensor_parallel(self) -> BatonConfig:
@@ -161,11 +218,6 @@ class BatonConfig(BaseSettings):
     @pydantic.model_validator(mode="after")
     def _lora_without_model_parallel(self) -> BatonConfig:
         if not self.lora.enable_lora:
-            if self.server.lora_modules:
-                raise ValueError(
-                    f"server.lora_modules ({', '.join(self.server.lora_modules)}) needs "
-                    "lora.enable_lora = true (--enable-lora)"
-                )
             return self
         ex = self.executor
         for name, size in (
@@ -217,7 +269,7 @@ class BatonConfig(BaseSettings):
         """A copy with ``overrides`` applied (same forms as ``load``), validated."""
         data = self.model_dump()
         for section, values in nest_overrides(overrides).items():
-            data[section] = deep_merge(data[section], values)
+            data[section] = deep_merge(data.get(section, {}), values)
         try:
             return type(self).model_validate(data)
         except pydantic.ValidationError as e:
@@ -259,6 +311,30 @@ class BatonConfig(BaseSettings):
             return model.model_validate(raw)
         except pydantic.ValidationError as e:
             raise ConfigError(format_validation_error(e, prefix=f"{section}.{name}")) from None
+
+
+class _PluginEnv(BaseSettings):
+    """Reads the plugin sections' ``BATON_<SECTION>__<FIELD>`` variables as BatonConfig reads its
+    own (nested, lists and tables as JSON); never built, only its env source runs."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="BATON_", env_nested_delimiter="__", extra="ignore"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _plugin_env_model(plugins: tuple[tuple[str, type[BaseModel]], ...]) -> type[BaseSettings]:
+    """A settings class with one field per plugin section, for their environment variables."""
+    fields: dict[str, Any] = {name: (model | None, None) for name, model in plugins}
+    return pydantic.create_model("BatonPluginSections", __base__=_PluginEnv, **fields)
+
+
+def _line_error(error: Any, section: str | None = None) -> Any:
+    """A pydantic error as ``ValidationError.from_exception_data`` takes it, under ``section``:
+    same type and message (a custom error: types such as ``byte_size`` are not pydantic's own)."""
+    loc = tuple(error["loc"]) if section is None else (section, *error["loc"])
+    kind = PydanticCustomError(error["type"], error["msg"])
+    return {"type": kind, "loc": loc, "input": error["input"]}
 
 
 def settings_keys(model: type[BaseModel]) -> set[str]:

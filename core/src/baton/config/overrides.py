@@ -11,14 +11,20 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from baton.config.sections import SECTION_MODELS, SECTIONS
+from baton import config_sections
+from baton.config.sections import SECTION_MODELS
 from baton.errors import ConfigError
 from baton.plugins.kinds import BY_SECTION
 
 
-def _flat_aliases() -> dict[str, tuple[str, str]]:
+def all_section_models() -> dict[str, type[BaseModel]]:
+    """baton-core's sections, then those installed plugins register (``[server]``)."""
+    return {**SECTION_MODELS, **config_sections.registered()}
+
+
+def _flat_aliases(models: dict[str, type[BaseModel]]) -> dict[str, tuple[str, str]]:
     seen: dict[str, list[tuple[str, str]]] = {}
-    for section, model in SECTION_MODELS.items():
+    for section, model in models.items():
         for field in model.model_fields:
             seen.setdefault(field, []).append((section, field))
     aliases = {k: v[0] for k, v in seen.items() if len(v) == 1}
@@ -36,23 +42,23 @@ def _flat_aliases() -> dict[str, tuple[str, str]]:
     return aliases
 
 
-_ALIASES = _flat_aliases()
-
-
 def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Turn the override forms ``load`` accepts into ``{section: {field: value}}``."""
+    models = all_section_models()
+    sections = tuple(models)
+    aliases = _flat_aliases(models) if overrides else {}
     nested: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
         if value is None:
             continue  # unset CLI flags and defaulted keyword arguments
-        if key in SECTIONS and isinstance(value, dict | BaseModel):
+        if key in sections and isinstance(value, dict | BaseModel):
             data = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
             nested[key] = deep_merge(nested.get(key, {}), data)
         elif "." in key:
             section, *path = key.split(".")
-            if section not in SECTIONS:
+            if section not in sections:
                 raise ConfigError(
-                    f"{key!r}: unknown section {section!r} (sections: {', '.join(SECTIONS)})"
+                    f"{key!r}: unknown section {section!r} (sections: {', '.join(sections)})"
                 )
             if not all(path):
                 raise ConfigError(
@@ -60,13 +66,13 @@ def nest_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
                     "'section.plugin.setting', e.g. scheduler.max_num_seqs"
                 )
             _set_path(nested.setdefault(section, {}), path, value, key)
-        elif key in _ALIASES:
-            section, field = _ALIASES[key]
+        elif key in aliases:
+            section, field = aliases[key]
             nested.setdefault(section, {})[field] = value
         else:
             raise ConfigError(
                 f"unknown setting {key!r}: use a field name such as max_num_seqs, a dotted "
-                f"'section.field', or a section dict (sections: {', '.join(SECTIONS)})"
+                f"'section.field', or a section dict (sections: {', '.join(sections)})"
             )
     return nested
 

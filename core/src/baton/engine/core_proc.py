@@ -4,9 +4,9 @@ Two IO threads bridge the transport's engine channel to two queue.Queue; the
 busy loop blocks on the input queue when there is no work, drains every
 pending message before each step, and steps. READY is sent only after the
 executor and the KV cache are initialised. SIGTERM/SIGINT shut down in drain
-mode (``server.shutdown_timeout > 0``: in-flight requests finish) or abort
-mode (they end FINISHED_ABORTED); ADD and UTILITY are refused meanwhile. On
-any fatal error an ENGINE_CORE_DEAD frame goes out before the process exits,
+mode (``config.serving.shutdown_timeout > 0``, the serving plugin's
+``server.shutdown_timeout``: in-flight requests finish) or abort mode (they end
+FINISHED_ABORTED); ADD and UTILITY are refused meanwhile. On any fatal error an ENGINE_CORE_DEAD frame goes out before the process exits,
 so no client hangs.
 """
 
@@ -280,7 +280,7 @@ class EngineCoreProc:
 
     def _shutdown_step(self) -> bool:
         """True when the loop should exit now."""
-        timeout = self.core.config.server.shutdown_timeout
+        timeout = self.core.config.serving.shutdown_timeout
         if self._shutdown_deadline is None:
             self._shutdown_deadline = time.monotonic() + timeout
             log.info(

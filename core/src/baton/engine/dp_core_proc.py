@@ -172,7 +172,7 @@ class DPEngineCoreProc(EngineCoreProc):
     def _shutdown_step(self) -> bool:
         """Drain mode keeps stepping (dummy batches included) while the wave runs, so the other
         engines' collectives still meet this one's."""
-        timeout = self.core.config.server.shutdown_timeout
+        timeout = self.core.config.serving.shutdown_timeout
         deadline = self._shutdown_deadline
         if (
             self.running

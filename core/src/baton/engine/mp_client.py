@@ -110,7 +110,7 @@ class MPClient(EngineCoreClient):
         self.config = config
         self.plugins = plugins
         self.num_engines = num_engines
-        self.resources = _Resources(shutdown_timeout=config.server.shutdown_timeout)
+        self.resources = _Resources(shutdown_timeout=config.serving.shutdown_timeout)
         self._finalizer = weakref.finalize(self, self.resources.close)
         self.dead_error: EngineDeadError | None = None
         self._encoder = MsgpackEncoder()

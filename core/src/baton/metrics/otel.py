@@ -45,7 +45,7 @@ class OtelTracer:
     def from_config(cls, config: BatonConfig) -> OtelTracer:
         """The application's tracer provider when it set one and no endpoint is configured,
         else a provider of baton's own with the exporters the OTEL_* variables name."""
-        model = config.server.served_model_name or config.model.name
+        model = config.serving.served_model_name or config.model.name
         endpoint = config.observability.otlp_traces_endpoint
         current = trace.get_tracer_provider()
         if endpoint is None and not isinstance(current, trace.ProxyTracerProvider):

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from baton.config import BatonConfig
-from baton.config.sections import SECTIONS
+from baton.config.overrides import all_section_models
 from baton.errors import BatonError, ConfigError
 from baton.plugins.kinds import BY_SECTION, PLUGIN_KINDS, PluginKind
 from baton.plugins.registry import ChosenPlugin, Registry
@@ -77,7 +77,7 @@ def find_chosen_plugins(
                 errors.append(e)
                 continue
             chosen.append(ChosenPlugin(entry, settings))
-    for section in SECTIONS:
+    for section in all_section_models():  # the sections plugins register too ([server])
         errors += _check_sub_tables(config, section, registry, done)
     return chosen, errors
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from baton.plugins.kinds import (
         BenchFactory,
         CommandFactory,
+        ConfigSectionModel,
         EngineLauncherFactory,
         ExecutorFactory,
         Register,
@@ -215,6 +216,24 @@ def register_commands(register: Register[CommandFactory]) -> None:
 
     Called once when the CLI starts. Built in: ``generate``, ``chat``,
     ``plugins``, ``bench``, ``config``; ``baton-plugin-openai`` adds ``serve``.
+    """
+
+
+@hookspec
+def register_config_sections(register: Register[ConfigSectionModel]) -> None:
+    """Register top-level config sections: a plugin's own ``[<name>]`` table.
+
+    :param register: ``register(name, model)``; ``model`` is a pydantic ``BaseModel``
+        subclass, the table's settings (``baton-plugin-openai`` registers ``server``).
+
+    Whenever a ``BatonConfig`` is built the table is validated with ``model`` (the file,
+    ``BATON_<NAME>__<FIELD>`` variables decoded as any section's, ``LLM(**{"<name>.<field>":
+    ...})``, and a field name no other section has as a short override: ``LLM(port=...)``);
+    ``config.<name>`` is the instance. Optional methods of the model:
+    ``check_config(self, config)`` (a check across sections: raise ``ValueError`` naming the
+    fix) and ``serving_settings(self)`` (a ``baton.config.ServingSettings``: the values the
+    kernel takes from the section of the plugin that serves). A name of baton-core's
+    sections, or one registered twice, is refused. None built in.
     """
 
 

@@ -96,6 +96,14 @@ class BenchFactory(Protocol):
     def __call__(self, parser: argparse.ArgumentParser, /) -> CommandHandler: ...
 
 
+class ConfigSectionModel(Protocol):
+    """``register(name, model)``: a pydantic model class, the config's top-level ``[<name>]``
+    table (validated whenever a ``BatonConfig`` is built; ``config.<name>`` is an instance;
+    called with no arguments: the section's defaults)."""
+
+    def __call__(self) -> BaseModel: ...
+
+
 F_contra = TypeVar("F_contra", contravariant=True)
 
 
@@ -266,6 +274,14 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             product=None,
             builtin=("generate", "chat", "plugins", "bench", "config", "env"),
             distributions={"serve": "baton-plugin-openai", "run-batch": "baton-plugin-openai"},
+        ),
+        PluginKind(
+            name="config_section",
+            hook="register_config_sections",
+            word="config section",
+            factory=ConfigSectionModel,
+            product=None,
+            distributions={"server": "baton-plugin-openai"},
         ),
         PluginKind(
             name="bench",

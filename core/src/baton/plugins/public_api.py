@@ -51,6 +51,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "register_speculators",
             "register_routers",
             "register_commands",
+            "register_config_sections",
             "register_benches",
         ),
         "baton.plugins.kinds": (
@@ -66,6 +67,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "SpeculatorFactory",
             "RouterFactory",
             "CommandFactory",
+            "ConfigSectionModel",
             "BenchFactory",
         ),
         "baton.errors": ALL,
@@ -81,7 +83,6 @@ SURFACE: dict[str, dict[str, Names]] = {
             "SpeculativeSection",
             "RoutingSection",
             "LoRASection",
-            "ServerSection",
             "ObservabilitySection",
         ),
     },
@@ -251,6 +252,11 @@ SURFACE: dict[str, dict[str, Names]] = {
         "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
         "baton.kernels.report": ("collect", "render", "CpuReport", "KernelPath"),
         "baton.kernels.os_grant": ("Grant",),
+    },
+    # a config section (baton-plugin-openai's [server]): a pydantic model, and what the kernel
+    # reads of the serving plugin's section (its serving_settings())
+    "config_section": {
+        "baton.config": ("ServingSettings",),
     },
     # a benchmark measures an engine through the commands' surface (the bench toolkit itself is
     # baton_bench.common, in baton-bench) and drives a scheduler with the testing kit's driver

@@ -22,6 +22,7 @@ import importlib_metadata
 import pluggy
 from pydantic import BaseModel
 
+from baton.config.sections import SECTIONS
 from baton.errors import DuplicatePluginError, PluginError, PluginLoadError, PluginNotFoundError
 from baton.plugins import hookspecs
 from baton.plugins.kinds import BY_HOOK, PLUGIN_KINDS, PluginKind, kind_word
@@ -118,6 +119,10 @@ class Registry:
     def of_kind(self, kind: str) -> list[PluginEntry]:
         return [self.entries[(kind, n)] for n in self.names(kind)]
 
+    def config_sections(self) -> dict[str, type[BaseModel]]:
+        """The top-level config sections plugins register: name -> its settings model."""
+        return {e.name: e.factory for e in self.of_kind("config_section")}  # type: ignore[misc]
+
     def fingerprint(self) -> list[tuple[str, str, str, str]]:
         """What a spawned process must also see: (kind, name, distribution, version)."""
         return sorted((e.kind, e.name, e.distribution, e.version) for e in self.entries.values())
@@ -145,6 +150,8 @@ class _Registrar:
             raise PluginLoadError(
                 f"{where}: the factory of {self.kind.word} {name!r} is not callable: {factory!r}"
             )
+        if self.kind.name == "config_section":
+            _check_config_section(where, name, factory)
         if settings_model is not None:
             if not (isinstance(settings_model, type) and issubclass(settings_model, BaseModel)):
                 raise PluginLoadError(
@@ -171,6 +178,20 @@ class _Registrar:
             self.plugin,
             self.distribution,
             self.version,
+        )
+
+
+def _check_config_section(where: str, name: str, model: Any) -> None:
+    """A registered config section is a pydantic model under a name baton-core's sections and
+    the config's keyword forms do not use."""
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise PluginLoadError(
+            f"{where}: config section {name!r} must be a pydantic BaseModel subclass, got {model!r}"
+        )
+    if name in SECTIONS or not name.isidentifier():
+        raise PluginLoadError(
+            f"{where}: config section {name!r} is baton-core's or not an identifier: "
+            "register it under a name of its own (letters, digits, _)"
         )
 
 

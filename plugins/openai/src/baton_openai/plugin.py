@@ -1,5 +1,5 @@
-"""Plugin module of baton-plugin-openai: registers commands ``serve`` and ``run-batch`` and stat
-logger ``prometheus`` (``baton bench serve``, its HTTP load, is baton-bench's).
+"""Plugin module of baton-plugin-openai: registers commands ``serve`` and ``run-batch``, stat
+logger ``prometheus`` and the ``[server]`` config section (``baton bench serve``, its HTTP load, is baton-bench's).
 
 Plugins load in every process baton spawns (engine cores too), so this module
 imports nothing heavy: FastAPI, uvicorn and prometheus-client load only when
@@ -49,3 +49,11 @@ def register_stat_loggers(register: Any) -> None:
     from baton_openai.metrics.settings import PrometheusSettings
 
     register("prometheus", create_prometheus_logger, PrometheusSettings)
+
+
+@hookimpl
+def register_config_sections(register: Any) -> None:
+    # pydantic only: the section is validated in every process that builds a config
+    from baton_openai.server_section import ServerSection
+
+    register("server", ServerSection)

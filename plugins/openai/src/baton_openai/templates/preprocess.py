@@ -26,9 +26,9 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from baton import AsyncLLM
-from baton.config import ServerSection
 from baton.frontend.input_processor import InputProcessor
 from baton_openai.http.errors import OpenAIError
+from baton_openai.server_section import ServerSection
 from baton_openai.templates.chat_template import load_chat_template
 from baton_openai.templates.sandbox import (
     SandboxBusy,
