@@ -346,13 +346,19 @@ def test_lines_in_flight_are_bounded_and_wait_behind_interactive_requests(model_
         stop = threading.Event()
 
         interactive = threading.Event()  # its request is not counted
+        # bumped when the interactive request starts and ends: a sample whose scrape overlapped
+        # either (the flag read before the scrape, the request sent meanwhile) is dropped
+        phase = [0]
 
         def watch() -> None:
             while not stop.is_set():
+                seen = phase[0]
                 if interactive.is_set():
                     time.sleep(0.02)
                     continue
                 m = srv.metrics()
+                if interactive.is_set() or phase[0] != seen:
+                    continue
                 n = metric(m, "baton_num_requests_running") + metric(
                     m, "baton_num_requests_waiting"
                 )
@@ -367,9 +373,11 @@ def test_lines_in_flight_are_bounded_and_wait_behind_interactive_requests(model_
                 what="batch lines waiting",
             )
             before = client.batches.retrieve(batch.id).request_counts.completed
+            phase[0] += 1
             interactive.set()
             client.chat.completions.create(model=srv.model, messages=MESSAGES, max_tokens=2)
             interactive.clear()
+            phase[0] += 1
             after = client.batches.retrieve(batch.id).request_counts.completed
             assert after - before <= 2, (before, after)  # at most the lines that were running
             final = wait_final(client, batch.id)
