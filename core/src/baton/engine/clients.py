@@ -49,11 +49,7 @@ def make_mp_client(
     from baton.engine import dp_client, mp_client
 
     num_engines = config.executor.data_parallel_size
-    if not asyncio_mode:
-        if num_engines > 1:
-            raise InvalidRequestError(
-                "executor.data_parallel_size > 1 needs the asyncio client (AsyncLLM / baton serve)"
-            )
+    if not asyncio_mode:  # make_client refused data_parallel_size > 1 here already
         return mp_client.SyncMPClient(config, plugins, transport)
     if num_engines > 1:
         return dp_client.DPAsyncMPClient(config, plugins, transport, num_engines, loop=loop)
