@@ -51,7 +51,8 @@ def test_baton_core_wheel_has_no_bench_package_and_registers_no_bench(tmp_path):
 def test_baton_bench_wheel_holds_the_benches_and_registers_them(tmp_path):
     wheel = build_wheel("plugins/bench", tmp_path)
     names = set(wheel.namelist())
-    for module in ("plugin", "common", "scheduler", "simulator", "serve", "calibrate", "peers"):
+    modules = ("plugin", "common", "scheduler", "simulator", "serve", "calibrate", "peers")
+    for module in (*modules, "multiturn", "multiturn_workload"):
         assert f"baton_bench/{module}.py" in names, module
     assert "bench = baton_bench.plugin" in entry_points(wheel)
 

@@ -1,5 +1,5 @@
 """Plugin module of baton-bench: registers the benchmarks ``scheduler``, ``simulate``,
-``transport``, ``throughput``, ``latency`` and ``serve`` (``baton bench <name>``).
+``transport``, ``throughput``, ``latency``, ``serve`` and ``multiturn`` (``baton bench <name>``).
 
 Plugins load in every process baton spawns (engine cores too), so this module
 imports no benchmark: each one's module loads when ``baton bench`` builds its parser.
@@ -26,6 +26,7 @@ BENCHES = {
     "throughput": "baton_bench.throughput",
     "latency": "baton_bench.latency",
     "serve": "baton_bench.serve",
+    "multiturn": "baton_bench.multiturn",
 }
 
 
