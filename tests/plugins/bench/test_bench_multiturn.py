@@ -101,6 +101,7 @@ def test_bench_reports_turns_and_counts_cached_tokens(tmp_path, capsys):
         (run,) = side["runs"]
         assert run["requests"] == 12 and run["output_tokens"] == 12 * 8
         assert run["expected_tokens_ok"] and run["tok_per_s"] > 0
+        assert run["tok_per_cpu_s"] > 0 and run["cpu"]["self_cpu_s"] > 0
         assert [t["turn"] for t in run["turns"]] == [1, 2, 3]
         for fig in (*run["turns"], run["returning"]):
             assert set(fig) == {

@@ -67,6 +67,8 @@ class CpuMonitor:
         self.result = {
             "others_cpu_frac": round(max(0.0, (busy1 - busy0) - dself) / dtot, 3),
             "self_cpu_frac": round(dself / dtot, 3),
+            # this process's and its descendants' CPU seconds (the engine's, wherever it ran)
+            "self_cpu_s": round(dself / os.sysconf("SC_CLK_TCK"), 2),
             "steal_frac": round((steal1 - steal0) / dtot, 3),
             "loadavg_1m": os.getloadavg()[0],
         }

@@ -13,7 +13,8 @@ kv_transfer.connector=offload``).
 Every request's session, turn, prompt tokens, cached tokens (``RequestOutput.num_cached_tokens``),
 TTFT (sent to first token, as the caller sees it) and output tokens are recorded; the report
 gives per turn the TTFT p50/p90 and the cached fraction of the prompt tokens, the returning
-turns (2 and later) together, output tokens/s over the run and the digest of every generated
+turns (2 and later) together, output tokens/s over the run (and per CPU second of this process
+and its children: a figure a busy shared host disturbs less) and the digest of every generated
 token. ``--compare KEY=VALUE`` (repeatable) adds a second side, the same engine settings plus
 these: ``--rounds`` rounds alternating the sides (A B, B A, ...), a fresh engine for every run
 (nothing cached carried over; a disk tier that outlives its engine needs a fresh path), medians
@@ -224,6 +225,8 @@ async def run_once(
     kv_transfer = getattr(stats, "kv_transfer", None)
     if kv_transfer is not None:
         result["kv_transfer"] = msgspec.to_builtins(kv_transfer)
+    cpu_s = cpu.result["self_cpu_s"] if cpu.result else 0.0
+    result["tok_per_cpu_s"] = round(result["output_tokens"] / cpu_s, 2) if cpu_s > 0 else None
     result["startup_s"] = round(startup, 2)
     result["cpu"] = cpu.result
     return result, records, workload
@@ -240,6 +243,8 @@ def side_medians(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "runs": len(runs),
         "tok_per_s": med([r["tok_per_s"] for r in runs]),
+        "tok_per_cpu_s": med([r["tok_per_cpu_s"] for r in runs if r["tok_per_cpu_s"]]),
+        "others_cpu_frac": med([r["cpu"]["others_cpu_frac"] for r in runs if r["cpu"]]),
         "first_turn_ttft_p50_s": med([f["ttft_s"]["p50"] for f in first]),
         "returning_ttft_p50_s": med([b["ttft_s"]["p50"] for b in back]),
         "returning_ttft_p90_s": med([b["ttft_s"]["p90"] for b in back]),
@@ -258,6 +263,7 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "returning_ttft_p50": ratio("returning_ttft_p50_s"),
         "returning_ttft_p90": ratio("returning_ttft_p90_s"),
         "tok_per_s": ratio("tok_per_s"),
+        "tok_per_cpu_s": ratio("tok_per_cpu_s"),
         "same_outputs": a["digests"] == b["digests"] and len(a["digests"]) == 1,
     }
 
