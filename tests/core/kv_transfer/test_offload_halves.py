@@ -259,7 +259,8 @@ def test_a_finished_request_s_background_load_is_cancelled(tmp_path: Path) -> No
     second = Pair(OffloadSettings(disk_path=tmp_path))
     r = request("b", PROMPT)
     assert second.admit(r, [5, 6, 7, 8]) == (3 * BS, True)
-    second.step()
+    second.worker.start_step(second.sched.build_connector_meta(KVStep(step_id=1)))
+    # aborted while its load runs (before a worker reported it)
     second.sched.request_finished(r, [5, 6, 7, 8])
     meta = second.sched.build_connector_meta(KVStep(step_id=99, finished_req_ids=["b"]))
     assert decode_orders(meta).cancel_loads == ["b"]
