@@ -134,3 +134,22 @@ def test_bench_reports_turns_and_counts_cached_tokens(tmp_path, capsys):
     )
     assert res["b_over_a"]["same_outputs"] is True  # the prefix cache is exact
     assert res["b_over_a"]["returning_ttft_p50"] > 0
+
+
+def test_bench_with_the_offload_connector_serves_returning_turns_from_ram(capsys):
+    """The pool too small for the sessions, with and without ``kv_transfer.connector=offload``:
+    the connector's RAM tier serves the returning turns (counted as cached, and in the run's
+    ``kv_transfer`` figures), the same greedy tokens."""
+    argv = ["--model", str(tiny_model("llama")), "--sessions", "4", "--turns", "2"]
+    argv += ["--first-prompt-tokens", "64", "--max-new-tokens", "8", "--set", TIGHT]
+    argv += ["--compare", "kv_transfer.connector=offload"]
+    code, res = run_bench(argv, capsys)
+    assert code == 0, res
+    (off,), (on,) = res["sides"]["A"]["runs"], res["sides"]["B"]["runs"]
+    assert "kv_transfer" not in off and on["kv_transfer"]["hit_tokens"]["CPU"] > 0
+    assert on["kv_transfer"]["save_bytes"] > 0 and on["kv_transfer"]["load_bytes"] > 0
+    assert on["returning"]["cached_tokens"] > off["returning"]["cached_tokens"]
+    # turn 1 of a session: only the chat template's system prompt ran before
+    assert on["turns"][0]["cached_frac"] < 0.5
+    assert on["returning"]["cached_frac"] > 0.5
+    assert res["b_over_a"]["same_outputs"] is True
