@@ -12,6 +12,7 @@ import pytest
 from baton.cli.main import main as baton_main
 from baton.errors import BatonError
 from baton.testing.tiny_model import tiny_model
+from baton_bench.multiturn import table
 from baton_bench.multiturn_workload import (
     FORMAT,
     load_multiturn,
@@ -134,6 +135,8 @@ def test_bench_reports_turns_and_counts_cached_tokens(tmp_path, capsys):
     )
     assert res["b_over_a"]["same_outputs"] is True  # the prefix cache is exact
     assert res["b_over_a"]["returning_ttft_p50"] > 0
+    text = table(res)  # without --json
+    assert f"side B: {TIGHT}" in text and "turn 2+: TTFT p50" in text and "B / A: " in text
 
 
 def test_bench_with_the_offload_connector_serves_returning_turns_from_ram(capsys):

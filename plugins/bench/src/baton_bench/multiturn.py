@@ -322,6 +322,29 @@ async def run_sides(
     return runs, records, workload
 
 
+def table(result: dict[str, Any]) -> str:
+    """The report as text: per side and run, each turn's TTFT and cached fraction; the medians."""
+    lines = [f"workload {result['workload']}: {result['workload_summary']}"]
+    for name, side in result["sides"].items():
+        lines.append(f"side {name}: {' '.join(side['settings']) or '(the engine settings)'}")
+        for run in side["runs"]:
+            lines.append(
+                f"  round {run['round']}: {run['tok_per_s']} output tok/s, "
+                f"{run['tok_per_cpu_s']} per CPU s, others' CPU {run['cpu']['others_cpu_frac']}"
+            )
+            returning = [{"turn": "2+", **run["returning"]}] if len(run["turns"]) > 2 else []
+            for fig in [*run["turns"], *returning]:
+                lines.append(
+                    f"    turn {fig['turn']}: TTFT p50 {fig['ttft_s']['p50']} s, "
+                    f"p90 {fig['ttft_s']['p90']} s, cached {fig['cached_tokens']} of "
+                    f"{fig['prompt_tokens']} prompt tokens ({fig['cached_frac']:.1%})"
+                )
+        lines.append(f"  medians: {side['medians']}")
+    if "b_over_a" in result:
+        lines.append(f"B / A: {result['b_over_a']}")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise BatonError(f"--rounds {args.rounds}: give at least 1")
@@ -353,6 +376,9 @@ def main(args: argparse.Namespace) -> int:
         result["b_over_a"] = ratios(medians["A"], medians["B"])
     if args.per_request:
         result["per_request"] = {n: msgspec.to_builtins(r) for n, r in records.items()}
-    emit(result, args.json)
+    if args.json:
+        emit(result, True)
+    else:
+        print(table(result))
     ok = all(r["expected_tokens_ok"] for side in runs.values() for r in side)
     return 0 if ok else 1
