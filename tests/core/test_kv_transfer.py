@@ -6,6 +6,7 @@ kv_transfer_params in and out, the namespace."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,14 @@ from baton.engine.core import EngineCore
 from baton.kv.hashing import update_block_hashes
 from baton.kv_transfer.connector import KVSchedulerContext, KVWorkerContext
 from baton.kv_transfer.namespace import build_namespace, model_identity
-from baton.metrics.logging_logger import KVTransferTally
-from baton.protocol import EngineCoreRequest, KVCacheSpec, KVTransferStats, SchedulerOutput
+from baton.metrics.logging_logger import KVTransferTally, LoggingStatLogger
+from baton.protocol import (
+    EngineCoreRequest,
+    KVCacheSpec,
+    KVTransferStats,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
 from baton.testing.conformance.kv_connector import Finished, run_requests
@@ -339,6 +346,21 @@ def test_step_stats_carry_the_connectors_figures() -> None:
     assert "served CPU 96 tokens" in tally.describe()
 
 
+def test_the_logging_stat_logger_prints_the_connectors_line(caplog) -> None:
+    logger = LoggingStatLogger(config())
+    kv = KVTransferStats(hit_tokens={"CPU": 32}, load_bytes=2**20, tier_bytes={"CPU": 2**21})
+    logger.record(SchedulerStats(kv_transfer=kv), None)
+    logger.record(SchedulerStats(kv_transfer=kv), None)
+    with caplog.at_level(logging.INFO, logger="baton.stats"):
+        logger.log()
+    (line,) = [r.getMessage() for r in caplog.records if "KV connector" in r.getMessage()]
+    assert "served CPU 64 tokens" in line and "loaded 2.0 MiB" in line and "CPU 2.0 MiB" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="baton.stats"):
+        logger.log()  # a new interval with no connector figures: no line
+    assert not [r for r in caplog.records if "KV connector" in r.getMessage()]
+
+
 def test_kv_transfer_params_travel_in_through_extra_args_and_out_on_the_output() -> None:
     llm = LLM(
         model=str(tiny_model("llama")), max_model_len=256, kv_transfer={"connector": "memory"}
@@ -393,3 +415,20 @@ def test_the_namespace_key_covers_the_model_and_the_layout(tmp_path: Path) -> No
 
 def _fields(spec: KVCacheSpec) -> dict[str, Any]:
     return {f: getattr(spec, f) for f in spec.__struct_fields__}
+
+
+def test_the_worker_half_gets_the_new_cache_after_wake_up(reference) -> None:
+    """sleep frees the KV cache; wake_up allocates new tensors, which the worker half must be
+    handed again: the tier (kept across) is then loaded into the new cache."""
+    core = EngineCore(config())
+    try:
+        run_requests(core, {"a": PROMPT})
+        core.sleep(1)
+        core.wake_up()
+        again = run_requests(core, {"b": PROMPT})["b"]
+        half = core.executor.worker.kv_connector.half  # type: ignore[attr-defined]
+        runner = core.executor.worker.model_runner  # type: ignore[attr-defined]
+        assert all(a is b for a, b in zip(half.caches, runner.kv_caches, strict=True))
+    finally:
+        core.shutdown()
+    assert again.tokens == reference and again.num_cached_tokens == 96
