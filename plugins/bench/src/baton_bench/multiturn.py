@@ -36,7 +36,7 @@ import msgspec
 
 from baton.cli.main import add_engine_arguments, engine_overrides
 from baton.errors import BatonError
-from baton.kv_transfer.types import KVTransferStats
+from baton.metrics.logging_logger import KVTransferTally
 from baton_bench.common import CpuMonitor, digest, emit, percentile
 from baton_bench.multiturn_workload import (
     MultiTurnWorkload,
@@ -63,27 +63,18 @@ class TurnRecord(msgspec.Struct, kw_only=True):
     e2e_s: float
 
 
-class KVTransferTally:
+class KVTransferRecorder:
     """A stat logger hooked onto an engine for one run: the KV connector's figures
-    (``SchedulerStats.kv_transfer``, deltas per step) summed; ``total`` None: no connector."""
+    (``SchedulerStats.kv_transfer``, deltas per step) summed; ``tally`` None: no connector."""
 
     def __init__(self) -> None:
-        self.total: KVTransferStats | None = None
+        self.tally: KVTransferTally | None = None
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, engine_index: int = 0) -> None:
         step = getattr(scheduler_stats, "kv_transfer", None)
-        if step is None:
-            return
-        t = self.total = self.total or KVTransferStats()
-        for tier, tokens in step.hit_tokens.items():
-            t.hit_tokens[tier] = t.hit_tokens.get(tier, 0) + tokens
-        t.load_bytes += step.load_bytes
-        t.load_seconds += step.load_seconds
-        t.save_bytes += step.save_bytes
-        t.save_seconds += step.save_seconds
-        t.failed_loads += step.failed_loads
-        t.tier_bytes.update(step.tier_bytes)  # levels: the latest
-        t.tier_capacity_bytes.update(step.tier_capacity_bytes)
+        if step is not None:
+            self.tally = self.tally or KVTransferTally()
+            self.tally.add(step)
 
     def log(self) -> None:
         pass
@@ -244,8 +235,8 @@ async def run_once(
         await llm.reset_prefix_cache()
         if workload is None:
             workload = multiturn(llm.tokenizer, **generate)
-        tally = KVTransferTally()
-        llm.stat_loggers.loggers.append(tally)  # fed only with observability.log_stats on
+        kv = KVTransferRecorder()
+        llm.stat_loggers.loggers.append(kv)  # fed only with observability.log_stats on
         with CpuMonitor() as cpu:
             records, outputs, duration = await replay(llm, workload, concurrency)
         stats = await llm.get_stats()
@@ -253,8 +244,8 @@ async def run_once(
         llm.shutdown()
     result = report(records, outputs, duration)
     result["kv_blocks"] = stats.num_total_blocks
-    if tally.total is not None:
-        result["kv_transfer"] = msgspec.to_builtins(tally.total)
+    if kv.tally is not None:
+        result["kv_transfer"] = msgspec.to_builtins(kv.tally.total)
     cpu_s = cpu.result["self_cpu_s"] if cpu.result else 0.0
     result["tok_per_cpu_s"] = round(result["output_tokens"] / cpu_s, 2) if cpu_s > 0 else None
     result["startup_s"] = round(startup, 2)
