@@ -15,7 +15,7 @@ from baton.engine.core import EngineCore
 from baton.metrics.logging_logger import KVTransferTally
 from baton.protocol import EngineCoreRequest
 from baton.request import RequestStatus
-from baton.testing.conformance.kv_connector import Finished
+from baton.testing.conformance.kv_connector import Finished, run_requests
 from baton.testing.tiny_model import tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -185,3 +185,37 @@ def test_an_aborted_disk_load_frees_every_block(model: str, tmp_path: Path) -> N
         assert sched.kv.num_free_blocks == sched.kv.num_total_blocks
     finally:
         core.shutdown()
+
+
+def test_background_loads_through_a_pool_that_holds_one_request_at_a_time(
+    model: str, tmp_path: Path
+) -> None:
+    """Eight 440-token prompts through a 34-block pool (27-28 blocks each), every prefix loaded
+    from disk: a request whose load finished holds its blocks and must run before the queue's
+    head, which waits for them (it deadlocked when it went to the back of the queue)."""
+    prompts = {str(i): [100 + i] + [200 + (i * 13 + j) % 500 for j in range(439)] for i in range(8)}
+
+    def core(**offload: Any) -> EngineCore:
+        section = {"connector": "offload", "offload": offload}
+        return EngineCore(
+            BatonConfig.load(
+                model=model,
+                max_model_len=512,
+                kv_transfer=section,
+                **{"cache.kv_cache_memory": "420KiB"},
+            )
+        )
+
+    first = core(cpu_memory=0, disk_path=str(tmp_path), disk_write_behind=False)
+    try:
+        assert first.scheduler.kv.num_total_blocks == 34
+        computed = run_requests(first, prompts, max_tokens=4)
+    finally:
+        first.shutdown()
+    again = core(cpu_memory=0, disk_path=str(tmp_path))
+    try:
+        loaded = run_requests(again, prompts, max_tokens=4)
+    finally:
+        again.shutdown()
+    assert {r: f.num_cached_tokens for r, f in loaded.items()} == dict.fromkeys(prompts, 432)
+    assert {r: f.tokens for r, f in loaded.items()} == {r: f.tokens for r, f in computed.items()}

@@ -160,8 +160,12 @@ class KVTransfer:
         req.num_cached_tokens = num_hit + loaded
         if self.sched.enable_caching:
             self.sched.kv.cache_blocks(req, req.num_computed_tokens)
-        req.status = RequestStatus.WAITING
+        # it was admitted before the requests queued meanwhile and holds its blocks: it goes back
+        # as a preempted request does (the policy's contract: ahead of later arrivals), else a
+        # tight pool deadlocks (the queue's head waits for the blocks this request holds)
+        req.status = RequestStatus.PREEMPTED
         self.sched.policy.add(req)
+        req.status = RequestStatus.WAITING
 
     # ------------------------------------------------------------------ each step
 
