@@ -7,6 +7,7 @@ kv_transfer_params in and out, the namespace."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,12 @@ from baton.protocol import (
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
 from baton.testing.conformance.kv_connector import Finished, run_requests
-from baton.testing.kv_connector import TIER, MemoryConnector, register_memory_connector
+from baton.testing.kv_connector import (
+    TIER,
+    MemoryConnector,
+    register_memory_connector,
+    unregister_memory_connector,
+)
 from baton.testing.tiny_model import tiny_model
 
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16, the last 4 computed
@@ -38,9 +44,11 @@ BLOCK = 16
 
 
 @pytest.fixture(autouse=True)
-def _memory() -> None:
+def _memory() -> Iterator[None]:
     register_memory_connector()
     TIER.clear()
+    yield
+    unregister_memory_connector()  # engines spawned by later tests must see the same plugins
 
 
 def config(connector: str = "memory", **kv: Any) -> BatonConfig:

@@ -1,7 +1,8 @@
 """A reference KV connector for tests: ``memory``, an in-memory tier inside each worker process.
 
 ``register_memory_connector()`` makes ``kv_transfer.connector = "memory"`` selectable in this
-process (as ``register_fake_executor`` does for executors); worker processes of a multiprocess
+process (as ``register_fake_executor`` does for executors; ``unregister_memory_connector()``
+takes it back); worker processes of a multiprocess
 executor see it only through an entry point naming ``baton.testing.kv_connector``.
 
 Its tier is a dict per worker process, keyed by (namespace key, tp rank, pp rank, block hash),
@@ -281,3 +282,12 @@ def register_memory_connector(plugins: Any = None) -> None:
     if plugins.pm.has_plugin(PLUGIN_NAME):
         return
     plugins.register(sys.modules[__name__], PLUGIN_NAME, "baton-core", "0")
+
+
+def unregister_memory_connector(plugins: Any = None) -> None:
+    """Undo ``register_memory_connector`` (a process that spawns engines afterwards must not
+    carry a plugin its children lack). Idempotent."""
+    if plugins is None:
+        plugins = get_plugins()
+    if plugins.pm.has_plugin(PLUGIN_NAME):
+        plugins.unregister(PLUGIN_NAME)
