@@ -440,3 +440,14 @@ def test_the_worker_half_gets_the_new_cache_after_wake_up(reference) -> None:
     finally:
         core.shutdown()
     assert again.tokens == reference and again.num_cached_tokens == 96
+
+
+def test_a_batch_queue_is_refused_with_a_connector() -> None:
+    """Two batches in flight (the pipeline executor's queue) would send a batch before the
+    load it reads landed: refused at start, naming the connector and the executor."""
+    from baton.errors import ConfigError
+    from baton.testing import FakeExecutor, FakeExecutorSettings
+
+    fake = FakeExecutor(FakeExecutorSettings(max_concurrent_batches=2))
+    with pytest.raises(ConfigError, match=r"kv_transfer.connector='memory'.*2 batches in flight"):
+        EngineCore(config(), executor=fake)
