@@ -451,3 +451,16 @@ def test_a_batch_queue_is_refused_with_a_connector() -> None:
     fake = FakeExecutor(FakeExecutorSettings(max_concurrent_batches=2))
     with pytest.raises(ConfigError, match=r"kv_transfer.connector='memory'.*2 batches in flight"):
         EngineCore(config(), executor=fake)
+
+
+def test_the_start_up_check_names_an_unknown_connector_and_bad_settings() -> None:
+    from baton.errors import BatonError
+    from baton.plugins.resolve import resolve_plugins
+
+    unknown = BatonConfig.load(kv_transfer={"connector": "nope"})
+    with pytest.raises(BatonError, match=r"KV connector 'nope'.*install the distribution"):
+        resolve_plugins(unknown)
+    bad = BatonConfig.load(kv_transfer={"connector": "memory", "memory": {"async_load": True}})
+    with pytest.raises(BatonError, match=r"async_load"):
+        resolve_plugins(bad)
+    assert resolve_plugins(BatonConfig.load()).find("kv_connector") is None  # "none"
