@@ -81,9 +81,7 @@ class KVTransfer:
     def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
-        except (
-            Exception
-        ) as e:  # the connector's fault fails what the call was about, not the engine
+        except Exception as e:  # the connector's fault: what the call was about fails
             message = f"KV connector {self.name!r}: {what} raised {type(e).__name__}: {e}"
             log.warning("%s", message)
             log.debug("%s: traceback", what, exc_info=e)
