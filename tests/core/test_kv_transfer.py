@@ -464,3 +464,21 @@ def test_the_start_up_check_names_an_unknown_connector_and_bad_settings() -> Non
     with pytest.raises(BatonError, match=r"async_load"):
         resolve_plugins(bad)
     assert resolve_plugins(BatonConfig.load()).find("kv_connector") is None  # "none"
+
+
+def test_an_idle_in_process_engine_settles_held_blocks_before_a_reset() -> None:
+    """LLM's engine is stepped only while it serves: blocks a connector holds after the last
+    request ended are reported saved (steps without a forward) before reset_prefix_cache."""
+    llm = LLM(
+        model=str(tiny_model("llama")),
+        max_model_len=256,
+        kv_transfer={"connector": "memory", "memory": {"hold_blocks": True}},
+    )
+    try:
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2))
+        assert llm.engine.core.scheduler.kv_transfer.held  # type: ignore[attr-defined]
+        assert llm.reset_prefix_cache()
+        (again,) = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()
+    assert again.num_cached_tokens == 96
