@@ -194,7 +194,7 @@ def test_a_synchronous_load_is_computed_in_the_step_that_schedules_it(reference)
 
 
 def test_an_asynchronous_load_waits_holding_its_blocks(reference) -> None:
-    core, sent = engine(config(async_loads=True))
+    core, sent = engine(config(async_loads=True, load_delay_s=0.2))
     try:
         run_requests(core, {"a": PROMPT})
         assert core.reset_prefix_cache()
@@ -204,11 +204,14 @@ def test_an_asynchronous_load_waits_holding_its_blocks(reference) -> None:
         req = core.scheduler.requests["b"]
         assert "b" not in sent[0].num_scheduled_tokens  # parked: it computes nothing yet
         assert core.scheduler.kv.get_block_ids("b"), "it holds its blocks while it loads"
-        assert req.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.WAITING)
+        assert req.status == RequestStatus.WAITING_FOR_KV
+        assert core.has_work()
         done = drain(core, first)
         new = first_scheduling(sent, "b").scheduled_new_reqs[0]
     finally:
         core.shutdown()
+    waiting = sent[: sent.index(first_scheduling(sent, "b"))]
+    assert waiting and all(so.is_empty for so in waiting)  # steps without a forward meanwhile
     assert new.num_computed_tokens == 96
     assert done["b"].tokens == reference and done["b"].num_cached_tokens == 96
 
@@ -271,15 +274,14 @@ def test_held_blocks_are_freed_when_a_worker_reports_them_saved(hold: bool) -> N
 
 
 def test_an_aborted_request_keeps_its_blocks_until_its_load_is_reported() -> None:
-    core, _ = engine(config(async_loads=True, hold_blocks=False))
+    core, _ = engine(config(async_loads=True, hold_blocks=False, load_delay_s=0.5))
     sched = core.scheduler
     try:
         run_requests(core, {"a": PROMPT})
         assert core.reset_prefix_cache()
         add(core, "b", PROMPT)
         core.step_fn()
-        if sched.requests["b"].status != RequestStatus.WAITING_FOR_KV:
-            pytest.skip("the load finished within the step that started it")
+        assert sched.requests["b"].status == RequestStatus.WAITING_FOR_KV
         core.abort_requests(["b"])
         assert "b" in sched.kv_transfer.held  # type: ignore[union-attr]
         drain(core)
