@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: How long the batch-queue loop yields the CPU when it scheduled nothing but requests are pending.
 IDLE_YIELD_S = 0.001
+#: Longest wait of reset_prefix_cache / sleep on an idle engine for the KV connector's reports.
+KV_SETTLE_S = 5.0
 
 
 class EngineCore:
@@ -362,7 +364,21 @@ class EngineCore:
 
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """Forget the prefix cache; see Scheduler.reset_prefix_cache (``reset_running`` preempts)."""
+        self._settle_kv_transfers()
         return self.scheduler.reset_prefix_cache(reset_running)
+
+    def _settle_kv_transfers(self) -> None:
+        """With no request left, step until the KV connector's workers reported what it waits
+        for (blocks held for saves, aborted loads): an idle engine's blocks are then all free
+        (an in-process engine is not stepped between calls). At most KV_SETTLE_S seconds."""
+        scheduler = self.scheduler
+        deadline = time.monotonic() + KV_SETTLE_S
+        while (
+            scheduler.has_kv_transfers()
+            and not scheduler.has_unfinished_requests()
+            and time.monotonic() < deadline
+        ):
+            self.step_fn()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1: the weights stay in host memory) or the weights too
@@ -379,6 +395,7 @@ class EngineCore:
                 f"before sleeping at level {level}",
                 param="level",
             )
+        self._settle_kv_transfers()
         if self.has_work():
             n = self.scheduler.get_num_unfinished_requests()
             raise InvalidRequestError(

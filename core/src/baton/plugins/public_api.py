@@ -299,6 +299,7 @@ SURFACE: dict[str, dict[str, Names]] = {
         ),
         "baton.testing.kv_connector": (
             "register_memory_connector",
+            "unregister_memory_connector",
             "MemoryConnector",
             "MemorySettings",
         ),

@@ -277,8 +277,10 @@ class Scheduler:
         runner told next step, the policy told by the next ``_tell_policy_finished``. Returns
         the KV connector's error about it, if its ``request_finished`` raised."""
         rid = req.request_id
-        held, error = self.kv_transfer.release(req) if self.kv_transfer else (False, None)
-        if not self.forks.retain(req) and not held:
+        retained = self.forks.retain(req)  # its blocks outlive it: the connector may not hold them
+        kvt = self.kv_transfer
+        held, error = kvt.release(req, may_hold=not retained) if kvt else (False, None)
+        if not retained and not held:
             self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
@@ -566,7 +568,9 @@ class Scheduler:
             drafts=self.drafts,
             step=self._step,
             num_running=num_running,
-            num_waiting=len(self.policy) + len(self._waiting_for_fsm),
+            num_waiting=len(self.policy)
+            + len(self._waiting_for_fsm)
+            + (len(self.kv_transfer.loading) if self.kv_transfer else 0),
             num_scheduled=self._last_num_scheduled,
             num_batches_in_flight=len(self._steps_in_flight),
         )
