@@ -172,6 +172,8 @@ SURFACE: dict[str, dict[str, Names]] = {
         "baton.kv_transfer.types": ALL,
         "baton.kv.events": ALL,
         "baton.request": ("Request",),
+        # the offload connector's disk tier, reusable by other connectors (a /dev/shm store)
+        "baton.kv_transfer.offload.disk_tier": ("BlockFileStore", "BlockFileHeader"),
     },
     "router": {
         "baton.interfaces": ("Router",),
