@@ -161,9 +161,9 @@ class OffloadScheduler:
         if not hashes:
             return []
         bs = self.block_size
-        if request is None:
+        index = {} if request is None else {h: i for i, h in enumerate(request.block_hashes)}
+        if request is None or any(h not in index for h in hashes):
             return [BlockStored(hashes, None, [], bs, None, medium)]
-        index = {h: i for i, h in enumerate(request.block_hashes)}
         runs: list[list[int]] = []
         for h in hashes:
             i = index[h]
