@@ -277,8 +277,10 @@ def check_prompt_logprobs(model_dir: Path, tokenizer: Any, **parallel: Any) -> N
             )
 
     ref, ours = run(), run(**parallel)
+    for o in ours:  # a request that failed would lose its prompt logprobs: say why first
+        assert o.outputs[0].finish_reason == "length", (o.request_id, o.outputs[0])
     for i in (0, 2):  # scored on the rank that samples, every prompt token but the first
-        assert ours[i].prompt_logprobs is not None
+        assert ours[i].prompt_logprobs is not None, (ours[i].request_id, ours[i].num_cached_tokens)
         assert len(ours[i].prompt_logprobs) == len(prompt_ids[i]) > 1
     for r, o in zip(ref, ours, strict=True):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
