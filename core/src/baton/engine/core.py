@@ -20,6 +20,7 @@ import msgspec
 from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
+from baton.engine.kv_connector import start_kv_connector
 from baton.errors import (
     ConfigError,
     EngineSleepingError,
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 
 #: How long the batch-queue loop yields the CPU when it scheduled nothing but requests are pending.
 IDLE_YIELD_S = 0.001
+#: Longest wait of reset_prefix_cache / sleep on an idle engine for the KV connector's reports.
+KV_SETTLE_S = 5.0
 
 
 class EngineCore:
@@ -123,6 +126,8 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(
                 config, self.plugins.find("structured_output"), self.info
             )
+            #: What the KV connector keys blocks with (``[kv_transfer]``); None: no connector.
+            self.kv_namespace = start_kv_connector(self)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -240,7 +245,13 @@ class EngineCore:
         ]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        """Requests, batches in flight, or KV-connector transfers a worker has yet to report."""
+        scheduler = self.scheduler
+        return (
+            scheduler.has_unfinished_requests()
+            or bool(self.batch_queue)
+            or scheduler.has_kv_transfers()
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -249,7 +260,8 @@ class EngineCore:
         start = self.step_clock()
         errors = self._finish_failed_grammars()
         scheduler = self.scheduler
-        pending = scheduler.has_unfinished_requests()
+        # KV-connector transfers in flight: steps (without a forward) collect the reports
+        pending = scheduler.has_unfinished_requests() or scheduler.has_kv_transfers()
         if not pending and not scheduler.has_runner_news():
             return self._outputs(errors), False
         # without pending work this step only tells the runner of finished (aborted) requests
@@ -352,7 +364,21 @@ class EngineCore:
 
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """Forget the prefix cache; see Scheduler.reset_prefix_cache (``reset_running`` preempts)."""
+        self._settle_kv_transfers()
         return self.scheduler.reset_prefix_cache(reset_running)
+
+    def _settle_kv_transfers(self) -> None:
+        """With no request left, step until the KV connector's workers reported what it waits
+        for (blocks held for saves, aborted loads): an idle engine's blocks are then all free
+        (an in-process engine is not stepped between calls). At most KV_SETTLE_S seconds."""
+        scheduler = self.scheduler
+        deadline = time.monotonic() + KV_SETTLE_S
+        while (
+            scheduler.has_kv_transfers()
+            and not scheduler.has_unfinished_requests()
+            and time.monotonic() < deadline
+        ):
+            self.step_fn()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1: the weights stay in host memory) or the weights too
@@ -369,6 +395,7 @@ class EngineCore:
                 f"before sleeping at level {level}",
                 param="level",
             )
+        self._settle_kv_transfers()
         if self.has_work():
             n = self.scheduler.get_num_unfinished_requests()
             raise InvalidRequestError(
@@ -534,6 +561,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
+        if self.scheduler.kv_transfer is not None:
+            self.scheduler.kv_transfer.shutdown()
         self.executor.shutdown()
 
 
