@@ -79,6 +79,7 @@ from baton.sched.victims import candidates as victim_candidates
 if TYPE_CHECKING:
     from baton.config.sections import CacheSection, SchedulerSection
     from baton.interfaces import SchedulerPolicy
+    from baton.kv.events import KVCacheEvent
     from baton.speculative.drafting import Drafts
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ class Scheduler:
         max_num_seqs_per_batch: int | None = None,
         drafts: Drafts | None = None,
         max_loras: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
-        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's."""
+        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's;
+        ``enable_kv_cache_events``: record the pool's KV events (``take_kv_events``)."""
         self.policy = policy
         #: Speculative decoding's bookkeeping (``speculative.method``); None: off.
         self.drafts = drafts
@@ -124,7 +127,9 @@ class Scheduler:
         #: a waiting request with another adapter waits until one of them has no request left.
         self.max_loras = max_loras
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, self.enable_caching, enable_kv_cache_events
+        )
         #: Finished requests that keep their KV for forks (beam search), and the copies owed.
         self.forks = KVForks(self.kv)
 
@@ -322,6 +327,11 @@ class Scheduler:
             self._preempted_ids.extend(preempted)
             self.counters.preempted(len(preempted))
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV cache events since the last call, oldest first: the pool's BlockStored,
+        BlockRemoved and AllBlocksCleared (medium "GPU"); [] when KV events are off."""
+        return self.kv.take_events()
 
     # ------------------------------------------------------------- schedule
 
