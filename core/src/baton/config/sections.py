@@ -360,6 +360,11 @@ class KVEventsSection(_Section):
     warning says how many so far) rather than the engine waiting."""
     topic: str = ""
     """The first frame of every message (subscribers filter on its prefix; "" matches all)."""
+    int_block_hashes: bool = True
+    """Send each block hash as an unsigned 64-bit integer, the low 64 bits of baton's 16-byte
+    digest (its last 8 bytes, big-endian): what vLLM sends by default
+    (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) and KV-aware routers written for it read. False: the
+    whole digest as bytes (vLLM's ``=0``)."""
 
     @pydantic.field_validator("endpoint")
     @classmethod

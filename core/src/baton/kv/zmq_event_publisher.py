@@ -2,7 +2,8 @@
 
 - PUB on ``endpoint``: one multipart message per batch, ``[topic, seq, payload]``: ``seq`` the
   batch's sequence number (8 bytes, big-endian, from 0), ``payload`` a msgpack ``KVEventBatch``
-  (ts, events, data_parallel_rank).
+  (ts, events, data_parallel_rank). Block hashes go out as vLLM sends them by default: the low
+  64 bits of the digest as an unsigned integer (``int_block_hashes``; off: the digest's bytes).
 - ROUTER on ``replay_endpoint`` (optional): a client (REQ, or DEALER sending an empty delimiter
   frame first) sends the 8-byte big-endian sequence number to start from and gets
   ``[seq, payload]`` for every buffered batch from there (the last ``buffer_steps``), then the
@@ -30,7 +31,7 @@ import zmq
 
 from baton.errors import ConfigError, TransportError
 from baton.kv.event_publisher import rank_endpoint
-from baton.kv.events import KVEventBatch
+from baton.kv.events import BlockRemoved, BlockStored, KVEventBatch
 
 if TYPE_CHECKING:
     from baton.config.sections import KVEventsSection
@@ -50,6 +51,24 @@ def _seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
+def int_block_hash(block_hash: bytes | int) -> int:
+    """A digest's low 64 bits as vLLM's integer block hash (its last 8 bytes, big-endian)."""
+    if isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def _with_int_hashes(batch: KVEventBatch) -> None:
+    """Turn the batch's block hashes into integers, in place (the publisher owns the batch)."""
+    for event in batch.events:
+        if type(event) is BlockStored:
+            event.block_hashes = [int_block_hash(h) for h in event.block_hashes]
+            if event.parent_block_hash is not None:
+                event.parent_block_hash = int_block_hash(event.parent_block_hash)
+        elif type(event) is BlockRemoved:
+            event.block_hashes = [int_block_hash(h) for h in event.block_hashes]
+
+
 class ZmqEventPublisher:
     """PUB + replay ROUTER for one engine core; see the module docstring."""
 
@@ -66,6 +85,7 @@ class ZmqEventPublisher:
         self.dropped = 0
         self._hwm = section.hwm
         self._topic = section.topic.encode()
+        self._int_hashes = section.int_block_hashes
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(section.max_queue_size)
         #: (seq, payload) of the newest published batches, for replay; seqs are consecutive.
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=section.buffer_steps)
@@ -186,6 +206,8 @@ class ZmqEventPublisher:
                     continue
                 if batch is None:
                     continue  # shutdown's wake-up: drain the rest, then stop on Empty
+                if self._int_hashes:
+                    _with_int_hashes(batch)
                 self._send(pub, encode(batch))
         finally:
             pub.close(linger=0)
