@@ -8,10 +8,14 @@ declares them (block hashes ``int``: vLLM's default wire form, which baton sends
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
+import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -277,6 +281,24 @@ def test_vllm_subscriber_recovers_missed_batches_with_a_req_socket(run):
     finally:
         late.close()
         req.close()
+
+
+def test_the_docs_subscriber_catches_up_from_replay(run, monkeypatch):
+    """docs/kv-events.md's subscriber, run as the page has it: it replays every batch the engine
+    buffered, in order, decoded with the page's structs (int hashes), then returns when idle."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "kv-events.md").read_text()
+    [code] = re.findall(r"^```python example=subscriber\n(.*?)^```$", page, re.S | re.M)
+    module = types.ModuleType("kv_events_subscriber")  # msgspec reads its structs' module
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(code, "docs/kv-events.md", "exec"), module.__dict__)
+    example = module.__dict__
+    got: list[tuple[int, Any]] = []
+    port, messages = run["port"], run["messages"]
+    example["follow"](tcp(port), tcp(port + 1), TOPIC, lambda n, b: got.append((n, b)), 300)
+    # the REQ test may have added a batch after the fixture's: compare those the fixture saw
+    assert [n for n, _ in got][: len(messages)] == list(range(len(messages)))
+    for (_, batch), (_, _, payload) in zip(got[: len(messages)], messages, strict=True):
+        assert msgspec.to_builtins(batch) == msgspec.to_builtins(DECODER.decode(payload))
 
 
 # ----------------------------------------------------------------------------- on and off

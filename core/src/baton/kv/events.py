@@ -13,7 +13,8 @@ from typing import Any
 
 import msgspec
 
-#: A block hash as the events carry it: baton's 16-byte blake2b digest (vLLM: bytes or int).
+#: A block hash as the events carry it: baton's 16-byte blake2b digest in the engine; on the wire
+#: its low 64 bits as an int by default (vLLM's default), or the bytes (``kv_events.int_block_hashes``).
 ExternalBlockHash = bytes | int
 
 MEDIUM_POOL = "GPU"

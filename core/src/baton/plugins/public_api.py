@@ -83,6 +83,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "SpeculativeSection",
             "RoutingSection",
             "LoRASection",
+            "KVEventsSection",
             "ObservabilitySection",
         ),
     },
