@@ -144,8 +144,9 @@ def kv_event_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("kv-events")}
 
 
-def make_llm(**kv_events: Any) -> LLM:
+def make_llm(transport: str = "inproc", **kv_events: Any) -> LLM:
     return LLM(
+        transport=transport,
         model=str(tiny_model("llama")),
         device="cpu",
         num_threads=1,
@@ -368,6 +369,27 @@ def test_null_publisher_records_but_binds_nothing():
         assert kv_event_threads() == before
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.slow
+def test_an_engine_in_its_own_process_publishes_and_frees_its_port():
+    """transport zmq: the publisher runs in the engine process; the engine's exit closes it."""
+    port = free_ports(1)
+    ctx = zmq.Context()
+    sub = subscribe(ctx, tcp(port), "")
+    try:
+        with make_llm(enable_kv_cache_events=True, endpoint=tcp(port), transport="zmq") as llm:
+            time.sleep(0.5)
+            a = prompt(0, 40)
+            llm.generate({"prompt_token_ids": a}, GREEDY, use_tqdm=False)
+            ((_, seq, payload),) = receive(sub)
+            (stored,) = DECODER.decode(payload).events
+            assert seq == 0 and stored.block_hashes == chain(a, 2)
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(tcp(port))  # the engine process closed its socket
+    finally:
+        ctx.destroy(linger=0)
 
 
 # ----------------------------------------------------------------------------- the publisher alone
