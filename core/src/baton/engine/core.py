@@ -129,6 +129,12 @@ class EngineCore:
             self.kv_event_publisher = make_kv_event_publisher(
                 config.kv_events, config.executor.data_parallel_rank
             )
+            if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
+                log.warning(
+                    "kv_events.enable_kv_cache_events with prefix caching off "
+                    "(cache.enable_prefix_caching = false, or the executor's model cannot): the "
+                    "pool caches no block, so only AllBlocksCleared is ever published"
+                )
             self.structured_output = StructuredOutputManager(
                 config, self.plugins.find("structured_output"), self.info
             )

@@ -93,7 +93,7 @@ class ZmqEventPublisher:
         self._stop = threading.Event()
         self._closed = False
         self._ready = threading.Event()
-        self._bind_error: str | None = None
+        self._bind_error: BaseException | None = None
         self._ctx = zmq.Context()
         self._thread = threading.Thread(
             target=self._run, name=f"kv-events-dp{data_parallel_rank}", daemon=True
@@ -104,7 +104,12 @@ class ZmqEventPublisher:
             self._thread.join()
             self._ctx.term()
             self._closed = True
-            raise ConfigError(self._bind_error)
+            if isinstance(self._bind_error, ConfigError):
+                raise self._bind_error
+            raise TransportError(
+                f"KV events: the publisher on {self.endpoint} could not start: "
+                f"{type(self._bind_error).__name__}: {self._bind_error}"
+            ) from self._bind_error
         log.info(
             "KV events: publishing on %s%s (data-parallel rank %d)",
             self.endpoint,
@@ -178,11 +183,11 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         try:
             pub, replay = self._bind()
-        except ConfigError as e:
-            self._bind_error = str(e)
-            self._ready.set()
+        except BaseException as e:  # handed to __init__, which raises it in the engine's thread
+            self._bind_error = e
             return
-        self._ready.set()
+        finally:
+            self._ready.set()
         encode = msgspec.msgpack.Encoder().encode
         deadline: float | None = None
         try:
