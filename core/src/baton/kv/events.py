@@ -22,6 +22,13 @@ MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
 
 
+def int_block_hash(block_hash: ExternalBlockHash) -> int:
+    """A digest's low 64 bits as vLLM's integer block hash (its last 8 bytes, big-endian)."""
+    if isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash[-8:], "big")
+
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float  # time.time() when the batch was made
     events: list[Any]

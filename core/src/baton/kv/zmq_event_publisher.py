@@ -31,7 +31,7 @@ import zmq
 
 from baton.errors import ConfigError, TransportError
 from baton.kv.event_publisher import rank_endpoint
-from baton.kv.events import BlockRemoved, BlockStored, KVEventBatch
+from baton.kv.events import BlockRemoved, BlockStored, KVEventBatch, int_block_hash
 
 if TYPE_CHECKING:
     from baton.config.sections import KVEventsSection
@@ -49,13 +49,6 @@ SHUTDOWN_S = 2.0
 
 def _seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
-
-
-def int_block_hash(block_hash: bytes | int) -> int:
-    """A digest's low 64 bits as vLLM's integer block hash (its last 8 bytes, big-endian)."""
-    if isinstance(block_hash, int):
-        return block_hash
-    return int.from_bytes(block_hash[-8:], "big")
 
 
 def _with_int_hashes(batch: KVEventBatch) -> None:
