@@ -87,6 +87,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "KVTransferSection",
             "RoutingSection",
             "LoRASection",
+            "KVEventsSection",
             "ObservabilitySection",
         ),
     },
