@@ -22,9 +22,9 @@ from baton.errors import (
     error_from_message,
 )
 from baton.frontend.beam_run import BeamRun
-from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
+from baton.frontend.prompts import InputProcessor, PromptMethods, PromptType
 from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
 from baton.lora.request import LoRARequest, check_lora_request
@@ -43,7 +43,7 @@ from baton.validation import CheckedRequest
 log = logging.getLogger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(PromptMethods):
     """Serve many concurrent requests from one event loop.
 
     Build it with ``await AsyncLLM.create(model=..., config=..., **overrides)``
@@ -116,10 +116,6 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
-
-    def render_chat(self, messages: ChatMessages, *args: Any, **kwargs: Any) -> list[int]:
-        """The prompt token ids of a conversation (the arguments of InputProcessor.render_chat)."""
-        return self.input_processor.render_chat(messages, *args, **kwargs)
 
     async def generate(
         self,

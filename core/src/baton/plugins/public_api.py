@@ -245,8 +245,6 @@ SURFACE: dict[str, dict[str, Names]] = {
             "load_adapter",
             "read_adapter_config",
         ),
-        # AsyncLLM.input_processor: the engine's tokenization and chat rendering, its checks
-        "baton.frontend.input_processor": ("InputProcessor",),
         "baton.metrics.stats": ("IterationStats",),
         "baton.cli.main": ("add_engine_arguments", "engine_overrides", "engine_argv"),
         "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
