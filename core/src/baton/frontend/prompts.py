@@ -317,24 +317,13 @@ class PromptMethods:
         return self.input_processor.tokenize(prompt, add_special_tokens=add_special_tokens)[1]
 
     def render_chat(
-        self,
-        messages: ChatMessages,
-        add_generation_prompt: bool = True,
-        *,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        **kwargs: Any,
+        self, messages: ChatMessages, add_generation_prompt: bool = True, **options: Any
     ) -> list[int]:
-        """The prompt token ids of a conversation: the chat template (``chat_template``
-        replaces the tokenizer's) rendered with ``chat_template_kwargs`` (and ``kwargs``) as
-        template variables, then tokenized without further special tokens."""
-        return self.input_processor.render_chat(
-            messages,
-            add_generation_prompt,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            **kwargs,
-        )
+        """The prompt token ids of a conversation: the chat template rendered, then tokenized
+        without further special tokens. ``options``: ``chat_template`` (replaces the
+        tokenizer's), ``chat_template_kwargs`` (template variables, e.g. enable_thinking) and
+        further keywords (template variables too)."""
+        return self.input_processor.render_chat(messages, add_generation_prompt, **options)
 
     def tokenize_rendered_chat(self, text: str) -> list[int]:
         """The token ids of a chat rendered elsewhere (a template the caller ran itself, e.g.
