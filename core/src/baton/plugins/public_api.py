@@ -108,6 +108,7 @@ SURFACE: dict[str, dict[str, Names]] = {
         ),
         "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
         "baton.executor.multiproc": ("MultiprocExecutor",),
+        "baton.executor.group_executor": ("GroupExecutor",),
         "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
         "baton.executor.group": ("WorkerGroup",),
         "baton.executor.calls": ("CallBook", "Call"),
