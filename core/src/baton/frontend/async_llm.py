@@ -67,7 +67,11 @@ class AsyncLLM(PromptMethods):
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, self.info)
         #: The request tracer (observability.tracing); None: tracing is off.
-        self.tracer = tracer if tracer is not None else make_tracer(config)
+        self.tracer = (
+            tracer
+            if tracer is not None
+            else make_tracer(config.observability, config.served_model_name)
+        )
         self.output_processor = OutputProcessor(tokenizer, tracer=self.tracer)
         self.stat_loggers = StatLoggers(config, plugins)
         self._ids = itertools.count()
@@ -92,7 +96,8 @@ class AsyncLLM(PromptMethods):
         )
         # a bad config is refused before the tokenizer and the weights load
         plugins = resolve_plugins(cfg)
-        tracer = make_tracer(cfg)  # tracing asked for without its packages: refused here too
+        # tracing asked for without its packages: refused here too
+        tracer = make_tracer(cfg.observability, cfg.served_model_name)
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:

@@ -56,14 +56,15 @@ class LLM(PromptMethods):
         # a bad config is refused before the tokenizer and the weights load
         #: The config's plugins, resolved once (the start-up check)
         self.plugins = resolve_plugins(self.config)
-        check_tracing(self.config)  # tracing asked for without its packages: refused here
+        # tracing asked for without its packages: refused here
+        check_tracing(self.config.observability)
         info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, info)
         self.stat_loggers = StatLoggers(self.config, self.plugins)
         self.engine: EngineCoreClient = make_client(self.config, self.plugins, info=info)
         try:
             #: The request tracer (observability.tracing); None: tracing is off.
-            self.tracer = make_tracer(self.config)
+            self.tracer = make_tracer(self.config.observability, self.config.served_model_name)
         except BaseException:  # a bad OTEL_* variable: the engine must not outlive the error
             self.engine.shutdown()
             raise
