@@ -1,4 +1,5 @@
-"""Shared checks for the multiprocess executors (cuda-tp, pipeline): parity, worker death, leaks."""
+"""Shared checks for the parallel executors (cuda-tp, pipeline; ray's death check): parity,
+worker death, leaks."""
 
 from __future__ import annotations
 
@@ -123,19 +124,26 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
         )
         workers = [p for p in engine.children(recursive=True) if not is_helper(p)]
         assert len(workers) >= 2, workers
-        victim = workers[-1].pid
-        killed_at = kill_on_first_output(llm.engine, victim)
-        with pytest.raises(dead):
-            llm.generate(
-                ["x " * 10] * 4,
-                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
-                use_tqdm=False,
-            )
-        assert killed_at and time.monotonic() - killed_at[0] < 5.0
-        with pytest.raises(dead):  # and every later call
-            llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
+        killed_at = kill_on_first_output(llm.engine, workers[-1].pid)
+        assert_a_death_fails_every_call(llm, killed_at, dead)
     finally:
         llm.shutdown()
+
+
+def assert_a_death_fails_every_call(
+    llm: LLM, killed_at: list[float], dead: type[BaseException]
+) -> None:
+    """A long run, during which a worker is killed (``killed_at``: when, filled by the killer
+    at the first output), raises ``dead`` within 5 s of the kill; so does every later call."""
+    with pytest.raises(dead):
+        llm.generate(
+            ["x " * 10] * 4,
+            SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
+            use_tqdm=False,
+        )
+    assert killed_at and time.monotonic() - killed_at[0] < 5.0
+    with pytest.raises(dead):  # and every later call
+        llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 class ParallelConformance(ExecutorConformance):
