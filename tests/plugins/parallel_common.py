@@ -1,5 +1,4 @@
-"""Shared checks for the parallel executors (cuda-tp, pipeline; ray's death check): parity,
-worker death, leaks."""
+"""Shared checks for the multiprocess executors (cuda-tp, pipeline): parity, worker death, leaks."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from baton.processes import is_helper
 from baton.testing.conformance.executor import ExecutorConformance
 from baton.testing.faults import kill_on_first_output
 from baton.testing.tiny_model import tiny_model
-from tests.e2e.conftest import _children
+from tests.e2e.conftest import _children, assert_a_death_fails_every_call
 from tests.e2e.parity import PROMPTS, assert_parity, engine_greedy
 
 MAX_NEW = 40
@@ -128,22 +127,6 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
         assert_a_death_fails_every_call(llm, killed_at, dead)
     finally:
         llm.shutdown()
-
-
-def assert_a_death_fails_every_call(
-    llm: LLM, killed_at: list[float], dead: type[BaseException]
-) -> None:
-    """A long run, during which a worker is killed (``killed_at``: when, filled by the killer
-    at the first output), raises ``dead`` within 5 s of the kill; so does every later call."""
-    with pytest.raises(dead):
-        llm.generate(
-            ["x " * 10] * 4,
-            SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
-            use_tqdm=False,
-        )
-    assert killed_at and time.monotonic() - killed_at[0] < 5.0
-    with pytest.raises(dead):  # and every later call
-        llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 class ParallelConformance(ExecutorConformance):

@@ -10,7 +10,7 @@ import pytest
 
 from baton import LLM
 from baton.errors import BatonError, EngineDeadError, ExecutorError
-from tests.plugins.parallel_common import assert_a_death_fails_every_call
+from tests.e2e.conftest import assert_a_death_fails_every_call
 from tests.plugins.ray.conftest import (
     assert_nothing_left,
     baton_actors,
