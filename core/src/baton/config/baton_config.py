@@ -139,6 +139,11 @@ class BatonConfig(BaseSettings):
                 return provide()  # type: ignore[no-any-return]
         return sections.ServingSettings()
 
+    @property
+    def served_model_name(self) -> str:
+        """The model name clients use (``serving.served_model_name``, else ``model.name``)."""
+        return self.serving.served_model_name or self.model.name
+
     @pydantic.model_validator(mode="after")
     def _quantization_without_tensor_parallel(self) -> BatonConfig:
         q, tp = self.model.quantization, self.executor.tensor_parallel_size

@@ -113,6 +113,7 @@ SURFACE: dict[str, dict[str, Names]] = {
         ),
         "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
         "baton.executor.multiproc": ("MultiprocExecutor",),
+        "baton.executor.group_executor": ("GroupExecutor",),
         "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
         "baton.executor.group": ("WorkerGroup",),
         "baton.executor.calls": ("CallBook", "Call"),
@@ -258,8 +259,6 @@ SURFACE: dict[str, dict[str, Names]] = {
             "load_adapter",
             "read_adapter_config",
         ),
-        # AsyncLLM.input_processor: the engine's tokenization and chat rendering, its checks
-        "baton.frontend.input_processor": ("InputProcessor",),
         "baton.metrics.stats": ("IterationStats",),
         "baton.cli.main": ("add_engine_arguments", "engine_overrides", "engine_argv"),
         "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
