@@ -31,6 +31,7 @@ from baton.protocol import EngineCoreOutput, FinishReason, KVConnectorOutput, KV
 from baton.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from baton.kv.events import KVCacheEvent
     from baton.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -294,6 +295,13 @@ class KVTransfer:
             return self._call("take_stats", self.connector.take_stats)
         except KVConnectorCallError:
             return None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The connector's KV events (its tiers' blocks); [] when the call raised (logged)."""
+        try:
+            return self._call("take_events", self.connector.take_events)
+        except KVConnectorCallError:
+            return []
 
     def shutdown(self) -> None:
         with contextlib.suppress(KVConnectorCallError):  # logged; the engine stops anyway
