@@ -1,0 +1,214 @@
+"""The ``pd`` connector's scheduler half: which blocks a producer saves, which a consumer loads.
+
+Producer (``do_remote_decode``): every full prompt block, once computed (prefix-cache hits
+included), is copied into the hand-off store in the step that computes it; ``request_finished``
+returns the ``PDHandoff`` a consumer needs. Consumer (``do_remote_prefill``): the hand-off's
+blocks after the engine's own prefix hits, up to the prompt's last full block before its last
+token, load asynchronously (the request waits holding its blocks); a missing or bad block ends
+the load there and the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from baton.errors import InvalidRequestError
+from baton.kv_transfer.connector import KVSchedulerContext, KVStep
+from baton.kv_transfer.pd.orders import ENCODER, PDLoad, PDOrders, PDSave
+from baton.kv_transfer.pd.params import PARAM, PDHandoff, parse_handoff, wants_load, wants_save
+from baton.kv_transfer.pd.settings import PDSettings
+from baton.kv_transfer.types import KVConnectorOutput, KVTransferStats
+from baton.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+#: The tier name of hand-off hits in ``KVTransferStats.hit_tokens``.
+MEDIUM = "PD"
+
+
+def default_engine_id(engine_index: int) -> str:
+    """Host name, process id and data-parallel rank, as a plain name."""
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-dp{engine_index}"
+
+
+@dataclass
+class _Produce:
+    """A producer request: its hand-off and the blocks ordered saved so far."""
+
+    request: Request
+    transfer_id: str
+    block_ids: Sequence[int] = ()
+    saved: int = 0  # blocks 0..saved-1 are ordered saved
+
+
+@dataclass
+class _Consume:
+    """A consumer request's load: where from, which blocks (after its own prefix hits)."""
+
+    handoff: PDHandoff
+    first_index: int
+    num_blocks: int
+
+
+class PDScheduler:
+    """The scheduler half of ``pd`` (module docstring)."""
+
+    def __init__(self, context: KVSchedulerContext, settings: PDSettings) -> None:
+        self.role = context.role
+        self.namespace = context.namespace
+        self.block_size = context.namespace.block_size
+        self.settings = settings
+        self.engine_id = settings.engine_id or default_engine_id(context.engine_index)
+        self._ids = itertools.count()
+        self._producing: dict[str, _Produce] = {}
+        self._consuming: dict[str, _Consume] = {}  # asked, not yet ordered
+        self._loading: set[str] = set()  # ordered, not yet reported
+        self._loaded: set[str] = set()  # their hand-off is consumed: never loaded again
+        self._orders = PDOrders()
+        self._stats = KVTransferStats()
+
+    # -- admission ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if wants_save(params):
+            self._refuse_unless("producer", "do_remote_decode")
+            if rid not in self._producing:
+                tid = f"{self.engine_id}.{next(self._ids)}"
+                self._producing[rid] = _Produce(request, tid)
+            return 0, False
+        if not wants_load(params):
+            return 0, False
+        self._refuse_unless("consumer", "do_remote_prefill")
+        handoff = parse_handoff(params, self.namespace.key, self.block_size)  # type: ignore[arg-type]
+        if rid in self._loaded or rid in self._loading:
+            return 0, False
+        bs = self.block_size
+        # never the prompt's last token: the consumer computes it to sample the first output
+        usable = min(handoff.num_tokens, (request.num_prompt_tokens - 1) // bs * bs)
+        n = usable - num_computed_tokens
+        if n <= 0:
+            self._consuming.pop(rid, None)
+            return 0, False
+        self._consuming[rid] = _Consume(handoff, num_computed_tokens // bs, n // bs)
+        return n, True
+
+    def _refuse_unless(self, role: str, flag: str) -> None:
+        if self.role not in (role, "both"):
+            raise InvalidRequestError(
+                f"{PARAM}.{flag} asks this engine for what a pd {role} does, but it is a pd "
+                f"{self.role} ([kv_transfer] role = {self.role!r}): send the request to a "
+                f"{role} engine",
+                param=PARAM,
+            )
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        produce = self._producing.get(rid)
+        if produce is not None:
+            produce.block_ids = list(block_ids)
+        consume = self._consuming.pop(rid, None)
+        if consume is None or num_external_tokens <= 0:
+            return  # no room for the load: the request computes its prompt itself
+        first, n = consume.first_index, num_external_tokens // self.block_size
+        self._orders.loads.append(
+            PDLoad(
+                request_id=rid,
+                transfer_id=consume.handoff.transfer_id,
+                first_index=first,
+                block_ids=list(block_ids[first : first + n]),
+                block_hashes=list(request.block_hashes[first : first + n]),
+                timeout=self.settings.load_timeout,
+            )
+        )
+        self._loading.add(rid)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def build_connector_meta(self, step: KVStep) -> bytes:
+        bs = self.block_size
+        for produce in self._producing.values():
+            req = produce.request
+            # num_computed_tokens counts this step's tokens: its forward completes these blocks
+            done = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
+            done = min(done, len(produce.block_ids), len(req.block_hashes))
+            for i in range(produce.saved, done):
+                self._orders.saves.append(
+                    PDSave(produce.transfer_id, i, produce.block_ids[i], req.block_hashes[i])
+                )
+            produce.saved = max(produce.saved, done)
+        orders, self._orders = self._orders, PDOrders()
+        return ENCODER.encode(orders)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid, tokens in output.finished_loading.items():
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self._loaded.add(rid)
+                if tokens:
+                    hits = self._stats.hit_tokens
+                    hits[MEDIUM] = hits.get(MEDIUM, 0) + tokens
+        if output.stats is not None:
+            _add(self._stats, output.stats)
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._consuming.pop(rid, None)
+        self._loaded.discard(rid)
+        hold = rid in self._loading
+        if hold:  # its load still writes into its blocks: held until the worker is done
+            self._loading.discard(rid)
+            self._orders.released.append(rid)
+        produce = self._producing.pop(rid, None)
+        if produce is None or request.status not in _HANDED_OFF:
+            return hold, None
+        handoff = PDHandoff(
+            remote_engine_id=self.engine_id,
+            transfer_id=produce.transfer_id,
+            num_tokens=produce.saved * self.block_size,
+            namespace=self.namespace.key,
+        )
+        return hold, msgspec.to_builtins(handoff)
+
+    def take_events(self) -> list[Any]:
+        return []  # the hand-off store is private to a producer and its consumers
+
+    def take_stats(self) -> KVTransferStats | None:
+        stats, self._stats = self._stats, KVTransferStats()
+        return stats if stats != KVTransferStats() else None
+
+    def shutdown(self) -> None:
+        self._producing.clear()
+        self._consuming.clear()
+
+
+#: A producer's request ended with its prompt computed: its hand-off is complete.
+_HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def _add(total: KVTransferStats, part: KVTransferStats) -> None:
+    """Add a worker's figures (deltas) to ``total``."""
+    total.load_bytes += part.load_bytes
+    total.load_seconds += part.load_seconds
+    total.save_bytes += part.save_bytes
+    total.save_seconds += part.save_seconds
+    total.failed_loads += part.failed_loads
+    for tier, n in part.hit_tokens.items():
+        total.hit_tokens[tier] = total.hit_tokens.get(tier, 0) + n
