@@ -1,24 +1,21 @@
 """The ``kv_transfer_params`` of a prefill/decode hand-off, in vLLM's field names.
 
-A client (the ``pd-proxy``) asks the producer for ``{"do_remote_decode": true}``; the producer's
-response carries a ``PDHandoff`` (``do_remote_prefill: true`` and where its KV lies); the client
-sends that to the consumer with the original request. The consumer finds the blocks by its own
-block hashes under the transfer's folder, so a client cannot make it read KV of another prompt,
-model or path: the params only say which transfer to look in and how much it holds.
+A client (``baton pd-proxy``) asks the producer with ``{"do_remote_decode": true}``; the
+producer's response carries a ``PDHandoff`` (``do_remote_prefill: true``, how many prompt
+tokens it saved); the client sends that to a consumer with the original request. The consumer
+looks the blocks up by its own block hashes (which cover the prompt, the cache salt and the
+LoRA adapter), so a client cannot make it load the KV of another prompt or model: the params
+say only that a producer saved the prompt and how much of it.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from baton.errors import InvalidRequestError
-
-#: A transfer id or an engine id: a plain name, safe as a folder name.
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 PARAM = "kv_transfer_params"
 
@@ -28,10 +25,8 @@ class PDHandoff(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
-    #: the producer's engine id (vLLM's name); for logs and errors
+    #: the producer's engine id (vLLM's name), for logs and errors
     remote_engine_id: str
-    #: the folder of this hand-off's blocks under the store's namespace folder
-    transfer_id: str
     #: prompt tokens the producer saved (whole blocks, from the prompt's first token)
     num_tokens: int
     #: ``KVNamespace.key`` of the producer: the consumer refuses another model's KV
@@ -40,12 +35,12 @@ class PDHandoff(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 def wants_save(params: Mapping[str, Any] | None) -> bool:
     """The request asks this engine to prefill for a remote decode (``do_remote_decode``)."""
-    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
+    return params is not None and params.get("do_remote_decode") is True
 
 
 def wants_load(params: Mapping[str, Any] | None) -> bool:
     """The request brings a remote prefill to load (``do_remote_prefill``)."""
-    return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
+    return params is not None and params.get("do_remote_prefill") is True
 
 
 def parse_handoff(params: Mapping[str, Any], namespace: str, block_size: int) -> PDHandoff:
@@ -54,18 +49,10 @@ def parse_handoff(params: Mapping[str, Any], namespace: str, block_size: int) ->
         handoff = msgspec.convert(dict(params), PDHandoff)
     except msgspec.ValidationError as e:
         raise InvalidRequestError(
-            f"{PARAM} is not a pd hand-off ({e}): send the kv_transfer_params the producer's "
-            "response carried, unchanged",
+            f"{PARAM} is not a pd hand-off ({e}): send the kv_transfer_params of the "
+            "producer's response unchanged",
             param=PARAM,
         ) from None
-    for field in ("remote_engine_id", "transfer_id"):
-        value = getattr(handoff, field)
-        if not _NAME.match(value):
-            raise InvalidRequestError(
-                f"{PARAM}.{field} = {value!r} is not a plain name (letters, digits, '.', '_', "
-                "'-'; at most 128): send the producer's kv_transfer_params unchanged",
-                param=PARAM,
-            )
     if handoff.num_tokens < 0 or handoff.num_tokens % block_size:
         raise InvalidRequestError(
             f"{PARAM}.num_tokens = {handoff.num_tokens} is not a whole number of blocks of "

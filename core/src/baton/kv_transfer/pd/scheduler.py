@@ -1,16 +1,15 @@
 """The ``pd`` connector's scheduler half: which blocks a producer saves, which a consumer loads.
 
 Producer (``do_remote_decode``): every full prompt block, once computed (prefix-cache hits
-included), is copied into the hand-off store in the step that computes it; ``request_finished``
-returns the ``PDHandoff`` a consumer needs. Consumer (``do_remote_prefill``): the hand-off's
-blocks after the engine's own prefix hits, up to the prompt's last full block before its last
-token, load asynchronously (the request waits holding its blocks); a missing or bad block ends
-the load there and the rest is recomputed.
+included), is copied into the store in the step that computes it; ``request_finished`` returns
+the ``PDHandoff`` a consumer needs. Consumer (``do_remote_prefill``): the blocks after the
+engine's own prefix hits, up to the last full block before the prompt's last token, load
+asynchronously (the request waits, holding its blocks); a missing or bad block ends the load
+there and the rest is recomputed.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
@@ -22,8 +21,8 @@ from typing import Any
 import msgspec
 
 from baton.errors import InvalidRequestError
-from baton.kv_transfer.connector import KVSchedulerContext, KVStep
-from baton.kv_transfer.pd.orders import ENCODER, PDLoad, PDOrders, PDSave
+from baton.kv_transfer.connector import KVBlockRef, KVSchedulerContext, KVStep
+from baton.kv_transfer.pd.orders import ENCODER, PDLoad, PDOrders
 from baton.kv_transfer.pd.params import PARAM, PDHandoff, parse_handoff, wants_load, wants_save
 from baton.kv_transfer.pd.settings import PDSettings
 from baton.kv_transfer.types import KVConnectorOutput, KVTransferStats
@@ -31,8 +30,11 @@ from baton.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-#: The tier name of hand-off hits in ``KVTransferStats.hit_tokens``.
+#: The tier of hand-off hits in ``KVTransferStats.hit_tokens`` (a producer's prefill).
 MEDIUM = "PD"
+
+#: A producer's request ended with its prompt computed: its hand-off is complete.
+_HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 def default_engine_id(engine_index: int) -> str:
@@ -43,21 +45,11 @@ def default_engine_id(engine_index: int) -> str:
 
 @dataclass
 class _Produce:
-    """A producer request: its hand-off and the blocks ordered saved so far."""
+    """A producer request: its block table and how many of its blocks are ordered saved."""
 
     request: Request
-    transfer_id: str
     block_ids: Sequence[int] = ()
-    saved: int = 0  # blocks 0..saved-1 are ordered saved
-
-
-@dataclass
-class _Consume:
-    """A consumer request's load: where from, which blocks (after its own prefix hits)."""
-
-    handoff: PDHandoff
-    first_index: int
-    num_blocks: int
+    saved: int = 0
 
 
 class PDScheduler:
@@ -65,15 +57,14 @@ class PDScheduler:
 
     def __init__(self, context: KVSchedulerContext, settings: PDSettings) -> None:
         self.role = context.role
-        self.namespace = context.namespace
+        self.namespace = context.namespace.key
         self.block_size = context.namespace.block_size
         self.settings = settings
         self.engine_id = settings.engine_id or default_engine_id(context.engine_index)
-        self._ids = itertools.count()
         self._producing: dict[str, _Produce] = {}
-        self._consuming: dict[str, _Consume] = {}  # asked, not yet ordered
+        self._consuming: dict[str, int] = {}  # asked: the index of the first block to load
         self._loading: set[str] = set()  # ordered, not yet reported
-        self._loaded: set[str] = set()  # their hand-off is consumed: never loaded again
+        self._loaded: set[str] = set()  # loaded once: never again (preempted and re-admitted)
         self._orders = PDOrders()
         self._stats = KVTransferStats()
 
@@ -86,14 +77,12 @@ class PDScheduler:
         rid = request.request_id
         if wants_save(params):
             self._refuse_unless("producer", "do_remote_decode")
-            if rid not in self._producing:
-                tid = f"{self.engine_id}.{next(self._ids)}"
-                self._producing[rid] = _Produce(request, tid)
+            self._producing.setdefault(rid, _Produce(request))
             return 0, False
         if not wants_load(params):
             return 0, False
         self._refuse_unless("consumer", "do_remote_prefill")
-        handoff = parse_handoff(params, self.namespace.key, self.block_size)  # type: ignore[arg-type]
+        handoff = parse_handoff(params, self.namespace, self.block_size)  # type: ignore[arg-type]
         if rid in self._loaded or rid in self._loading:
             return 0, False
         bs = self.block_size
@@ -103,7 +92,7 @@ class PDScheduler:
         if n <= 0:
             self._consuming.pop(rid, None)
             return 0, False
-        self._consuming[rid] = _Consume(handoff, num_computed_tokens // bs, n // bs)
+        self._consuming[rid] = num_computed_tokens // bs
         return n, True
 
     def _refuse_unless(self, role: str, flag: str) -> None:
@@ -122,19 +111,13 @@ class PDScheduler:
         produce = self._producing.get(rid)
         if produce is not None:
             produce.block_ids = list(block_ids)
-        consume = self._consuming.pop(rid, None)
-        if consume is None or num_external_tokens <= 0:
+        first = self._consuming.pop(rid, None)
+        if first is None or num_external_tokens <= 0:
             return  # no room for the load: the request computes its prompt itself
-        first, n = consume.first_index, num_external_tokens // self.block_size
+        last = first + num_external_tokens // self.block_size
+        blocks = [KVBlockRef(block_ids[i], request.block_hashes[i]) for i in range(first, last)]
         self._orders.loads.append(
-            PDLoad(
-                request_id=rid,
-                transfer_id=consume.handoff.transfer_id,
-                first_index=first,
-                block_ids=list(block_ids[first : first + n]),
-                block_hashes=list(request.block_hashes[first : first + n]),
-                timeout=self.settings.load_timeout,
-            )
+            PDLoad(request_id=rid, blocks=blocks, timeout=self.settings.load_timeout)
         )
         self._loading.add(rid)
 
@@ -147,10 +130,10 @@ class PDScheduler:
             # num_computed_tokens counts this step's tokens: its forward completes these blocks
             done = min(req.num_computed_tokens, req.num_prompt_tokens) // bs
             done = min(done, len(produce.block_ids), len(req.block_hashes))
-            for i in range(produce.saved, done):
-                self._orders.saves.append(
-                    PDSave(produce.transfer_id, i, produce.block_ids[i], req.block_hashes[i])
-                )
+            self._orders.saves.extend(
+                KVBlockRef(produce.block_ids[i], req.block_hashes[i])
+                for i in range(produce.saved, done)
+            )
             produce.saved = max(produce.saved, done)
         orders, self._orders = self._orders, PDOrders()
         return ENCODER.encode(orders)
@@ -181,14 +164,13 @@ class PDScheduler:
             return hold, None
         handoff = PDHandoff(
             remote_engine_id=self.engine_id,
-            transfer_id=produce.transfer_id,
             num_tokens=produce.saved * self.block_size,
-            namespace=self.namespace.key,
+            namespace=self.namespace,
         )
         return hold, msgspec.to_builtins(handoff)
 
     def take_events(self) -> list[Any]:
-        return []  # the hand-off store is private to a producer and its consumers
+        return []  # the store is private to producers and their consumers: no router reads it
 
     def take_stats(self) -> KVTransferStats | None:
         stats, self._stats = self._stats, KVTransferStats()
@@ -197,10 +179,6 @@ class PDScheduler:
     def shutdown(self) -> None:
         self._producing.clear()
         self._consuming.clear()
-
-
-#: A producer's request ended with its prompt computed: its hand-off is complete.
-_HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 def _add(total: KVTransferStats, part: KVTransferStats) -> None:

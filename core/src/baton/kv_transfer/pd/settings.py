@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pathlib import Path
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 
 class PDSettings(BaseModel):
-    """``[kv_transfer.pd]`` settings (the same on the producer and the consumer)."""
+    """``[kv_transfer.pd]`` settings (the same on the producer and its consumers)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    path: str = "/dev/shm/baton-pd"
-    """The folder both engines share (a RAM-backed one: /dev/shm); one subfolder per model
-    namespace, one per hand-off under it."""
+    path: Path = Path("/dev/shm/baton-pd")
+    """The folder the engines share (RAM-backed: /dev/shm); one subfolder per model namespace
+    and worker shard, one checked file per block."""
+    memory: ByteSize = Field(ByteSize(1 << 30), gt=0)
+    """Byte budget of the folder, e.g. "4GiB": past it the least recently used blocks (of any
+    engine sharing it) are deleted. A consumer that finds a block gone recomputes it."""
     load_timeout: float = Field(3.0, gt=0.0, le=600.0)
     """Seconds a consumer waits for a block the producer has not written yet; then the rest
     of the prompt is recomputed (a dead producer costs this, never a hang)."""
-    max_age: float = Field(300.0, gt=0.0)
-    """Seconds a hand-off no consumer took stays in the store before a producer removes it."""
     engine_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
     """This engine's id in the hand-offs it produces (default: host name, process id and
     data-parallel rank)."""
