@@ -143,9 +143,12 @@ class PDWorker:
         """The block, waiting until ``deadline`` for it to be written; None when it never came
         (or its file was bad: the store deleted it, so it reads as missing from then on)."""
         while True:
+            bad = self.store.failed_loads
             block = self.store.get(block_hash, shape, dtype)
             if block is not None or time.monotonic() >= deadline:
                 return block
+            if self.store.failed_loads != bad:  # it was there, but bad: do not wait for it
+                return None
             time.sleep(POLL_S)
 
 
