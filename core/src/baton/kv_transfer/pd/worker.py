@@ -18,6 +18,7 @@ import torch
 
 from baton.kv_transfer.connector import KVWorkerContext
 from baton.kv_transfer.offload.disk_tier import BlockFileStore
+from baton.kv_transfer.offload.layout import shard_key
 from baton.kv_transfer.pd.orders import DECODER, PDLoad
 from baton.kv_transfer.pd.settings import PDSettings
 from baton.kv_transfer.types import KVConnectorOutput, KVTransferStats
@@ -40,7 +41,7 @@ class PDWorker:
         self.settings = settings
         self.block_size = context.namespace.block_size
         # one folder per worker shard: a tensor-parallel worker holds its heads of each block
-        shard = f"{context.namespace.key}.tp{context.tp_rank}-pp{context.pp_rank}"
+        shard = shard_key(context.namespace, context.tp_rank, context.pp_rank)
         self.store = BlockFileStore(settings.path, int(settings.memory), shard)
         self._caches: list[torch.Tensor] = []
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="baton-pd-load")
