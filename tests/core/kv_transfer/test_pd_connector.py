@@ -17,6 +17,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.errors import InvalidRequestError
+from baton.kv.hashing import ROOT_HASH, hash_block
 from baton.testing.tiny_model import tiny_model
 
 BLOCK = 16
@@ -125,23 +126,30 @@ def test_params_whose_blocks_never_come_cost_a_recompute_not_a_hang(
     assert got.outputs[0].token_ids == tokens(single, p).outputs[0].token_ids
 
 
+def block_hashes(p: dict[str, list[int]]) -> list[bytes]:
+    """The prompt's full blocks' hashes, as both engines compute them (no salt, no LoRA)."""
+    ids, parent, out = p["prompt_token_ids"], ROOT_HASH, []
+    for i in range(len(ids) // BLOCK):
+        parent = hash_block(parent, ids[i * BLOCK : (i + 1) * BLOCK])
+        out.append(parent)
+    return out
+
+
 def test_a_corrupt_block_is_recomputed_never_served(
     single: LLM, producer: LLM, consumer: LLM, store: Path
 ) -> None:
     p = prompt(4 * BLOCK + 2, salt=7)
-    before = {f: f.stat().st_mtime_ns for f in store.rglob("*.kvb")}
     handoff = prefill(producer, p)
-    new = sorted(
-        (f for f in store.rglob("*.kvb") if before.get(f) != f.stat().st_mtime_ns),
-        key=lambda f: f.stat().st_mtime_ns,
-    )
-    assert len(new) == 4
-    data = bytearray(new[2].read_bytes())  # the third block: two load, the rest recomputed
-    data[-1] ^= 0xFF
-    new[2].write_bytes(bytes(data))
+    files = [list(store.rglob(f"{h.hex()}.kvb")) for h in block_hashes(p)]
+    assert [len(f) for f in files] == [1, 1, 1, 1]  # one worker: one file per block
+    third = files[2][0]
+    data = bytearray(third.read_bytes())
+    data[-1] ^= 0xFF  # the third block: two load, the rest is recomputed
+    third.write_bytes(bytes(data))
     got = tokens(consumer, p, with_params(handoff))
     assert got.num_cached_tokens == 2 * BLOCK
     assert got.outputs[0].token_ids == tokens(single, p).outputs[0].token_ids
+    assert not third.exists()  # the bad file is gone: never read again
 
 
 def test_params_a_role_cannot_serve_fail_the_request_by_name(producer: LLM, consumer: LLM) -> None:
