@@ -58,8 +58,18 @@ def pair(model_dir: str, tmp_path: Path) -> Iterator[tuple[ServeProcess, ServePr
     consumer = ServeProcess("--config", config(tmp_path, "consumer", store), *common)
     port = free_port()
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli.main", "pd-proxy", "--port", str(port)]
-        + ["--prefill", producer.url, "--decode", consumer.url],
+        [
+            sys.executable,
+            "-m",
+            "baton.cli.main",
+            "pd-proxy",
+            "--port",
+            str(port),
+            "--prefill",
+            producer.url,
+            "--decode",
+            consumer.url,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -99,7 +109,7 @@ def test_the_consumer_outlives_a_killed_producer(
 
     r = completion(producer.url, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     handed = r.json()["kv_transfer_params"]
-    for pid in producer.engine_pids() + [producer.proc.pid]:
+    for pid in [*producer.engine_pids(), producer.proc.pid]:
         os.kill(pid, signal.SIGKILL)
     producer.proc.wait(30)
 
