@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from baton_openai.http.errors import OpenAIError, install_error_handlers
 from baton_openai.pd_proxy.flow import UpstreamError, Upstreams, forwarded, parse_body, relay
@@ -48,7 +49,7 @@ def create_app(upstreams: Upstreams) -> FastAPI:
         for url in upstreams.prefill + upstreams.decode:
             try:
                 ok = (await upstreams.client.get(url + "/health")).status_code == 200
-            except OSError:
+            except httpx.HTTPError:
                 ok = False
             if not ok:
                 raise OpenAIError(f"{url} is not healthy", status=503)
@@ -56,9 +57,11 @@ def create_app(upstreams: Upstreams) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        resp = await upstreams.client.get(
-            upstreams.decode[0] + "/v1/models", headers=forwarded(request.headers)
-        )
-        return JSONResponse(resp.json(), status_code=resp.status_code)
+        url = upstreams.decode[0] + "/v1/models"
+        try:
+            resp = await upstreams.client.get(url, headers=forwarded(request.headers))
+        except httpx.HTTPError as e:
+            raise OpenAIError(f"the consumer {url} did not answer: {e}", status=502) from None
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     return app
