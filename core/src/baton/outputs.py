@@ -56,6 +56,9 @@ class RequestOutput:
     #: With SamplingParams.prompt_logprobs: once the prompt is computed (with DELTA, in the
     #: first output only).
     prompt_logprobs: PromptLogprobs | None = None
+    #: With the final output: what the KV connector returned about the request (vLLM's
+    #: ``kv_transfer_params``, e.g. where a consumer engine finds its KV); None: nothing.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -73,6 +73,9 @@ class EngineCoreRequest(msgspec.Struct, **_STRUCT):
     #: A retained finished request whose computed tokens begin this prompt: the new request
     #: shares its full KV blocks and gets a copy of its last partial one (beam search's fork).
     fork_from: str | None = None
+    #: What the KV connector (``[kv_transfer]``) reads about this request, e.g. where a consumer
+    #: finds a producer's KV; from ``SamplingParams.extra_args["kv_transfer_params"]`` (vLLM's).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class UtilityRequest(msgspec.Struct, **_STRUCT):
@@ -119,6 +122,9 @@ class EngineCoreOutput(msgspec.Struct, **_STRUCT):
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     #: A pooling request's result: a 1-D float32 torch tensor (its embedding).
     pooling_output: Any = None
+    #: With the finished output: what the KV connector returns to the client about this
+    #: request (its ``request_finished``), e.g. where a consumer engine finds its KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -129,6 +135,44 @@ class UtilityOutput(msgspec.Struct, **_STRUCT):
     call_id: int
     result: Any = None
     failure_message: str | None = None
+
+
+class KVTransferStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A KV connector's figures since it was last asked (``SchedulerStats.kv_transfer``).
+
+    Token and byte counts are deltas; ``tier_bytes`` / ``tier_capacity_bytes`` are levels.
+    Tiers are named by their ``medium`` as in KV events (``CPU``, ``DISK``, ...).
+    """
+
+    hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # tier -> tokens served
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    save_bytes: int = 0
+    save_seconds: float = 0.0
+    failed_loads: int = 0  # blocks found bad or missing when loading (then recomputed)
+    tier_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    tier_capacity_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class KVConnectorOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a worker's KV-connector half reports after a step (``ModelRunnerOutput.kv_connector``).
+
+    With several workers the kernel merges their reports: a load counts as finished once every
+    worker finished it, with the fewest tokens any worker loaded.
+    """
+
+    #: request id -> tokens loaded (from the first token the load was asked for); fewer than
+    #: asked means a block was missing or bad: the rest is recomputed, never served.
+    finished_loading: dict[str, int] = msgspec.field(default_factory=dict)
+    #: requests whose blocks, held after they finished (``request_finished`` returned True),
+    #: are saved and may be freed.
+    finished_saving: list[str] = msgspec.field(default_factory=list)
+    #: request id -> message: the connector failed this request (the request fails, not the engine).
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
+    stats: KVTransferStats | None = None
+    #: Set by the kernel when the worker half's ``start_step`` or ``finish_step`` raised (the
+    #: message): the requests with connector work in that step fail, not the engine.
+    step_error: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_STRUCT):
@@ -155,6 +199,8 @@ class SchedulerStats(msgspec.Struct, **_STRUCT):
     # slo_tpot_ms) that finished (stopped, length-capped or failed; not aborted), of which met it
     num_slo_finished: int = 0
     num_slo_met: int = 0
+    #: The KV connector's figures since the previous step (``[kv_transfer]``); None: no connector.
+    kv_transfer: KVTransferStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, **_STRUCT):
@@ -233,6 +279,9 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     #: KV blocks to copy, (source id, destination id), in every layer before this step's
     #: forward: a forked request's copy of its parent's last partial block (copy-on-write).
     kv_block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    #: The KV connector's orders for this step (its scheduler half's ``build_connector_meta``),
+    #: for every worker's half; None: no connector.
+    kv_connector_metadata: bytes | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -266,6 +315,8 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     #: Pooling requests that computed their last prompt token this step -> their pooled
     #: vector (a 1-D float32 torch tensor). They are in req_ids with no sampled token.
     pooler_output: dict[str, Any] | None = None
+    #: The KV connector's report for this step (its worker halves', merged); None: nothing.
+    kv_connector: KVConnectorOutput | None = None
 
 
 class KVCacheSpec(msgspec.Struct, **_STRUCT):

@@ -1,7 +1,8 @@
 """The engine's view of one request and its status machine.
 
 WAITING -> RUNNING -> FINISHED_*; WAITING_FOR_FSM first when the request
-carries a grammar that is still compiling; RUNNING -> PREEMPTED -> RUNNING when
+carries a grammar that is still compiling; WAITING -> WAITING_FOR_KV -> WAITING while a KV
+connector loads its prefix asynchronously; RUNNING -> PREEMPTED -> RUNNING when
 its KV blocks are taken back (it recomputes from its tokens and produces the
 same output). Any state -> FINISHED_ABORTED.
 """
@@ -23,11 +24,14 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_FSM = 1
     RUNNING = 2
     PREEMPTED = 3
+    #: Admitted with blocks while a KV connector loads its prefix asynchronously; computes
+    #: nothing until the load is reported (``baton.sched.kv_transfer``).
+    WAITING_FOR_KV = 4
     # finished: everything from here on
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
 
     @property
     def finished(self) -> bool:
@@ -63,6 +67,7 @@ class Request:
         "first_token_time",
         "fork_from",
         "grammar",
+        "kv_transfer_params",
         "lora_key",
         "lora_request",
         "max_tokens",
@@ -100,6 +105,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         retain_kv: bool = False,
         fork_from: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -154,6 +160,9 @@ class Request:
         self.retain_kv = retain_kv
         #: The retained request it forks its KV from when added (beam search); None: none.
         self.fork_from = fork_from
+        #: What the KV connector reads about it (``EngineCoreRequest.kv_transfer_params``);
+        #: after it finished, what the connector returned for the client.
+        self.kv_transfer_params = kv_transfer_params
 
     @classmethod
     def from_engine_core_request(
@@ -175,6 +184,7 @@ class Request:
             req.lora_request,
             req.retain_kv,
             req.fork_from,
+            req.kv_transfer_params,
         )
 
     @property

@@ -137,6 +137,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     bad_words: list[str] | None = None
     #: ``bad_words`` as token sequences (InputProcessor.process fills them from ``bad_words``).
     bad_words_token_ids: list[list[int]] | None = None
+    #: Arguments for plugins, by name (vLLM's ``extra_args``); the engine reads
+    #: ``extra_args["kv_transfer_params"]`` (a dict) for the KV connector (``[kv_transfer]``).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -273,6 +276,13 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 _check(bool(ids), "bad_words_token_ids", w, "must hold non-empty lists")
                 words.append(ids)
             self.bad_words_token_ids = words
+        if self.extra_args is not None:
+            _check_extra_args(self.extra_args)
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """``extra_args["kv_transfer_params"]`` (vLLM's route to the KV connector), or None."""
+        return None if self.extra_args is None else self.extra_args.get("kv_transfer_params")
 
     @property
     def constrains_tokens(self) -> bool:
@@ -293,6 +303,22 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+def _check_extra_args(extra: object) -> None:
+    _check(
+        isinstance(extra, dict) and all(isinstance(k, str) for k in extra),
+        "extra_args",
+        extra,
+        "must be a dict with str keys",
+    )
+    params = extra.get("kv_transfer_params")  # type: ignore[attr-defined]
+    _check(
+        params is None or (isinstance(params, dict) and all(isinstance(k, str) for k in params)),
+        "extra_args",
+        params,
+        'must hold a dict with str keys (or None) under "kv_transfer_params"',
+    )
 
 
 def show_value(value: object, limit: int = 80) -> str:

@@ -23,6 +23,7 @@ from baton.config.baton_config import BatonConfig
 from baton.config.sections import (
     CacheSection,
     ExecutorSection,
+    KVTransferSection,
     LoRASection,
     ModelSection,
     ObservabilitySection,
@@ -38,6 +39,7 @@ __all__ = [
     "BatonConfig",
     "CacheSection",
     "ExecutorSection",
+    "KVTransferSection",
     "LoRASection",
     "ModelSection",
     "ObservabilitySection",

@@ -61,6 +61,7 @@ class BatonConfig(BaseSettings):
         default_factory=sections.StructuredOutputSection
     )
     speculative: sections.SpeculativeSection = Field(default_factory=sections.SpeculativeSection)
+    kv_transfer: sections.KVTransferSection = Field(default_factory=sections.KVTransferSection)
     routing: sections.RoutingSection = Field(default_factory=sections.RoutingSection)
     lora: sections.LoRASection = Field(default_factory=sections.LoRASection)
     observability: sections.ObservabilitySection = Field(

@@ -265,6 +265,16 @@ class SpeculativeSection(_Section):
     drafting for a while after repeated verifications that accepted nothing."""
 
 
+class KVTransferSection(_Section):
+    connector: str = "none"
+    """A KV connector (plugin kind ``kv_connector``) that keeps KV blocks outside the engine's
+    own pool: a tier in RAM or on disk, or another engine (vLLM's ``kv_connector``); none: the
+    pool only. Its settings are the ``[kv_transfer.<name>]`` sub-table (docs/kv-connectors.md)."""
+    role: Literal["both", "producer", "consumer"] = "both"
+    """What this engine does with the connector (vLLM's ``kv_role``): ``producer`` only saves
+    computed blocks, ``consumer`` only loads them, ``both`` does both (a tiered cache)."""
+
+
 class LoRASection(_Section):
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) on top
@@ -369,6 +379,7 @@ SECTION_MODELS: dict[str, type[BaseModel]] = {
     "transport": TransportSection,
     "structured_output": StructuredOutputSection,
     "speculative": SpeculativeSection,
+    "kv_transfer": KVTransferSection,
     "routing": RoutingSection,
     "lora": LoRASection,
     "observability": ObservabilitySection,

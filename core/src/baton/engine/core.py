@@ -20,6 +20,7 @@ import msgspec
 from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
+from baton.engine.kv_connector import start_kv_connector
 from baton.errors import (
     ConfigError,
     EngineSleepingError,
@@ -123,6 +124,8 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(
                 config, self.plugins.find("structured_output"), self.info
             )
+            #: What the KV connector keys blocks with (``[kv_transfer]``); None: no connector.
+            self.kv_namespace = start_kv_connector(self)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -240,7 +243,13 @@ class EngineCore:
         ]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        """Requests, batches in flight, or KV-connector transfers a worker has yet to report."""
+        scheduler = self.scheduler
+        return (
+            scheduler.has_unfinished_requests()
+            or bool(self.batch_queue)
+            or scheduler.has_kv_transfers()
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -249,7 +258,8 @@ class EngineCore:
         start = self.step_clock()
         errors = self._finish_failed_grammars()
         scheduler = self.scheduler
-        pending = scheduler.has_unfinished_requests()
+        # KV-connector transfers in flight: steps (without a forward) collect the reports
+        pending = scheduler.has_unfinished_requests() or scheduler.has_kv_transfers()
         if not pending and not scheduler.has_runner_news():
             return self._outputs(errors), False
         # without pending work this step only tells the runner of finished (aborted) requests
@@ -534,6 +544,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
+        if self.scheduler.kv_transfer is not None:
+            self.scheduler.kv_transfer.shutdown()
         self.executor.shutdown()
 
 

@@ -254,6 +254,7 @@ class InputProcessor:
             if scheduling == SchedulingInfo(priority=scheduling.priority)
             else scheduling,
             lora_request=lora_request,
+            kv_transfer_params=params.kv_transfer_params,
         )
 
     def validate(

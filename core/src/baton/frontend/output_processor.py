@@ -518,4 +518,5 @@ class OutputProcessor:
             error=error,
             user=state.user,
             prompt_logprobs=prompt_lps,
+            kv_transfer_params=out.kv_transfer_params,
         )

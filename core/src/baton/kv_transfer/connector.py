@@ -101,8 +101,9 @@ class KVConnectorScheduler(Protocol):
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
         """The request's blocks are allocated (``block_ids``: its whole table). The
-        ``num_external_tokens`` after its computed tokens are to be loaded (0: load nothing,
-        e.g. the pool had no room). Record the load for the next ``build_connector_meta``."""
+        ``num_external_tokens`` after its computed tokens (``request.num_computed_tokens``:
+        the engine's own hits, as ``get_num_new_matched_tokens`` was told) are to be loaded (0:
+        load nothing). Record the load for the next ``build_connector_meta``."""
 
     def build_connector_meta(self, step: KVStep) -> bytes:
         """Once per step, after scheduling: the worker halves' orders for this step (the loads

@@ -1,10 +1,17 @@
-"""Structs the KV-connector seam passes between its halves, the kernel and the stat loggers."""
+"""Structs the KV-connector seam passes between its halves, the kernel and the stat loggers.
+
+``KVConnectorOutput`` and ``KVTransferStats`` cross process boundaries inside
+``ModelRunnerOutput`` and ``SchedulerStats``, so they are defined in ``baton.protocol`` (the
+layer below) and re-exported here.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import msgspec
+
+from baton.protocol import KVConnectorOutput, KVTransferStats
 
 #: What an engine does with a connector: ``producer`` only saves, ``consumer`` only loads,
 #: ``both`` does both (a tiered cache).
@@ -31,36 +38,4 @@ class KVNamespace(msgspec.Struct, frozen=True, kw_only=True):
     key: str = ""  # hex digest of all the above; set by ``baton.kv_transfer.namespace``
 
 
-class KVTransferStats(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A connector's figures since it was last asked (``SchedulerStats.kv_transfer``).
-
-    Token and byte counts are deltas; ``tier_bytes`` / ``tier_capacity_bytes`` are levels.
-    Tiers are named by their ``medium`` as in KV events (``CPU``, ``DISK``, ...).
-    """
-
-    hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # tier -> tokens served
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    save_bytes: int = 0
-    save_seconds: float = 0.0
-    failed_loads: int = 0  # blocks found bad or missing when loading (then recomputed)
-    tier_bytes: dict[str, int] = msgspec.field(default_factory=dict)
-    tier_capacity_bytes: dict[str, int] = msgspec.field(default_factory=dict)
-
-
-class KVConnectorOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What a worker's connector half reports after a step (``ModelRunnerOutput.kv_connector``).
-
-    With several workers the kernel merges their reports: a load counts as finished once every
-    worker finished it, with the fewest tokens any worker loaded.
-    """
-
-    #: request id -> tokens loaded (from the first token the load was asked for); fewer than
-    #: asked means a block was missing or bad: the rest is recomputed, never served.
-    finished_loading: dict[str, int] = msgspec.field(default_factory=dict)
-    #: requests whose blocks, held after they finished (``request_finished`` returned True),
-    #: are saved and may be freed.
-    finished_saving: list[str] = msgspec.field(default_factory=list)
-    #: request id -> message: the connector failed this request (the request fails, not the engine).
-    failed: dict[str, str] = msgspec.field(default_factory=dict)
-    stats: KVTransferStats | None = None
+__all__ = ["KVConnectorOutput", "KVNamespace", "KVRole", "KVTransferStats"]

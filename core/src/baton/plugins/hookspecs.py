@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         ConfigSectionModel,
         EngineLauncherFactory,
         ExecutorFactory,
+        KVConnectorFactory,
         Register,
         RouterFactory,
         SchedulerPolicyFactory,
@@ -169,6 +170,29 @@ def register_speculators(register: Register[SpeculatorFactory]) -> None:
     Selected by ``speculative.method`` (``none``, the default: no speculation).
     The factory is called once per engine core, in the engine process.
     Built in: ``ngram`` (prompt lookup, ``baton.speculative.ngram``).
+    """
+
+
+# ---------------------------------------------------------------------------
+# KV blocks outside the engine's pool
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def register_kv_connectors(register: Register[KVConnectorFactory]) -> None:
+    """Register KV connectors: tiers (RAM, disk) or other engines that keep KV blocks outside
+    the engine's own pool, loaded into a request's blocks and saved from them.
+
+    :param register: ``register(name, factory, settings_model=None)``;
+        ``factory(config, settings)`` receives the BatonConfig and the validated
+        ``[kv_transfer.<name>]`` settings (or None) and returns a
+        ``baton.kv_transfer.connector.KVConnector``: the maker of its scheduler half and its
+        worker half.
+
+    Selected by ``kv_transfer.connector`` (``none``, the default: the pool only), with
+    ``kv_transfer.role``. The factory is called once in the engine process (the scheduler
+    half, ``scheduler_side``) and once in each worker process (``worker_side``);
+    docs/kv-connectors.md says when each half's calls run. Built in: none yet.
     """
 
 

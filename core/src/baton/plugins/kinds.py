@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from baton.config import BatonConfig
+    from baton.kv_transfer.connector import KVConnector
 
 
 # --------------------------------------------------------------------------- factory protocols
@@ -72,6 +73,14 @@ class SpeculatorFactory(Protocol):
     """``factory(config, settings)``: a speculator, once per engine core (engine process)."""
 
     def __call__(self, config: BatonConfig, settings: Any, /) -> interfaces.Speculator: ...
+
+
+class KVConnectorFactory(Protocol):
+    """``factory(config, settings)``: a KV connector (``baton.kv_transfer.connector.KVConnector``),
+    once in the engine process (for its scheduler half) and once in each worker process (for
+    that worker's half)."""
+
+    def __call__(self, config: BatonConfig, settings: Any, /) -> KVConnector: ...
 
 
 class RouterFactory(Protocol):
@@ -132,7 +141,8 @@ class PluginKind:
     """The factory protocol ``register`` takes."""
     product: type | None
     """The protocol in ``baton.interfaces`` the factory's product implements (None: commands and
-    benchmarks, whose factories return a CLI handler)."""
+    benchmarks, whose factories return a CLI handler, and KV connectors, whose protocols live
+    in ``baton.kv_transfer.connector``, a layer above ``baton.interfaces``)."""
     section: str | None = None
     """The config section that selects it and holds its ``[<section>.<name>]`` settings
     sub-tables; None: not configured (no settings model allowed)."""
@@ -255,6 +265,16 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             unselected=frozenset({"none"}),
             builtin=("ngram",),
             distributions={"suffix": "baton-plugin-suffix"},
+        ),
+        PluginKind(
+            name="kv_connector",
+            hook="register_kv_connectors",
+            word="KV connector",
+            factory=KVConnectorFactory,
+            product=None,
+            section="kv_transfer",
+            selector="connector",
+            unselected=frozenset({"none"}),
         ),
         PluginKind(
             name="router",

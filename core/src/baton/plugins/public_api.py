@@ -49,6 +49,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "register_structured_output_backends",
             "register_stat_loggers",
             "register_speculators",
+            "register_kv_connectors",
             "register_routers",
             "register_commands",
             "register_config_sections",
@@ -65,6 +66,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "StructuredOutputFactory",
             "StatLoggerFactory",
             "SpeculatorFactory",
+            "KVConnectorFactory",
             "RouterFactory",
             "CommandFactory",
             "ConfigSectionModel",
@@ -81,6 +83,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "TransportSection",
             "StructuredOutputSection",
             "SpeculativeSection",
+            "KVTransferSection",
             "RoutingSection",
             "LoRASection",
             "ObservabilitySection",
@@ -159,6 +162,14 @@ SURFACE: dict[str, dict[str, Names]] = {
     # a speculator proposes from the running requests' tokens
     "speculator": {
         "baton.interfaces": ("Speculator",),
+        "baton.request": ("Request",),
+    },
+    # a KV connector: its two halves' protocols and structs, the request its scheduler half
+    # reads, and KV events for its tiers (baton.kv_transfer.connector's docstring is the design)
+    "kv_connector": {
+        "baton.kv_transfer.connector": ALL,
+        "baton.kv_transfer.types": ALL,
+        "baton.kv.events": ALL,
         "baton.request": ("Request",),
     },
     "router": {

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from baton.errors import InvalidRequestError
 from baton.protocol import EngineCoreEventType, NewRequestData
 from baton.request import RequestStatus
+from baton.sched.kv_transfer import KVConnectorCallError
 from baton.validation import check_context_length
 
 if TYPE_CHECKING:
@@ -80,19 +81,58 @@ def admit_waiting(sched: Scheduler, plan: StepPlan, now: float) -> None:
             if lora_id not in loras and len(loras) >= sched.max_loras:
                 break  # its adapter would be one too many in a batch: it waits its turn
         hits, num_hit = sched.kv.get_computed_blocks(req)
+        ext, is_async = _external(sched, req, num_hit)
+        if ext < 0:
+            continue  # the KV connector raised: the request failed
+        if is_async:  # it waits for its load, holding its blocks, and computes nothing yet
+            if not _allocate(sched, req, ext, hits):
+                break
+            if _ordered(sched, req, num_hit, ext):
+                sched.kv_transfer.park(req, num_hit, ext)  # type: ignore[union-attr]
+            continue
         ntok = req.num_tokens
-        n = _chunk(sched, plan, ntok - num_hit)
+        n = _chunk(sched, plan, ntok - num_hit - ext)
         if n is None:
             break
-        if max_partial is not None and num_hit + n < ntok:
+        if max_partial is not None and num_hit + ext + n < ntok:
             if num_partial >= max_partial:
                 break  # it would be one partial prefill too many: it waits its turn
             num_partial += 1
-        if not _allocate(sched, req, ntok - num_hit if sched.reserve_full_prompt else n, hits):
+        reserve = ntok - num_hit if sched.reserve_full_prompt else ext + n
+        if not _allocate(sched, req, reserve, hits):
             break
-        _start_running(sched, plan, req, num_hit, n, now)
+        if not _ordered(sched, req, num_hit, ext):
+            continue
+        _start_running(sched, plan, req, num_hit + ext, n, now)
         if lora_id and loras is not None:
             loras.add(lora_id)
+
+
+def _external(sched: Scheduler, req: Request, num_hit: int) -> tuple[int, bool]:
+    """Tokens the KV connector supplies after the pool's ``num_hit`` and whether they load
+    asynchronously; (0, False) without a connector; (-1, False): it raised, the request failed."""
+    kvt = sched.kv_transfer
+    if kvt is None:
+        return 0, False
+    try:
+        return kvt.lookup(req, num_hit)
+    except KVConnectorCallError as e:
+        kvt.fail_later(req, e.message)
+        return -1, False
+
+
+def _ordered(sched: Scheduler, req: Request, num_hit: int, num_external: int) -> bool:
+    """Tell the KV connector the request's blocks are allocated; False: it raised, the request
+    failed (its blocks released)."""
+    kvt = sched.kv_transfer
+    if kvt is None:
+        return True
+    try:
+        kvt.allocated(req, num_hit, num_external)
+    except KVConnectorCallError as e:
+        kvt.fail_later(req, e.message)
+        return False
+    return True
 
 
 def _chunk(sched: Scheduler, plan: StepPlan, n: int) -> int | None:

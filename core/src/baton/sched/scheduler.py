@@ -69,16 +69,19 @@ from baton.request import Request, RequestStatus
 from baton.sched.admission import admit_waiting, check_request
 from baton.sched.counters import SchedulerCounters
 from baton.sched.forks import KVForks
+from baton.sched.kv_transfer import KVTransfer, finish_output
+from baton.sched.preemption import allocate_or_preempt, preempt
 from baton.sched.slo import has_slo, met_slo
 from baton.sched.step_budget import PrefillBudget, StepShape
+from baton.sched.step_budget import prefill_cap as step_prefill_cap
 from baton.sched.step_plan import StepPlan
 from baton.sched.step_update import RunnerStep, apply_step
 from baton.sched.victims import VictimCandidate
-from baton.sched.victims import candidates as victim_candidates
 
 if TYPE_CHECKING:
     from baton.config.sections import CacheSection, SchedulerSection
     from baton.interfaces import SchedulerPolicy
+    from baton.kv_transfer.connector import KVConnectorScheduler
     from baton.speculative.drafting import Drafts
 
 log = logging.getLogger(__name__)
@@ -149,6 +152,16 @@ class Scheduler:
         self._last_num_scheduled = 0
         #: Preemptions, goodput and prefix-cache figures for ``make_stats``.
         self.counters = SchedulerCounters()
+        #: The KV connector's scheduler half (``[kv_transfer]``, ``use_kv_connector``), and the
+        #: kernel's books around it (``sched/kv_transfer.py``); None: no connector.
+        self.kv_connector: KVConnectorScheduler | None = None
+        self.kv_transfer: KVTransfer | None = None
+
+    def use_kv_connector(self, connector: KVConnectorScheduler, name: str, role: str) -> None:
+        """Serve through a KV connector's scheduler half (before any request is added)."""
+        self.kv_connector = connector
+        self.kv_transfer = KVTransfer(self, connector, name, role)
+        self.hash_blocks = True  # its blocks are keyed by their hashes, prefix cache on or off
 
     def _set_limits(
         self, section: SchedulerSection, cache: CacheSection, max_num_seqs_per_batch: int | None
@@ -180,6 +193,8 @@ class Scheduler:
             else None
         )
         self.enable_caching = cache.enable_prefix_caching
+        #: Whether requests' block hashes are kept (the prefix cache's and a KV connector's keys).
+        self.hash_blocks = self.enable_caching
 
     @property
     def total_preemptions(self) -> int:
@@ -209,7 +224,7 @@ class Scheduler:
             enable_chunked_prefill=self.enable_chunked_prefill,
             kv=self.kv,
         )
-        if self.enable_caching:
+        if self.hash_blocks:
             update_block_hashes(request, self.block_size)
         if request.fork_from is not None:
             self.forks.fork(request)
@@ -251,11 +266,13 @@ class Scheduler:
         self._tell_policy_finished()
         return done
 
-    def _release(self, req: Request, seen_by_policy: bool = True) -> None:
-        """Drop a finished request: blocks back to the pool, the runner told next step, the
-        policy told by the next ``_tell_policy_finished``."""
+    def _release(self, req: Request, seen_by_policy: bool = True) -> str | None:
+        """Drop a finished request: blocks back to the pool (or held for the KV connector), the
+        runner told next step, the policy told by the next ``_tell_policy_finished``. Returns
+        the KV connector's error about it, if its ``request_finished`` raised."""
         rid = req.request_id
-        if not self.forks.retain(req):
+        held, error = self.kv_transfer.release(req) if self.kv_transfer else (False, None)
+        if not self.forks.retain(req) and not held:
             self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
@@ -267,6 +284,7 @@ class Scheduler:
             self.drafts.finished(req)
         if seen_by_policy and self._policy_finished is not None:
             self._finished_for_policy.append(req)
+        return error
 
     def _tell_policy_finished(self) -> None:
         """The policy's finished event for each request released since the last call, in order."""
@@ -295,6 +313,11 @@ class Scheduler:
         """
         return bool(self._finished_ids or self._preempted_ids)
 
+    def has_kv_transfers(self) -> bool:
+        """Whether KV-connector loads or held blocks wait for a worker's report: the engine
+        keeps stepping (without a forward when nothing runs) until they arrive."""
+        return self.kv_transfer is not None and self.kv_transfer.busy()
+
     def has_requests_to_schedule(self) -> bool:
         """Whether a request exists that is not in flight and not waiting for its grammar."""
         if len(self.requests) - len(self._waiting_for_fsm) > len(self._in_flight):
@@ -318,7 +341,7 @@ class Scheduler:
             # latest admitted first: a policy that puts preempted requests first keeps their order
             for req in reversed(self.running):
                 if req.status == _RUNNING:
-                    self._preempt(req, now, preempted)
+                    preempt(self, req, now, preempted)
             self._preempted_ids.extend(preempted)
             self.counters.preempted(len(preempted))
         return self.kv.reset_prefix_cache()
@@ -332,7 +355,7 @@ class Scheduler:
             self._release_ready_grammars()
         self._step += 1
         budget = self.max_num_batched_tokens
-        plan = StepPlan(budget, self._prefill_cap() if self.prefill_budget is not None else None)
+        plan = StepPlan(budget, step_prefill_cap(self) if self.prefill_budget is not None else None)
         prefill_cap = plan.prefill
         self._schedule_running(plan, now)
         if self._running_dirty:
@@ -347,25 +370,6 @@ class Scheduler:
                 self._step, StepShape(prefill, decode, plan.attention_pairs(self.requests))
             )
         return self._make_output(plan)
-
-    def _prefill_cap(self) -> int:
-        """Prompt tokens this step may take under ``target_step_ms``: what the step-time model
-        leaves beside the running decodes, whose tokens are set aside first."""
-        assert self.prefill_budget is not None
-        in_flight = self._in_flight
-        per_batch = self.max_num_seqs_per_batch
-        decodes = pairs = 0
-        for req in self.running:
-            if (
-                req.status == _RUNNING
-                and req.num_tokens - req.num_computed_tokens == 1
-                and req.request_id not in in_flight
-                and decodes < per_batch
-            ):
-                decodes += 1
-                pairs += req.num_tokens  # its new token attends to every token
-        room = self.max_num_batched_tokens - decodes
-        return max(0, min(self.prefill_budget.prefill_tokens(decodes, pairs), room))
 
     def observe_step_time(self, step_id: int, seconds: float) -> None:
         """The measured wall time of step ``step_id`` (schedule to update), for the latency-aware
@@ -418,7 +422,7 @@ class Scheduler:
                         n = 1 + len(proposal)
                         plan.spec[rid] = proposal
             if new_ids is None:
-                new_ids = self._allocate_or_preempt(req, n, plan, now)
+                new_ids = allocate_or_preempt(self, req, n, plan, now)
             if new_ids is None:
                 break  # the request preempted itself: nothing more fits
             num_scheduled[rid] = n
@@ -431,24 +435,6 @@ class Scheduler:
             req.num_computed_tokens = computed
             if req.grammar is not None and computed >= ntok:  # it samples (> : with drafts)
                 plan.so_ids.append(rid)
-
-    def _allocate_or_preempt(
-        self, req: Request, n: int, plan: StepPlan, now: float
-    ) -> list[int] | None:
-        """Blocks for ``n`` more tokens of a running request, preempting victims until they fit.
-
-        None when the policy chose ``req`` itself as the victim.
-        """
-        allocate = self.kv.allocate_slots
-        new_ids = allocate(req, n)
-        while new_ids is None:
-            victim = self._preempt_for(req, now, plan.preempted)
-            if victim is req:
-                return None
-            if victim.request_id in plan.num_scheduled:  # scheduled earlier this step
-                plan.take_back(victim)
-            new_ids = allocate(req, n)
-        return new_ids
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         """Mark the scheduled requests in flight, attach the runner's news, build the output."""
@@ -475,37 +461,10 @@ class Scheduler:
             preempted = []
         total = self.max_num_batched_tokens - plan.budget
         self._last_num_scheduled = total
-        return plan.to_output(step_id, total, finished_ids, preempted, copies)
-
-    def _preempt_for(self, req: Request, now: float, preempted: list[str]) -> Request:
-        """Preempt the policy's victim among running requests not in flight (``req`` included)."""
-        in_flight = self._in_flight
-        candidates = [
-            r for r in self.running if r.status == _RUNNING and r.request_id not in in_flight
-        ]
-        choose = self._policy_choose_victim
-        if choose is not None:
-            victim = choose(victim_candidates(candidates, req, self.kv.get_block_ids), now)
-        else:
-            victim = self.policy.select_victim(candidates)
-        if victim.status != _RUNNING or victim.request_id in in_flight:
-            raise RuntimeError(
-                f"scheduler policy chose {victim!r}, which is not a preemption candidate"
-            )
-        self._preempt(victim, now, preempted)
-        return victim
-
-    def _preempt(self, victim: Request, now: float, preempted: list[str]) -> None:
-        """Free a running request's blocks and queue it again to be recomputed."""
-        self.kv.free(victim)
-        victim.status = _PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.record_event(EngineCoreEventType.PREEMPTED, now)
-        if self.num_sent.pop(victim.request_id, None) is not None:
-            preempted.append(victim.request_id)
-        self._running_dirty = True
-        self.policy.add(victim)
+        out = plan.to_output(step_id, total, finished_ids, preempted, copies)
+        if self.kv_transfer is not None:
+            out.kv_connector_metadata = self.kv_transfer.build(step_id, num_scheduled, plan.spec)
+        return out
 
     def _release_ready_grammars(self) -> None:
         ready = [r for r in self._waiting_for_fsm.values() if r.grammar is not None]
@@ -534,6 +493,13 @@ class Scheduler:
         spec = scheduler_output.scheduled_spec_decode_tokens
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
+        if self.kv_transfer is not None:  # the connector's report first: it may fail requests
+            kv_failed, outputs = self.kv_transfer.update(
+                step_id,
+                model_runner_output.kv_connector if model_runner_output else None,
+                scheduler_output.num_scheduled_tokens,
+            )
+            failed = {**(failed or {}), **kv_failed}
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             if in_flight.get(rid) != step_id:
                 continue
@@ -550,7 +516,9 @@ class Scheduler:
                 if out is None:
                     continue
                 if req.status.finished:
-                    self._release(req)
+                    error = self._release(req)
+                    if self.kv_transfer is not None:
+                        finish_output(out, req, error)
             except Exception as e:  # a stop check, grammar or hashing fault fails this request only
                 message = f"{type(e).__name__}: {e}"
                 log.warning("request %s failed in the scheduler's update: %s", rid, message)
@@ -586,7 +554,7 @@ class Scheduler:
             if self._running_dirty
             else len(self.running)
         )
-        return self.counters.make_stats(
+        stats = self.counters.make_stats(
             delta,
             kv=self.kv,
             drafts=self.drafts,
@@ -596,3 +564,6 @@ class Scheduler:
             num_scheduled=self._last_num_scheduled,
             num_batches_in_flight=len(self._steps_in_flight),
         )
+        if delta and self.kv_transfer is not None:
+            stats.kv_transfer = self.kv_transfer.take_stats()
+        return stats

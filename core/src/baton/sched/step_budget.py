@@ -44,12 +44,17 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from baton.errors import ConfigError
+from baton.request import RequestStatus
 from baton.sched.cost_model import DEFAULT as DEFAULT_COST_MODEL
 from baton.sched.cost_model import CostModel
+
+if TYPE_CHECKING:
+    from baton.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -340,3 +345,23 @@ class PrefillBudget:
             return False
         self.model.observe(shape, seconds)
         return True
+
+
+def prefill_cap(sched: Scheduler) -> int:
+    """Prompt tokens ``sched``'s next step may take under ``target_step_ms``: what the step-time
+    model leaves beside the running decodes, whose tokens are set aside first."""
+    assert sched.prefill_budget is not None
+    in_flight = sched._in_flight
+    per_batch = sched.max_num_seqs_per_batch
+    decodes = pairs = 0
+    for req in sched.running:
+        if (
+            req.status == RequestStatus.RUNNING
+            and req.num_tokens - req.num_computed_tokens == 1
+            and req.request_id not in in_flight
+            and decodes < per_batch
+        ):
+            decodes += 1
+            pairs += req.num_tokens  # its new token attends to every token
+    room = sched.max_num_batched_tokens - decodes
+    return max(0, min(sched.prefill_budget.prefill_tokens(decodes, pairs), room))

@@ -90,7 +90,7 @@ def apply_step(
             new = append_and_check_stop(req, new, sched.max_model_len)
             if req.first_token_time is None:
                 req.first_token_time = now
-        if caching and len(tokens) // bs > len(req.block_hashes):
+        if sched.hash_blocks and len(tokens) // bs > len(req.block_hashes):
             update_block_hashes(req, bs)
     if caching and computed // bs != (computed - n) // bs:
         sched.kv.cache_blocks(req, computed)

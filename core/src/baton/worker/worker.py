@@ -15,6 +15,7 @@ import torch
 from baton.config import BatonConfig
 from baton.errors import ExecutorError, InvalidRequestError
 from baton.model.sharded_state import save_sharded_state
+from baton.plugins.registry import get_registry
 from baton.protocol import (
     GrammarOutput,
     KVCacheConfig,
@@ -25,12 +26,14 @@ from baton.protocol import (
     SchedulerOutput,
     WorkerMemory,
 )
+from baton.worker.kv_connector import WorkerKVConnector
 from baton.worker.memory import measure
 from baton.worker.model_runner import ModelRunner as StockModelRunner
 from baton.worker.profiler import WorkerProfiler, profile_dir
 
 if TYPE_CHECKING:
     from baton.interfaces import ModelRunner, RunnerFactory
+    from baton.kv_transfer.connector import KVWorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,8 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self._profiler: WorkerProfiler | None = None
+        #: This worker's half of the KV connector (``start_kv_connector``); None: none.
+        self.kv_connector: WorkerKVConnector | None = None
 
     def init_device(self) -> None:
         self.device = select_device(self.cfg.executor.device)
@@ -134,11 +139,28 @@ class Worker:
     def initialize_kv_cache(self, config: KVCacheConfig) -> None:
         self._runner().initialize_kv_cache(config)
 
+    def start_kv_connector(self, context: KVWorkerContext) -> None:
+        """Build this worker's half of the configured KV connector (``kv_transfer.connector``)
+        and hand it the runner's KV cache; called by the engine once the cache exists."""
+        name = self.cfg.kv_transfer.connector
+        entry = get_registry().get("kv_connector", name)
+        connector = entry.create(self.cfg, entry.settings(self.cfg))
+        half = WorkerKVConnector(connector.worker_side(context), name)
+        half.register(self._runner())
+        self.kv_connector = half
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self._runner().execute_model(scheduler_output)
+        kv = self.kv_connector
+        if kv is None:
+            return self._runner().execute_model(scheduler_output)
+        kv.start(scheduler_output)  # synchronous loads are in the cache when it returns
+        out = self._runner().execute_model(scheduler_output)
+        kv.finish()  # the forward wrote this step's KV: saves copy it out now
+        return kv.attach(out)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        return self._runner().sample_tokens(grammar_output)
+        out = self._runner().sample_tokens(grammar_output)
+        return out if self.kv_connector is None else self.kv_connector.attach(out)  # type: ignore[return-value]
 
     def get_model_info(self) -> ModelInfo:
         """The loaded model's limits (effective max_model_len, vocab, EOS ids)."""
@@ -153,8 +175,12 @@ class Worker:
         self._sleepable("sleep").sleep(level)
 
     def wake_up(self) -> None:
-        """Load the weights and allocate the KV cache again after ``sleep``."""
-        self._sleepable("wake_up").wake_up()
+        """Load the weights and allocate the KV cache again after ``sleep`` (handed to the KV
+        connector's half again: the tensors are new)."""
+        runner = self._sleepable("wake_up")
+        runner.wake_up()
+        if self.kv_connector is not None:
+            self.kv_connector.register(runner)
 
     def can_sleep(self) -> bool:
         """Whether the runner implements ``sleep`` and ``wake_up`` (``baton.interfaces.Sleepable``)."""
@@ -238,4 +264,7 @@ class Worker:
         """Nothing to probe in-process; a dead device raises on the next step."""
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
         self.model_runner = None
