@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.errors import InvalidRequestError
+from baton.errors import InvalidRequestError, error_from_message
 from baton.kv.hashing import ROOT_HASH, hash_block
 from baton.testing.tiny_model import tiny_model
 
@@ -153,11 +153,17 @@ def test_a_corrupt_block_is_recomputed_never_served(
 
 
 def test_params_a_role_cannot_serve_fail_the_request_by_name(producer: LLM, consumer: LLM) -> None:
+    """The request fails (its error rebuilds as InvalidRequestError naming kv_transfer_params:
+    AsyncLLM raises it, an HTTP server answers 400); the engine serves on."""
     p = prompt(2 * BLOCK)
-    with pytest.raises(InvalidRequestError, match="send the request to a consumer engine"):
-        tokens(producer, p, with_params({"do_remote_prefill": True}))
-    with pytest.raises(InvalidRequestError, match="send the request to a producer engine"):
-        tokens(consumer, p, with_params({"do_remote_decode": True}))
-    with pytest.raises(InvalidRequestError, match="is not a pd hand-off"):
-        tokens(consumer, p, with_params({"do_remote_prefill": True, "num_tokens": 16}))
-    assert tokens(consumer, p).outputs[0].token_ids  # the engine serves on
+    for llm, params, match in (
+        (producer, {"do_remote_prefill": True}, "send the request to a consumer engine"),
+        (consumer, {"do_remote_decode": True}, "send the request to a producer engine"),
+        (consumer, {"do_remote_prefill": True, "num_tokens": 16}, "is not a pd hand-off"),
+    ):
+        out = tokens(llm, p, with_params(params))
+        assert out.outputs[0].finish_reason == "error" and out.error is not None
+        error = error_from_message(out.error)
+        assert isinstance(error, InvalidRequestError) and match in str(error)
+        assert error.param == "kv_transfer_params"
+    assert tokens(consumer, p).outputs[0].token_ids == tokens(producer, p).outputs[0].token_ids

@@ -275,6 +275,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             section="kv_transfer",
             selector="connector",
             unselected=frozenset({"none"}),
+            builtin=("pd",),
         ),
         PluginKind(
             name="router",

@@ -20,9 +20,6 @@ class PDOrders(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: blocks to copy into the store after this step's forward
     saves: list[KVBlockRef] = msgspec.field(default_factory=list)
     loads: list[PDLoad] = msgspec.field(default_factory=list)
-    #: requests that ended while their load runs: report them in ``finished_saving`` once it
-    #: is done (their blocks are held until then: a late copy must not hit a reused block)
-    released: list[str] = msgspec.field(default_factory=list)
 
 
 ENCODER = msgspec.msgpack.Encoder()

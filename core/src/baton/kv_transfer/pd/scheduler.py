@@ -73,16 +73,12 @@ class PDScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        """Asked on a consumer (and ``both``) only: a producer's engine never loads."""
         params = request.kv_transfer_params
-        rid = request.request_id
-        if wants_save(params):
-            self._refuse_unless("producer", "do_remote_decode")
-            self._producing.setdefault(rid, _Produce(request))
-            return 0, False
         if not wants_load(params):
             return 0, False
-        self._refuse_unless("consumer", "do_remote_prefill")
         handoff = parse_handoff(params, self.namespace, self.block_size)  # type: ignore[arg-type]
+        rid = request.request_id
         if rid in self._loaded or rid in self._loading:
             return 0, False
         bs = self.block_size
@@ -95,22 +91,17 @@ class PDScheduler:
         self._consuming[rid] = num_computed_tokens // bs
         return n, True
 
-    def _refuse_unless(self, role: str, flag: str) -> None:
-        if self.role not in (role, "both"):
-            raise InvalidRequestError(
-                f"{PARAM}.{flag} asks this engine for what a pd {role} does, but it is a pd "
-                f"{self.role} ([kv_transfer] role = {self.role!r}): send the request to a "
-                f"{role} engine",
-                param=PARAM,
-            )
-
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
+        """Called for every admitted request, whatever the role: where the role's refusals are."""
+        params = request.kv_transfer_params
         rid = request.request_id
-        produce = self._producing.get(rid)
-        if produce is not None:
-            produce.block_ids = list(block_ids)
+        if wants_save(params):
+            self._refuse_unless("producer", "do_remote_decode")
+            self._producing.setdefault(rid, _Produce(request)).block_ids = list(block_ids)
+        elif wants_load(params):
+            self._refuse_unless("consumer", "do_remote_prefill")
         first = self._consuming.pop(rid, None)
         if first is None or num_external_tokens <= 0:
             return  # no room for the load: the request computes its prompt itself
@@ -120,6 +111,15 @@ class PDScheduler:
             PDLoad(request_id=rid, blocks=blocks, timeout=self.settings.load_timeout)
         )
         self._loading.add(rid)
+
+    def _refuse_unless(self, role: str, flag: str) -> None:
+        if self.role not in (role, "both"):
+            raise InvalidRequestError(
+                f"{PARAM}.{flag} asks this engine for what a pd {role} does, but it is a pd "
+                f"{self.role} ([kv_transfer] role = {self.role!r}): send the request to a "
+                f"{role} engine",
+                param=PARAM,
+            )
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -152,22 +152,19 @@ class PDScheduler:
     def request_finished(
         self, request: Request, block_ids: Sequence[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
+        rid = request.request_id  # the kernel holds the blocks of a request still loading
         self._consuming.pop(rid, None)
         self._loaded.discard(rid)
-        hold = rid in self._loading
-        if hold:  # its load still writes into its blocks: held until the worker is done
-            self._loading.discard(rid)
-            self._orders.released.append(rid)
+        self._loading.discard(rid)
         produce = self._producing.pop(rid, None)
         if produce is None or request.status not in _HANDED_OFF:
-            return hold, None
+            return False, None
         handoff = PDHandoff(
             remote_engine_id=self.engine_id,
             num_tokens=produce.saved * self.block_size,
             namespace=self.namespace,
         )
-        return hold, msgspec.to_builtins(handoff)
+        return False, msgspec.to_builtins(handoff)
 
     def take_events(self) -> list[Any]:
         return []  # the store is private to producers and their consumers: no router reads it

@@ -46,7 +46,6 @@ class PDWorker:
         self._caches: list[torch.Tensor] = []
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="baton-pd-load")
         self._loads: dict[str, Future[int]] = {}
-        self._released: set[str] = set()
         self._saves: list[int] = []
         self._save_hashes: list[bytes] = []
         self._lock = threading.Lock()  # the stats, which load threads add to
@@ -60,7 +59,6 @@ class PDWorker:
         for ref in orders.saves:
             self._saves.append(ref.block_id)
             self._save_hashes.append(ref.block_hash)
-        self._released.update(orders.released)
         for load in orders.loads:
             self._loads[load.request_id] = self._pool.submit(self._load, load)
 
@@ -71,10 +69,7 @@ class PDWorker:
         for rid in [r for r, f in self._loads.items() if f.done()]:
             future = self._loads.pop(rid)
             error = future.exception()
-            if rid in self._released:  # ended while loading: its blocks may go now
-                self._released.discard(rid)
-                out.finished_saving.append(rid)
-            elif error is not None:
+            if error is not None:
                 out.failed[rid] = f"pd: loading the prefill failed: {type(error).__name__}: {error}"
             else:
                 out.finished_loading[rid] = future.result()
