@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def completion(url: str, **body: Any) -> httpx.Response:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, **body}
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, **body}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 

@@ -46,7 +46,7 @@ def create_app(upstreams: Upstreams) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         """200 when every engine's /health is."""
-        for url in upstreams.prefill + upstreams.decode:
+        for url in upstreams.prefill_urls + upstreams.decode_urls:
             try:
                 ok = (await upstreams.client.get(url + "/health")).status_code == 200
             except httpx.HTTPError:
@@ -57,7 +57,7 @@ def create_app(upstreams: Upstreams) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        url = upstreams.decode[0] + "/v1/models"
+        url = upstreams.decode_urls[0] + "/v1/models"
         try:
             resp = await upstreams.client.get(url, headers=forwarded(request.headers))
         except httpx.HTTPError as e:

@@ -53,10 +53,10 @@ class Upstreams:
     """The producer and consumer engines, each taken round-robin."""
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], timeout: float) -> None:
-        self.prefill = [u.rstrip("/") for u in prefill]
-        self.decode = [u.rstrip("/") for u in decode]
-        self._next_prefill = itertools.cycle(self.prefill)
-        self._next_decode = itertools.cycle(self.decode)
+        self.prefill_urls = [u.rstrip("/") for u in prefill]
+        self.decode_urls = [u.rstrip("/") for u in decode]
+        self._next_prefill = itertools.cycle(self.prefill_urls)
+        self._next_decode = itertools.cycle(self.decode_urls)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
 
     async def aclose(self) -> None:
