@@ -98,9 +98,8 @@ def test_the_consumer_outlives_a_killed_producer(
     pair: tuple[ServeProcess, ServeProcess, str],
 ) -> None:
     producer, consumer, proxy = pair
-    want = completion(consumer.url).json()["choices"][0]["text"]  # one engine, no hand-off
-    other = [t + 1 for t in PROMPT]
-    want_other = completion(consumer.url, prompt=other).json()["choices"][0]["text"]
+    # one engine, no hand-off (the producer: the consumer must not have the prompt cached)
+    want = completion(producer.url).json()["choices"][0]["text"]
 
     through = completion(proxy, prompt=[t + 2 for t in PROMPT])
     assert through.status_code == 200, through.text
@@ -120,10 +119,12 @@ def test_the_consumer_outlives_a_killed_producer(
     assert got.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BLOCK
 
     # params promising blocks of a prompt it never prefilled: load_timeout, then recomputed
+    other = [t + 1 for t in PROMPT]
     got = completion(consumer.url, prompt=other, kv_transfer_params=handed)
     assert got.status_code == 200, got.text
-    assert got.json()["choices"][0]["text"] == want_other
     assert not (got.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    want_other = completion(consumer.url, prompt=other).json()["choices"][0]["text"]
+    assert got.json()["choices"][0]["text"] == want_other
 
     r = completion(proxy)
     assert r.status_code == 502 and producer.url in r.json()["error"]["message"]
