@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from baton import interfaces
 from baton.config import BatonConfig
+from baton.kv_transfer.connector import KVConnector
 from baton.plugins import hookspecs
 from baton.plugins.registry import KINDS, Plugins
 
@@ -124,6 +125,7 @@ def test_hooks_md_example_runs(name):
         "speculator": interfaces.Speculator,
         "router": interfaces.Router,
         "engine_launcher": interfaces.EngineLauncher,
+        "kv_connector": KVConnector,
     }.get(kind)
     if protocol is not None:
         assert isinstance(product, protocol)

@@ -51,6 +51,7 @@ def test_registry_and_config_tables_derive_from_the_record():
         "transport": ("transport", "name"),
         "structured_output": ("structured_output", "backend"),
         "speculator": ("speculative", "method"),
+        "kv_connector": ("kv_transfer", "connector"),
         "router": ("routing", "router"),
     }
     hooks = {

@@ -28,6 +28,7 @@ _SUITES = (
     "SpeculatorConformance",
     "RouterConformance",
     "EngineLauncherConformance",
+    "KVConnectorConformance",
 )
 
 #: The audiences that are not a plugin kind.
@@ -290,6 +291,17 @@ SURFACE: dict[str, dict[str, Names]] = {
         "baton.testing.conformance.speculator": ("SpeculatorConformance", "PROMPTS", "run_engine"),
         "baton.testing.conformance.router": ("RouterConformance",),
         "baton.testing.conformance.engine_launcher": ("EngineLauncherConformance", "PROMPTS"),
+        "baton.testing.conformance.kv_connector": (
+            "KVConnectorConformance",
+            "PROMPTS",
+            "run_requests",
+            "Finished",
+        ),
+        "baton.testing.kv_connector": (
+            "register_memory_connector",
+            "MemoryConnector",
+            "MemorySettings",
+        ),
     },
 }
 

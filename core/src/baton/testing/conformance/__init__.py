@@ -8,6 +8,7 @@
 - ``RouterConformance`` (``.router``): set ``name`` or override ``make_router(config)``.
 - ``EngineLauncherConformance`` (``.engine_launcher``): set ``name`` or override
   ``make_launcher(config)``.
+- ``KVConnectorConformance`` (``.kv_connector``): set ``name`` (and ``settings``).
 
 Each suite is a plain class of ``test_*`` methods: ``class TestMine(SchedulerPolicyConformance):
 name = "mine"`` collects them all in your test module. Names are imported lazily, so importing
@@ -27,6 +28,7 @@ _SUITES = {
     "SpeculatorConformance": "baton.testing.conformance.speculator",
     "RouterConformance": "baton.testing.conformance.router",
     "EngineLauncherConformance": "baton.testing.conformance.engine_launcher",
+    "KVConnectorConformance": "baton.testing.conformance.kv_connector",
 }
 
 __all__ = sorted(_SUITES)

@@ -1,0 +1,23 @@
+"""The KV-connector conformance suite run against the reference connector (``memory``,
+baton.testing.kv_connector), with synchronous and with asynchronous loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.testing.conformance import KVConnectorConformance
+from baton.testing.kv_connector import register_memory_connector
+
+
+@pytest.fixture(autouse=True)
+def _memory_connector() -> None:
+    register_memory_connector()
+
+
+class TestMemoryConnector(KVConnectorConformance):
+    name = "memory"
+
+
+class TestMemoryConnectorAsyncLoads(KVConnectorConformance):
+    name = "memory"
+    settings = {"async_loads": True}
