@@ -192,7 +192,8 @@ def register_kv_connectors(register: Register[KVConnectorFactory]) -> None:
     Selected by ``kv_transfer.connector`` (``none``, the default: the pool only), with
     ``kv_transfer.role``. The factory is called once in the engine process (the scheduler
     half, ``scheduler_side``) and once in each worker process (``worker_side``);
-    docs/kv-connectors.md says when each half's calls run. Built in: none yet.
+    docs/kv-connectors.md says when each half's calls run. Built in: ``offload`` (a RAM tier
+    and a disk tier, docs/kv-offload.md).
     """
 
 

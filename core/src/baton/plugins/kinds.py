@@ -275,7 +275,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             section="kv_transfer",
             selector="connector",
             unselected=frozenset({"none"}),
-            builtin=("pd",),
+            builtin=("offload", "pd"),
         ),
         PluginKind(
             name="router",
