@@ -18,6 +18,8 @@ import msgspec
 from baton.errors import InvalidRequestError
 
 PARAM = "kv_transfer_params"
+#: The tier name of the shared store in ``KVTransferStats`` (hits, occupancy).
+MEDIUM = "PD"
 
 
 class PDHandoff(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

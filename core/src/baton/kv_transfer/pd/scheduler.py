@@ -10,7 +10,6 @@ there and the rest is recomputed.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import socket
@@ -23,15 +22,17 @@ import msgspec
 from baton.errors import InvalidRequestError
 from baton.kv_transfer.connector import KVBlockRef, KVSchedulerContext, KVStep
 from baton.kv_transfer.pd.orders import ENCODER, PDLoad, PDOrders
-from baton.kv_transfer.pd.params import PARAM, PDHandoff, parse_handoff, wants_load, wants_save
+from baton.kv_transfer.pd.params import (
+    MEDIUM,
+    PARAM,
+    PDHandoff,
+    parse_handoff,
+    wants_load,
+    wants_save,
+)
 from baton.kv_transfer.pd.settings import PDSettings
 from baton.kv_transfer.types import KVConnectorOutput, KVTransferStats
 from baton.request import Request, RequestStatus
-
-logger = logging.getLogger(__name__)
-
-#: The tier of hand-off hits in ``KVTransferStats.hit_tokens`` (a producer's prefill).
-MEDIUM = "PD"
 
 #: A producer's request ended with its prompt computed: its hand-off is complete.
 _HANDED_OFF = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -179,7 +180,7 @@ class PDScheduler:
 
 
 def _add(total: KVTransferStats, part: KVTransferStats) -> None:
-    """Add a worker's figures (deltas) to ``total``."""
+    """Add a worker's figures (deltas; its store's level replaces the last one) to ``total``."""
     total.load_bytes += part.load_bytes
     total.load_seconds += part.load_seconds
     total.save_bytes += part.save_bytes
@@ -187,3 +188,5 @@ def _add(total: KVTransferStats, part: KVTransferStats) -> None:
     total.failed_loads += part.failed_loads
     for tier, n in part.hit_tokens.items():
         total.hit_tokens[tier] = total.hit_tokens.get(tier, 0) + n
+    total.tier_bytes.update(part.tier_bytes)
+    total.tier_capacity_bytes.update(part.tier_capacity_bytes)

@@ -20,6 +20,7 @@ from baton.kv_transfer.connector import KVWorkerContext
 from baton.kv_transfer.offload.disk_tier import BlockFileStore
 from baton.kv_transfer.offload.layout import shard_key
 from baton.kv_transfer.pd.orders import DECODER, PDLoad
+from baton.kv_transfer.pd.params import MEDIUM
 from baton.kv_transfer.pd.settings import PDSettings
 from baton.kv_transfer.types import KVConnectorOutput, KVTransferStats
 from baton.protocol import KVCacheSpec
@@ -30,8 +31,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.005
 #: Loads that run at once (each may wait for its producer).
 LOAD_THREADS = 2
-#: The store's tier name in ``KVTransferStats.tier_bytes``.
-MEDIUM = "PD"
 
 
 class PDWorker:
