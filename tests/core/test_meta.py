@@ -156,6 +156,7 @@ def test_every_extension_point_has_a_conformance_suite():
         "TransportConformance",
         "StructuredOutputConformance",
         "SpeculatorConformance",
+        "KVConnectorConformance",
     ):
         cls = getattr(conformance, suite)
         assert inspect.isclass(cls) and any(n.startswith("test_") for n in dir(cls)), suite

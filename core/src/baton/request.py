@@ -184,7 +184,8 @@ class Request:
             req.lora_request,
             req.retain_kv,
             req.fork_from,
-            req.kv_transfer_params,
+            # a client without a frontend may leave it in extra_args, vLLM's route
+            req.kv_transfer_params or req.sampling_params.kv_transfer_params,
         )
 
     @property

@@ -58,7 +58,9 @@ def build_namespace(
         model=model,
         kv_dtype=first.dtype,
         block_size=first.block_size,
-        num_layers=sum(specs[p * tensor_parallel_size].num_layers for p in range(pipeline_parallel_size)),
+        num_layers=sum(
+            specs[p * tensor_parallel_size].num_layers for p in range(pipeline_parallel_size)
+        ),
         num_kv_heads=sum(specs[t].num_kv_heads for t in range(tensor_parallel_size)),
         head_size=first.head_size,
         tensor_parallel_size=tensor_parallel_size,

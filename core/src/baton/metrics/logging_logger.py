@@ -2,7 +2,9 @@
 
 When speculative decoding verified drafts in the interval, a second line per engine
 gives its acceptance rate, mean accepted length and per-position acceptance over
-that interval (``baton.metrics.spec``)."""
+that interval (``baton.metrics.spec``). With a KV connector (``[kv_transfer]``) whose stats
+came in the interval, another gives the tokens each tier served, the bytes loaded and saved,
+and each tier's occupancy (``KVTransferTally``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from baton.config import BatonConfig
 from baton.metrics.spec import SpecTally
 from baton.metrics.stats import IterationStats
 from baton.plugins.hookspecs import hookimpl
-from baton.protocol import SchedulerStats
+from baton.protocol import KVTransferStats, SchedulerStats
 
 log = logging.getLogger("baton.stats")
 
@@ -37,6 +39,8 @@ class LoggingStatLogger:
         self.num_slo_met = 0
         #: Speculative decoding's figures in this interval, per engine index.
         self.spec: dict[int, SpecTally] = {}
+        #: The KV connector's figures in this interval, per engine index.
+        self.kv: dict[int, KVTransferTally] = {}
 
     def record(
         self,
@@ -59,6 +63,8 @@ class LoggingStatLogger:
                 if tally is None:
                     tally = self.spec[engine_index] = SpecTally()
                 tally.add(scheduler_stats)
+            if scheduler_stats.kv_transfer is not None:
+                self.kv.setdefault(engine_index, KVTransferTally()).add(scheduler_stats.kv_transfer)
 
     def log(self) -> None:
         now = time.monotonic()
@@ -87,7 +93,52 @@ class LoggingStatLogger:
             )
         for index, tally in sorted(self.spec.items()):
             log.info("engine %03d: speculative decoding: %s", index, tally.describe())
+        for index, kv in sorted(self.kv.items()):
+            log.info("engine %03d: KV connector: %s", index, kv.describe())
         self._reset(now)
+
+
+class KVTransferTally:
+    """A KV connector's figures summed over a logging interval (occupancy: the latest)."""
+
+    def __init__(self) -> None:
+        self.total = KVTransferStats()
+
+    def add(self, kv: KVTransferStats) -> None:
+        t = self.total
+        for tier, n in kv.hit_tokens.items():
+            t.hit_tokens[tier] = t.hit_tokens.get(tier, 0) + n
+        t.load_bytes += kv.load_bytes
+        t.load_seconds += kv.load_seconds
+        t.save_bytes += kv.save_bytes
+        t.save_seconds += kv.save_seconds
+        t.failed_loads += kv.failed_loads
+        t.tier_bytes.update(kv.tier_bytes)
+        t.tier_capacity_bytes.update(kv.tier_capacity_bytes)
+
+    def describe(self) -> str:
+        """``served CPU 96 tokens; loaded 1.2 MiB in 0.004 s; saved ...; tiers CPU 3.0/64.0 MiB``"""
+        t, mib = self.total, 2**20
+        served = ", ".join(f"{tier} {n}" for tier, n in sorted(t.hit_tokens.items())) or "0"
+        parts = [
+            f"served {served} tokens",
+            f"loaded {t.load_bytes / mib:.1f} MiB in {t.load_seconds:.3f} s",
+            f"saved {t.save_bytes / mib:.1f} MiB in {t.save_seconds:.3f} s",
+        ]
+        if t.failed_loads:
+            parts.append(f"{t.failed_loads} blocks failed to load (recomputed)")
+        if t.tier_bytes:
+            cap = t.tier_capacity_bytes
+            parts.append(
+                "tiers "
+                + ", ".join(
+                    f"{tier} {n / mib:.1f}"
+                    + (f"/{cap[tier] / mib:.1f}" if tier in cap else "")
+                    + " MiB"
+                    for tier, n in sorted(t.tier_bytes.items())
+                )
+            )
+        return "; ".join(parts)
 
 
 @hookimpl

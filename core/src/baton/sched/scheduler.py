@@ -42,9 +42,15 @@ has left it; the call is made once the scheduler's books are settled (at the
 end of ``finish_requests`` / ``update_from_output``), so a policy that raises
 there fails the engine rather than the request.
 
+With a KV connector (``[kv_transfer]``, ``use_kv_connector``; its scheduler half is
+``kv_connector``) admission asks it for tokens beyond the pool's prefix hits, a request whose
+load is asynchronous waits in WAITING_FOR_KV holding its blocks, each output carries the
+connector's orders and each update its workers' report (``sched/kv_transfer.py``).
+
 Jobs of their own: admission (``sched/admission.py``), the update from a step's
 output (``sched/step_update.py``), the step's plan (``sched/step_plan.py``), stats
-(``sched/counters.py``), stop checks, forks, victims, the prompt-token budget.
+(``sched/counters.py``), preemption (``sched/preemption.py``), the KV connector's books
+(``sched/kv_transfer.py``), stop checks, forks, victims, the prompt-token budget.
 """
 
 from __future__ import annotations

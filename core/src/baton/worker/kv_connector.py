@@ -6,6 +6,9 @@ scheduler half's orders before the forward and ``finish_step`` right after it (b
 sampling that may wait for a grammar bitmask: the forward wrote the KV already). Its report
 rides on the step's ``ModelRunnerOutput.kv_connector``.
 
+With several workers each rank's report is gathered to the driver after every step and merged
+there (``gather``, set by ``baton.executor.kv_connector``), the only report that goes back.
+
 Containment: a half whose ``start_step`` or ``finish_step`` raises fails that step's requests
 with connector work (the report's ``step_error``), not the worker; a half that fails one
 request reports it in ``KVConnectorOutput.failed`` itself.
@@ -14,6 +17,7 @@ request reports it in ``KVConnectorOutput.failed`` itself.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from baton.errors import ExecutorError
@@ -36,6 +40,9 @@ class WorkerKVConnector:
         self._pending: KVConnectorOutput | None = None
         self._started = False
         self._error: str | None = None
+        #: With several workers (set by the executor's side): every rank calls it with its
+        #: report after each step; the driver gets the merged report back, the others None.
+        self.gather: Callable[[KVConnectorOutput | None], KVConnectorOutput | None] | None = None
 
     def register(self, runner: Any) -> None:
         """Hand the half the runner's KV cache: one ``[2, num_blocks, kv_heads, block_size,
@@ -72,6 +79,8 @@ class WorkerKVConnector:
         if self._error is not None:
             report = report or KVConnectorOutput()
             report.step_error = self._error
+        if self.gather is not None:  # every rank's report, merged on the driver
+            report = self.gather(report)
         self._pending = report
         return report
 

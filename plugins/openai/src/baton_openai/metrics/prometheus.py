@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from baton.config import BatonConfig
 from baton.metrics.stats import IterationStats
-from baton.protocol import SchedulerStats
+from baton.protocol import KVTransferStats, SchedulerStats
 from baton_openai.metrics.settings import PrometheusSettings
 
 TTFT_BUCKETS = (
@@ -126,9 +126,15 @@ class _Families:
     """The metric families of one naming scheme (``prefix``: ``baton_`` or ``vllm:``)."""
 
     def __init__(
-        self, r: CollectorRegistry, prefix: str, labels: list[str], speculative: bool = False
+        self,
+        r: CollectorRegistry,
+        prefix: str,
+        labels: list[str],
+        speculative: bool = False,
+        kv_transfer: bool = False,
     ) -> None:
         self.spec = _SpecFamilies(r, prefix, labels) if speculative else None
+        self.kv = _KVTransferFamilies(r, prefix, labels) if kv_transfer else None
         make = _Maker(r, prefix, labels)
         self.running = make.gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = make.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -210,6 +216,72 @@ class _SpecFamilies:
         )
 
 
+class _KVTransferFamilies:
+    """A KV connector's figures (``SchedulerStats.kv_transfer``) of one naming scheme: vLLM's
+    ``external_prefix_cache_hits`` (tokens the connector served), the rest ``kv_transfer_*``."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str, labels: list[str]) -> None:
+        make = _Maker(r, prefix, labels)
+        self.external_hits = make.counter(
+            "external_prefix_cache_hits", "Prompt tokens the KV connector served (every tier)."
+        )
+        self.hit_tokens = make.counter(
+            "kv_transfer_hit_tokens", "Prompt tokens the KV connector served, by tier.", "tier"
+        )
+        self.load_bytes = make.counter("kv_transfer_load_bytes", "Bytes of KV loaded.")
+        self.load_seconds = make.counter("kv_transfer_load_seconds", "Seconds spent loading KV.")
+        self.save_bytes = make.counter("kv_transfer_save_bytes", "Bytes of KV saved.")
+        self.save_seconds = make.counter("kv_transfer_save_seconds", "Seconds spent saving KV.")
+        self.failed_loads = make.counter(
+            "kv_transfer_failed_loads", "Blocks found missing or bad when loading (recomputed)."
+        )
+        self.tier_bytes = Gauge(
+            f"{prefix}kv_transfer_tier_bytes",
+            "Bytes of KV each tier holds.",
+            [*labels, "tier"],
+            registry=r,
+        )
+        self.tier_capacity = Gauge(
+            f"{prefix}kv_transfer_tier_capacity_bytes",
+            "Bytes of KV each tier may hold.",
+            [*labels, "tier"],
+            registry=r,
+        )
+
+
+class _EngineKVTransferMetrics:
+    """One engine's KV-connector series."""
+
+    def __init__(self, f: _KVTransferFamilies, labels: tuple[str, str]) -> None:
+        self.f, self.labels = f, labels
+        self.external_hits = f.external_hits.labels(*labels)
+        self.load_bytes = f.load_bytes.labels(*labels)
+        self.load_seconds = f.load_seconds.labels(*labels)
+        self.save_bytes = f.save_bytes.labels(*labels)
+        self.save_seconds = f.save_seconds.labels(*labels)
+        self.failed_loads = f.failed_loads.labels(*labels)
+
+    def record(self, kv: KVTransferStats) -> None:
+        labels = self.labels
+        for tier, n in kv.hit_tokens.items():
+            if n:
+                self.external_hits.inc(n)
+                self.f.hit_tokens.labels(*labels, tier).inc(n)
+        for counter, value in (
+            (self.load_bytes, kv.load_bytes),
+            (self.load_seconds, kv.load_seconds),
+            (self.save_bytes, kv.save_bytes),
+            (self.save_seconds, kv.save_seconds),
+            (self.failed_loads, kv.failed_loads),
+        ):
+            if value:
+                counter.inc(value)
+        for tier, n in kv.tier_bytes.items():
+            self.f.tier_bytes.labels(*labels, tier).set(n)
+        for tier, n in kv.tier_capacity_bytes.items():
+            self.f.tier_capacity.labels(*labels, tier).set(n)
+
+
 class PrometheusStatLogger:
     """Observes SchedulerStats and IterationStats; ``log()`` is a no-op (Prometheus pulls)."""
 
@@ -225,8 +297,10 @@ class PrometheusStatLogger:
         labels = ["model_name", "engine"]
         spec = config.speculative.method != "none"
         self._num_spec_positions = config.speculative.num_tokens if spec else 0
+        kv = config.kv_transfer.connector != "none"
         self._families = [
-            _Families(self.registry, PREFIXES[s], labels, speculative=spec) for s in schemes
+            _Families(self.registry, PREFIXES[s], labels, speculative=spec, kv_transfer=kv)
+            for s in schemes
         ]
         self._rejected = Counter(
             "baton_requests_rejected",
@@ -271,6 +345,7 @@ class _EngineMetrics:
         self.spec = (
             None if f.spec is None else _EngineSpecMetrics(f.spec, labels, num_spec_positions)
         )
+        self.kv = None if f.kv is None else _EngineKVTransferMetrics(f.kv, labels)
         self.running = f.running.labels(*labels)
         self.waiting = f.waiting.labels(*labels)
         self.kv_usage = f.kv_usage.labels(*labels)
@@ -308,6 +383,8 @@ class _EngineMetrics:
                 self.slo_met.inc(s.num_slo_met)
             if self.spec is not None and s.spec_num_drafts:
                 self.spec.record(s)
+            if self.kv is not None and s.kv_transfer is not None:
+                self.kv.record(s.kv_transfer)
         if iteration_stats is not None:
             it = iteration_stats
             if it.num_prompt_tokens:
