@@ -67,6 +67,7 @@ class OffloadWorker:
         self._orders = StepOrders()
         self._loads: dict[str, _BackgroundLoad] = {}
         self._failed: dict[str, str] = {}
+        self._stopped: dict[str, int] = {}  # cancelled loads, to report: request -> tokens
 
     # ---- the KV cache
 
@@ -76,7 +77,8 @@ class OffloadWorker:
         # one block of every layer this worker holds: [layers, 2 (K, V), heads, block, head size]
         self._block_shape = [len(self._caches), 2, *first.shape[2:]]
         self._pin = first.device.type == "cuda"
-        self.ram.clear()  # a new cache (wake_up): the payloads stay valid, but start clean
+        # RAM is kept across a new cache (wake_up): its payloads are host copies, and the
+        # scheduler half's mirror still counts them
 
     def _copy_out(self, block_id: int) -> torch.Tensor:
         """A host copy of one block of every layer."""
@@ -105,12 +107,15 @@ class OffloadWorker:
         self._orders = orders
 
     def _cancel(self, req_id: str) -> None:
-        """Stop a request's background load and wait for it: its blocks may be reused now."""
+        """Stop a request's background load and wait for it (the request ended); it is still
+        reported in ``finished_loading``, which is what frees its blocks."""
         job = self._loads.pop(req_id, None)
         if job is None or job.future is None:
             return
         job.cancel.set()
-        job.future.exception()  # waits; a failure no longer matters (the request ended)
+        # waits; a failure no longer matters (nothing will read the blocks)
+        exc = job.future.exception()
+        self._stopped[req_id] = 0 if exc is not None else job.future.result()
 
     def _load(self, load: LoadOrder) -> None:
         start = time.perf_counter()
@@ -161,7 +166,7 @@ class OffloadWorker:
         orders, self._orders = self._orders, StepOrders()
         if orders.saves:
             self._save(orders)
-        finished: dict[str, int] = {}
+        finished, self._stopped = self._stopped, {}
         for req_id, job in list(self._loads.items()):
             assert job.future is not None
             if not job.future.done():
