@@ -11,7 +11,7 @@ from baton.plugins.registry import get_registry
 
 HEADER = """# Configuration
 
-One settings model (`baton.config.BatonConfig`), ten sections of baton-core and the
+One settings model (`baton.config.BatonConfig`), eleven sections of baton-core and the
 sections installed plugins register (`register_config_sections`: baton-plugin-openai's
 `[server]`), every one optional. Sources, strongest first:
 

@@ -16,7 +16,7 @@ from baton.cli.main import add_engine_arguments, engine_overrides, main
 from baton.config import BatonConfig
 from baton.errors import ConfigError, PluginError, PluginNotFoundError
 from baton.plugins.check import check_config_plugins
-from baton.plugins.registry import Plugins
+from baton.plugins.registry import ChosenPlugin, PluginEntry, Plugins
 from baton.plugins.resolve import resolve_plugins
 
 
@@ -175,6 +175,32 @@ def test_resolve_refuses_what_the_check_refuses_and_honours_skip():
     plugins = resolve_plugins(config, registry(), skip=frozenset({"executor"}))
     with pytest.raises(PluginError, match=r"no executor was resolved \(the caller supplies it\)"):
         plugins.one("executor")
+
+
+def test_resolve_keeps_a_plugin_the_caller_resolved_without_validating_it_again(monkeypatch):
+    """An engine process resolves its transport first (to report what fails next through it),
+    then the rest with it: each selected plugin's settings are validated once."""
+    config = BatonConfig.load(policy="edf", **{"scheduler.edf.deadline_ms": 9})
+    reg = registry()
+    entry = reg.get("transport", config.transport.name)
+    transport = ChosenPlugin(entry, entry.settings(config))
+    real_settings, validated = PluginEntry.settings, []
+
+    def settings(entry, config):
+        validated.append((entry.kind, entry.name))
+        return real_settings(entry, config)
+
+    monkeypatch.setattr(PluginEntry, "settings", settings)
+    plugins = resolve_plugins(config, reg, given=(transport,))
+    assert plugins.one("transport") is transport
+    assert ("transport", transport.name) not in validated
+    others = [(c.entry.kind, c.name) for c in plugins.chosen if c is not transport]
+    assert validated == others  # each of the others once, in the record's order
+    assert plugins.one("scheduler_policy").settings.deadline_ms == 9
+    # what the caller resolved is not a way around the check: the others are still refused
+    bad = BatonConfig.load(executor="no-such-executor")
+    with pytest.raises(PluginNotFoundError):
+        resolve_plugins(bad, reg, given=(transport,))
 
 
 # --------------------------------------------------------------------------- the command

@@ -7,6 +7,7 @@ kv_transfer_params in and out, the namespace."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,12 @@ from baton.protocol import (
 from baton.request import Request, RequestStatus
 from baton.sampling_params import SamplingParams
 from baton.testing.conformance.kv_connector import Finished, run_requests
-from baton.testing.kv_connector import TIER, MemoryConnector, register_memory_connector
+from baton.testing.kv_connector import (
+    TIER,
+    MemoryConnector,
+    register_memory_connector,
+    unregister_memory_connector,
+)
 from baton.testing.tiny_model import tiny_model
 
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16, the last 4 computed
@@ -38,9 +44,11 @@ BLOCK = 16
 
 
 @pytest.fixture(autouse=True)
-def _memory() -> None:
+def _memory() -> Iterator[None]:
     register_memory_connector()
     TIER.clear()
+    yield
+    unregister_memory_connector()  # engines spawned by later tests must see the same plugins
 
 
 def config(connector: str = "memory", **kv: Any) -> BatonConfig:
@@ -186,7 +194,7 @@ def test_a_synchronous_load_is_computed_in_the_step_that_schedules_it(reference)
 
 
 def test_an_asynchronous_load_waits_holding_its_blocks(reference) -> None:
-    core, sent = engine(config(async_loads=True))
+    core, sent = engine(config(async_loads=True, load_delay_s=0.2))
     try:
         run_requests(core, {"a": PROMPT})
         assert core.reset_prefix_cache()
@@ -196,11 +204,14 @@ def test_an_asynchronous_load_waits_holding_its_blocks(reference) -> None:
         req = core.scheduler.requests["b"]
         assert "b" not in sent[0].num_scheduled_tokens  # parked: it computes nothing yet
         assert core.scheduler.kv.get_block_ids("b"), "it holds its blocks while it loads"
-        assert req.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.WAITING)
+        assert req.status == RequestStatus.WAITING_FOR_KV
+        assert core.has_work()
         done = drain(core, first)
         new = first_scheduling(sent, "b").scheduled_new_reqs[0]
     finally:
         core.shutdown()
+    waiting = sent[: sent.index(first_scheduling(sent, "b"))]
+    assert waiting and all(so.is_empty for so in waiting)  # steps without a forward meanwhile
     assert new.num_computed_tokens == 96
     assert done["b"].tokens == reference and done["b"].num_cached_tokens == 96
 
@@ -263,15 +274,14 @@ def test_held_blocks_are_freed_when_a_worker_reports_them_saved(hold: bool) -> N
 
 
 def test_an_aborted_request_keeps_its_blocks_until_its_load_is_reported() -> None:
-    core, _ = engine(config(async_loads=True, hold_blocks=False))
+    core, _ = engine(config(async_loads=True, hold_blocks=False, load_delay_s=0.5))
     sched = core.scheduler
     try:
         run_requests(core, {"a": PROMPT})
         assert core.reset_prefix_cache()
         add(core, "b", PROMPT)
         core.step_fn()
-        if sched.requests["b"].status != RequestStatus.WAITING_FOR_KV:
-            pytest.skip("the load finished within the step that started it")
+        assert sched.requests["b"].status == RequestStatus.WAITING_FOR_KV
         core.abort_requests(["b"])
         assert "b" in sched.kv_transfer.held  # type: ignore[union-attr]
         drain(core)
@@ -432,3 +442,45 @@ def test_the_worker_half_gets_the_new_cache_after_wake_up(reference) -> None:
     finally:
         core.shutdown()
     assert again.tokens == reference and again.num_cached_tokens == 96
+
+
+def test_a_batch_queue_is_refused_with_a_connector() -> None:
+    """Two batches in flight (the pipeline executor's queue) would send a batch before the
+    load it reads landed: refused at start, naming the connector and the executor."""
+    from baton.errors import ConfigError
+    from baton.testing import FakeExecutor, FakeExecutorSettings
+
+    fake = FakeExecutor(FakeExecutorSettings(max_concurrent_batches=2))
+    with pytest.raises(ConfigError, match=r"kv_transfer.connector='memory'.*2 batches in flight"):
+        EngineCore(config(), executor=fake)
+
+
+def test_the_start_up_check_names_an_unknown_connector_and_bad_settings() -> None:
+    from baton.errors import BatonError
+    from baton.plugins.resolve import resolve_plugins
+
+    unknown = BatonConfig.load(kv_transfer={"connector": "nope"})
+    with pytest.raises(BatonError, match=r"KV connector 'nope'.*install the distribution"):
+        resolve_plugins(unknown)
+    bad = BatonConfig.load(kv_transfer={"connector": "memory", "memory": {"async_load": True}})
+    with pytest.raises(BatonError, match=r"async_load"):
+        resolve_plugins(bad)
+    assert resolve_plugins(BatonConfig.load()).find("kv_connector") is None  # "none"
+
+
+def test_an_idle_in_process_engine_settles_held_blocks_before_a_reset() -> None:
+    """LLM's engine is stepped only while it serves: blocks a connector holds after the last
+    request ended are reported saved (steps without a forward) before reset_prefix_cache."""
+    llm = LLM(
+        model=str(tiny_model("llama")),
+        max_model_len=256,
+        kv_transfer={"connector": "memory", "memory": {"hold_blocks": True}},
+    )
+    try:
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2))
+        assert llm.engine.core.scheduler.kv_transfer.held  # type: ignore[attr-defined]
+        assert llm.reset_prefix_cache()
+        (again,) = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()
+    assert again.num_cached_tokens == 96

@@ -52,6 +52,7 @@ def test_workers_figures_add_up_and_tokens_served_are_not_counted_twice() -> Non
 
 SCRIPT = """
 import json, sys
+PRELUDE
 from baton import LLM, SamplingParams
 from baton.testing.tiny_model import tiny_model
 
@@ -60,7 +61,7 @@ params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 out = {}
 for name, kv in (("off", {"connector": "none"}),
                  ("on", {"connector": "memory", "memory": {"async_loads": ASYNC, "hold_blocks": False}})):
-    llm = LLM(model=str(tiny_model("llama")), executor="cuda-tp", tensor_parallel_size=2,
+    llm = LLM(model=str(tiny_model("llama")), executor=EXECUTOR, tensor_parallel_size=2,
               device="cpu", num_threads=1, max_model_len=256, kv_cache_memory=4 << 20,
               kv_transfer=kv)
     try:
@@ -77,17 +78,20 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_the_seam_over_tensor_parallel_workers(tmp_path: Path, asynchronous: bool) -> None:
-    """Two ranks, each with its half and its shard of the tier: a prompt the pool forgot is
-    served from the connector with the tokens of connector off. The reference connector
-    reaches the worker processes through an entry point (a distribution made here)."""
-    pytest.importorskip("baton_cuda_tp")
+def run_two_ranks(tmp_path: Path, executor: str, asynchronous: bool, prelude: str = "") -> None:
+    """In a fresh process (its worker processes see the reference connector through an entry
+    point, a distribution made here): two tensor-parallel ranks, each with its half and its
+    shard of the tier, serve a prompt the pool forgot from the connector with the tokens of
+    connector off (and of a second pass without it)."""
     source = "from baton.testing.kv_connector import register_kv_connectors  # noqa: F401\n"
     make_dist(tmp_path / "dist", "baton-test-memory-kv", "baton_test_memory_kv", source)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "dist"), *sys.path])}
-    script = textwrap.dedent(SCRIPT).replace("ASYNC", str(asynchronous))
+    script = (
+        textwrap.dedent(SCRIPT)
+        .replace("ASYNC", str(asynchronous))
+        .replace("EXECUTOR", repr(executor))
+        .replace("PRELUDE", prelude)
+    )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
     )
@@ -97,3 +101,10 @@ def test_the_seam_over_tensor_parallel_workers(tmp_path: Path, asynchronous: boo
     (on1, cached1), (on2, cached2) = out["on"]
     assert on1 == on2 == off1 == off2
     assert (cached1, cached2) == (0, 96)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_seam_over_tensor_parallel_workers(tmp_path: Path, asynchronous: bool) -> None:
+    pytest.importorskip("baton_cuda_tp")
+    run_two_ranks(tmp_path, "cuda-tp", asynchronous)

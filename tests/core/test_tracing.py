@@ -211,10 +211,10 @@ def test_service_name_from_otel_service_name(monkeypatch):
 def test_configured_endpoint_gets_a_provider_of_its_own():
     span_exporter()  # a global provider is set: the configured endpoint still wins
     config = BatonConfig.load(observability={"otlp_traces_endpoint": "http://127.0.0.1:9"})
-    tracer = make_tracer(config)
+    tracer = make_tracer(config.observability, config.served_model_name)
     assert isinstance(tracer, OtelTracer) and tracer._provider is not None
     tracer.shutdown()  # nothing buffered: sends nothing
-    assert make_tracer(BatonConfig.load()) is None
+    assert make_tracer(BatonConfig.load().observability, "m") is None
 
 
 def _run_fresh(script: str, **env: str) -> dict:

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
 from baton.errors import ContextLengthError, InvalidRequestError, error_from_message
-from baton.frontend.input_processor import (
+from baton.frontend.prompts import (
     PREFIX_CHARS_PER_TOKEN,
     RESERVED_CHAT_TEMPLATE_KWARGS,
     InputProcessor,

@@ -29,7 +29,7 @@ def _counting(monkeypatch, module: str, name: str) -> list[int]:
 
 
 def test_the_frontend_checks_each_prompt_once_and_the_engine_each_request_once(monkeypatch):
-    frontend = _counting(monkeypatch, "baton.frontend.input_processor", "check_request")
+    frontend = _counting(monkeypatch, "baton.frontend.prompts", "check_request")
     engine = _counting(monkeypatch, "baton.engine.core", "check_engine_request")
     with LLM(model=str(tiny_model("llama")), max_model_len=128) as llm:
         outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)

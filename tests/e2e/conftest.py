@@ -28,6 +28,23 @@ def greedy_reference(
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def assert_a_death_fails_every_call(
+    llm: LLM, killed_at: list[float], dead: type[BaseException], max_tokens: int = 2000
+) -> None:
+    """A long run (``max_tokens`` each), during which a process of the engine is killed
+    (``killed_at``: when, filled by the killer at the first output), raises ``dead`` within
+    5 s of the kill; so does every later call."""
+    with pytest.raises(dead):
+        llm.generate(
+            ["x " * 10] * 4,
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0),
+            use_tqdm=False,
+        )
+    assert killed_at and time.monotonic() - killed_at[0] < 5.0
+    with pytest.raises(dead):  # and every later call
+        llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 def _shm_segments() -> set[str]:
     """baton's /dev/shm segments, except those of a live frontend outside this process's tree
     (another pytest-xdist worker's: a segment's name starts ``baton_<frontend pid>_``)."""

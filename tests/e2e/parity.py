@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from baton import LLM, SamplingParams
 
 #: 16 prompts of mixed lengths (a few tokens to ~250); some share long prefixes.
 _BASE = (
@@ -45,6 +49,37 @@ def hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_new_tokens: int)
     if key not in _greedy_cache:
         _greedy_cache[key] = _hf_greedy(model_dir, prompt_ids, max_new_tokens)
     return [list(r) for r in _greedy_cache[key]]
+
+
+def engine_greedy(
+    model_dir: Path,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    *,
+    passes: int = 1,
+    preempt: bool = False,
+    started: Callable[[LLM], None] | None = None,
+    **config: Any,
+) -> list[list[list[int]]]:
+    """baton's greedy tokens (EOS ignored) of ``passes`` runs of the prompts in one engine built
+    with ``config``: a later pass must start from cached prefixes; with ``preempt``, some request
+    must have been preempted. ``started(llm)`` runs once the engine is up (before the runs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    out = []
+    with LLM(model=str(model_dir), **config) as llm:
+        if started is not None:
+            started(llm)
+        for _ in range(passes):
+            res = llm.generate(
+                [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+            )
+            out.append([o.outputs[0].token_ids for o in res])
+            cached = sum(o.num_cached_tokens for o in res)
+            preempted = sum(o.metrics.num_preemptions for o in res)
+        assert passes == 1 or cached > 0, "the second pass should start from cached prefixes"
+        if preempt:
+            assert preempted > 0, "the small KV cache should preempt requests"
+    return out
 
 
 def _hf_greedy(

@@ -17,7 +17,7 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.testing.tiny_model import make_tiny_model
-from tests.e2e.parity import PROMPTS, assert_parity, hf_greedy
+from tests.e2e.parity import PROMPTS, assert_parity, engine_greedy, hf_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,21 +52,9 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
     return [tok.encode(p) for p in PROMPTS]
 
 
-def greedy(
-    model_dir: Path, ids: list[list[int]], passes: int = 1, preempt: bool = False, **overrides: Any
-) -> list[list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    out = []
-    with LLM(model=str(model_dir), **{**CUDA, **overrides}) as llm:
-        for _ in range(passes):
-            res = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-            out.append([o.outputs[0].token_ids for o in res])
-            cached = sum(o.num_cached_tokens for o in res)
-            preempted = sum(o.metrics.num_preemptions for o in res)
-        assert passes == 1 or cached > 0, "the second pass should start from cached prefixes"
-        if preempt:
-            assert preempted > 0, "the small KV cache should preempt requests"
-    return out
+def greedy(model_dir: Path, ids: list[list[int]], **kwargs: Any) -> list[list[list[int]]]:
+    """``engine_greedy`` on the CUDA device (``kwargs``: its options, config overrides)."""
+    return engine_greedy(model_dir, ids, MAX_NEW, **{**CUDA, **kwargs})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral"])

@@ -18,7 +18,7 @@ from baton.plugins.registry import reset_plugins
 from baton.protocol import EngineCoreRequest, FinishReason
 from baton.testing.faults import kill_on_first_output
 
-from .conftest import greedy_reference
+from .conftest import assert_a_death_fails_every_call, greedy_reference
 
 TRANSPORTS = ["inproc", "zmq", "shm"]
 MP_TRANSPORTS = ["zmq", "shm"]
@@ -65,15 +65,7 @@ def test_sigkill_mid_generation_raises_engine_dead_in_sync_client(transport, mod
     llm = LLM(model=model_dir, max_model_len=256, transport=transport)
     try:
         killed_at = kill_on_first_output(llm.engine, _engine_pid(llm))
-        with pytest.raises(EngineDeadError):
-            llm.generate(
-                ["x " * 10] * 4,
-                SamplingParams(max_tokens=200, ignore_eos=True, temperature=0),
-                use_tqdm=False,
-            )
-        assert killed_at and time.monotonic() - killed_at[0] < 5.0
-        with pytest.raises(EngineDeadError):  # and every later call
-            llm.generate("again", GREEDY, use_tqdm=False)
+        assert_a_death_fails_every_call(llm, killed_at, EngineDeadError, max_tokens=200)
     finally:
         llm.shutdown()
 

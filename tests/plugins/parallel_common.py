@@ -17,8 +17,8 @@ from baton.processes import is_helper
 from baton.testing.conformance.executor import ExecutorConformance
 from baton.testing.faults import kill_on_first_output
 from baton.testing.tiny_model import tiny_model
-from tests.e2e.conftest import _children
-from tests.e2e.parity import PROMPTS, assert_parity
+from tests.e2e.conftest import _children, assert_a_death_fails_every_call
+from tests.e2e.parity import PROMPTS, assert_parity, engine_greedy
 
 MAX_NEW = 40
 #: executors whose workers are processes of this machine started by the engine (ray's are actors)
@@ -38,10 +38,10 @@ PARITY_BASE = dict(
 def generate(
     model_dir: Path, prompt_ids: list[list[int]], passes: int = 1, **overrides: Any
 ) -> list[list[list[int]]]:
-    """Greedy tokens of ``passes`` runs of the prompts in one engine (later passes hit the prefix cache)."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    out = []
-    with LLM(model=str(model_dir), **{**PARITY_BASE, **overrides}) as llm:
+    """Greedy tokens of ``passes`` runs of the prompts in one engine (later passes hit the prefix
+    cache); a local executor's workers must be children of this process."""
+
+    def started(_: LLM) -> None:
         if overrides.get("executor") in LOCAL_EXECUTORS:  # inproc: their workers are our children
             want = overrides.get("tensor_parallel_size", 1) * overrides.get(
                 "pipeline_parallel_size", 1
@@ -49,14 +49,15 @@ def generate(
             assert len(_children()) >= want, (
                 f"expected {want} worker processes, found {_children()}"
             )
-        for _ in range(passes):
-            res = llm.generate(
-                [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
-            )
-            out.append([o.outputs[0].token_ids for o in res])
-            cached = sum(o.num_cached_tokens for o in res)
-        assert passes == 1 or cached > 0, "the second pass should start from cached prefixes"
-    return out
+
+    return engine_greedy(
+        model_dir,
+        prompt_ids,
+        MAX_NEW,
+        passes=passes,
+        started=started,
+        **{**PARITY_BASE, **overrides},
+    )
 
 
 #: uniproc's answers in this process: the TP, PP and composed parity tests of one model compare
@@ -122,17 +123,8 @@ def sigkill_worker_is_engine_dead(model_dir: str, transport: str, **parallel: An
         )
         workers = [p for p in engine.children(recursive=True) if not is_helper(p)]
         assert len(workers) >= 2, workers
-        victim = workers[-1].pid
-        killed_at = kill_on_first_output(llm.engine, victim)
-        with pytest.raises(dead):
-            llm.generate(
-                ["x " * 10] * 4,
-                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
-                use_tqdm=False,
-            )
-        assert killed_at and time.monotonic() - killed_at[0] < 5.0
-        with pytest.raises(dead):  # and every later call
-            llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
+        killed_at = kill_on_first_output(llm.engine, workers[-1].pid)
+        assert_a_death_fails_every_call(llm, killed_at, dead)
     finally:
         llm.shutdown()
 
@@ -277,8 +269,10 @@ def check_prompt_logprobs(model_dir: Path, tokenizer: Any, **parallel: Any) -> N
             )
 
     ref, ours = run(), run(**parallel)
+    for o in ours:  # a request that failed would lose its prompt logprobs: say why first
+        assert o.outputs[0].finish_reason == "length", (o.request_id, o.outputs[0])
     for i in (0, 2):  # scored on the rank that samples, every prompt token but the first
-        assert ours[i].prompt_logprobs is not None
+        assert ours[i].prompt_logprobs is not None, (ours[i].request_id, ours[i].num_cached_tokens)
         assert len(ours[i].prompt_logprobs) == len(prompt_ids[i]) > 1
     for r, o in zip(ref, ours, strict=True):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids

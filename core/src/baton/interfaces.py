@@ -178,6 +178,9 @@ class Router(Protocol):
     as it is sent; keep it cheap. ``engines`` lists every engine with its load at
     that moment (``baton.routing.EngineLoad``: requests in flight from the client's
     own count, the rest from each engine's latest scheduler stats).
+
+    Optional: ``close()``, called once when the client shuts down (a router that holds a
+    thread or sockets releases them there).
     """
 
     def route(self, request: RouteRequest, engines: Sequence[EngineLoad]) -> int:

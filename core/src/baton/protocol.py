@@ -167,7 +167,8 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: requests whose blocks, held after they finished (``request_finished`` returned True),
     #: are saved and may be freed.
     finished_saving: list[str] = msgspec.field(default_factory=list)
-    #: request id -> message: the connector failed this request (the request fails, not the engine).
+    #: request id -> message: the connector failed this request (the request fails, not the
+    #: engine; its blocks are freed at once: the half must not write into them any more).
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     stats: KVTransferStats | None = None
     #: Set by the kernel when the worker half's ``start_step`` or ``finish_step`` raised (the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -315,4 +316,17 @@ def test_a_missing_ram_block_fails_the_request_not_the_worker() -> None:
     out = pair.step()
     assert out is not None and set(out.failed) == {"b"}
     assert "not in this worker's RAM" in out.failed["b"]
+    pair.close()
+
+
+def test_events_nobody_takes_are_bounded() -> None:
+    pair = Pair(OffloadSettings(cpu_memory=BLOCK_BYTES))
+    pair.sched._events = deque(maxlen=3)  # a small bound, for the test
+    for i in range(4):  # each save evicts the block before: a stored and a removed event
+        r = request(f"r{i}", [i, *PROMPT[1:]])
+        pair.admit(r, [1, 2, 3, 4])
+        pair.step(saves={f"r{i}": refs(r, [1])})
+    events = pair.sched.take_events()
+    assert len(events) == 3 and isinstance(events[-1], BlockStored)
+    assert pair.sched.take_events() == []
     pair.close()

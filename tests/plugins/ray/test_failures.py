@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from baton import LLM, SamplingParams
+from baton import LLM
 from baton.errors import BatonError, EngineDeadError, ExecutorError
+from tests.e2e.conftest import assert_a_death_fails_every_call
 from tests.plugins.ray.conftest import (
     assert_nothing_left,
     baton_actors,
@@ -52,15 +53,7 @@ def test_a_killed_rank_actor_is_engine_dead_within_5_s(ray_cluster):
     try:
         assert len(baton_actors()) == 2
         killed_at = kill_an_actor_on_first_output(llm.engine, "rank1")
-        with pytest.raises(EngineDeadError):
-            llm.generate(
-                ["x " * 10] * 4,
-                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0),
-                use_tqdm=False,
-            )
-        assert killed_at and time.monotonic() - killed_at[0] < 5.0
-        with pytest.raises(EngineDeadError):  # and every later call
-            llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert_a_death_fails_every_call(llm, killed_at, EngineDeadError)
     finally:
         llm.shutdown()
     assert_nothing_left()

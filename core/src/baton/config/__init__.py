@@ -1,4 +1,4 @@
-"""baton's configuration: one pydantic-settings model, ten sections, plus the sections plugins
+"""baton's configuration: one pydantic-settings model, eleven sections, plus the sections plugins
 register (``register_config_sections``: baton-plugin-openai's ``[server]``).
 
 Sources, strongest first: explicit arguments (``LLM(**overrides)``, CLI flags),
@@ -23,6 +23,7 @@ from baton.config.baton_config import BatonConfig
 from baton.config.sections import (
     CacheSection,
     ExecutorSection,
+    KVEventsSection,
     KVTransferSection,
     LoRASection,
     ModelSection,
@@ -39,6 +40,7 @@ __all__ = [
     "BatonConfig",
     "CacheSection",
     "ExecutorSection",
+    "KVEventsSection",
     "KVTransferSection",
     "LoRASection",
     "ModelSection",

@@ -64,6 +64,7 @@ class BatonConfig(BaseSettings):
     kv_transfer: sections.KVTransferSection = Field(default_factory=sections.KVTransferSection)
     routing: sections.RoutingSection = Field(default_factory=sections.RoutingSection)
     lora: sections.LoRASection = Field(default_factory=sections.LoRASection)
+    kv_events: sections.KVEventsSection = Field(default_factory=sections.KVEventsSection)
     observability: sections.ObservabilitySection = Field(
         default_factory=sections.ObservabilitySection
     )
@@ -137,6 +138,11 @@ class BatonConfig(BaseSettings):
             if provide is not None:
                 return provide()  # type: ignore[no-any-return]
         return sections.ServingSettings()
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name clients use (``serving.served_model_name``, else ``model.name``)."""
+        return self.serving.served_model_name or self.model.name
 
     @pydantic.model_validator(mode="after")
     def _quantization_without_tensor_parallel(self) -> BatonConfig:
@@ -231,6 +237,33 @@ class BatonConfig(BaseSettings):
                     f"rank holding the whole model in this version; set {name} = 1 (data "
                     "parallel engines each serve adapters) or lora.enable_lora = false"
                 )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _kv_event_ports_per_rank(self) -> BatonConfig:
+        """Each data-parallel engine binds the ports plus its rank: the two ranges must not meet."""
+        ev, n = self.kv_events, self.executor.data_parallel_size
+        if not ev.enable_kv_cache_events or ev.publisher != "zmq":
+            return self
+        ports = [
+            (name, p)
+            for name, value in (("endpoint", ev.endpoint), ("replay_endpoint", ev.replay_endpoint))
+            if value is not None and (p := sections.endpoint_port(value)) is not None
+        ]
+        for name, p in ports:
+            if p + n - 1 > 65535:
+                raise ValueError(
+                    f"kv_events.{name} port {p} with executor.data_parallel_size={n}: engine "
+                    f"{n - 1} would bind port {p + n - 1}; use a port <= {65536 - n}"
+                )
+        if len(ports) == 2 and abs(ports[0][1] - ports[1][1]) < n:
+            (_, p), (_, r) = ports
+            raise ValueError(
+                f"kv_events.endpoint port {p} and replay_endpoint port {r} with "
+                f"executor.data_parallel_size={n}: each engine binds both plus its rank "
+                f"({p}..{p + n - 1} and {r}..{r + n - 1}), which meet; put the replay port at "
+                f"least {n} away (e.g. {p + n})"
+            )
         return self
 
     # ------------------------------------------------------------------ build

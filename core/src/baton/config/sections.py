@@ -8,6 +8,7 @@ extra key of a section is a plugin's settings sub-table (``[transport.zmq]``), c
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -318,6 +319,83 @@ class RoutingSection(_Section):
     still alive; the frontend dies with the last one)."""
 
 
+#: A KV-events endpoint: a loopback TCP port, or an ipc:// path.
+_TCP_ENDPOINT = re.compile(r"^tcp://127\.0\.0\.1:(\d{1,5})$")
+
+
+def endpoint_port(endpoint: str) -> int | None:
+    """The TCP port of a ``tcp://127.0.0.1:PORT`` endpoint; None for ``ipc://``."""
+    m = _TCP_ENDPOINT.match(endpoint)
+    return int(m.group(1)) if m else None
+
+
+def _check_endpoint(value: str) -> str:
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    port = endpoint_port(value)
+    if port is None or not 0 < port <= 65535:
+        raise ValueError(
+            f"{value!r} is not an endpoint baton binds: use tcp://127.0.0.1:PORT (PORT 1-65535; "
+            "subscribers connect to it) or ipc:///path/to/socket"
+        )
+    return value
+
+
+class KVEventsSection(_Section):
+    enable_kv_cache_events: bool = False
+    """Publish the engine's KV cache events: BlockStored when a full block enters the prefix
+    cache, BlockRemoved when a cached block is evicted, AllBlocksCleared on reset_prefix_cache
+    (medium "GPU": the engine's own pool, on every device), in vLLM's wire format, so a KV-aware
+    router reads them (docs/kv-events.md). vLLM's --kv-events-config enable_kv_cache_events.
+    Off: nothing is recorded or published, no socket is bound."""
+    publisher: Literal["zmq", "null"] = "zmq"
+    """zmq: a ZeroMQ PUB socket on ``endpoint`` (needs pyzmq: ``pip install
+    'baton-core[kv-events]'``), from a background thread of each engine core; null: the events
+    are recorded and dropped (nothing bound)."""
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """Where the PUB socket binds: tcp://127.0.0.1:PORT or ipc:///path. With
+    executor.data_parallel_size N each engine core binds its own: the port plus its
+    data-parallel rank (an ipc path with ``_dp<rank>`` appended, rank 0 as given), as vLLM does."""
+    replay_endpoint: str | None = None
+    """Where a ROUTER socket answers replay requests (a subscriber that missed batches sends the
+    8-byte big-endian sequence number to start from and gets every buffered batch from there,
+    then an end marker); same forms and per-rank offset as ``endpoint``. None: no replay."""
+    buffer_steps: int = Field(10_000, gt=0)
+    """Published batches kept for replay (the newest)."""
+    hwm: int = Field(100_000, ge=0)
+    """The PUB socket's send high-water mark (messages queued per subscriber before ZeroMQ
+    drops for that subscriber; 0: no limit)."""
+    max_queue_size: int = Field(100_000, gt=0)
+    """Batches waiting for the publisher thread; when it is full a step's batch is dropped (a
+    warning says how many so far) rather than the engine waiting."""
+    topic: str = ""
+    """The first frame of every message (subscribers filter on its prefix; "" matches all)."""
+    int_block_hashes: bool = True
+    """Send each block hash as an unsigned 64-bit integer, the low 64 bits of baton's 16-byte
+    digest (its last 8 bytes, big-endian): what vLLM sends by default
+    (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1) and KV-aware routers written for it read. False: the
+    whole digest as bytes (vLLM's ``=0``)."""
+
+    @pydantic.field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        return _check_endpoint(value)
+
+    @pydantic.field_validator("replay_endpoint")
+    @classmethod
+    def _replay_endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else _check_endpoint(value)
+
+    @pydantic.model_validator(mode="after")
+    def _apart(self) -> KVEventsSection:
+        if self.replay_endpoint == self.endpoint:
+            raise ValueError(
+                f"replay_endpoint = endpoint = {self.endpoint!r}: the replay socket needs its "
+                "own address (e.g. the next port), or replay_endpoint = None"
+            )
+        return self
+
+
 class ServingSettings(msgspec.Struct, frozen=True):
     """What the kernel takes from the config section of the plugin that serves (its
     ``serving_settings()``; baton-plugin-openai's ``[server]``), read as
@@ -382,6 +460,7 @@ SECTION_MODELS: dict[str, type[BaseModel]] = {
     "kv_transfer": KVTransferSection,
     "routing": RoutingSection,
     "lora": LoRASection,
+    "kv_events": KVEventsSection,
     "observability": ObservabilitySection,
 }
 SECTIONS = tuple(SECTION_MODELS)

@@ -3,7 +3,9 @@
 The core owns the executor, the scheduler (mechanism + policy plugin) and the
 structured-output manager. Start-up: build the executor -> ask it for KV specs
 and available memory -> size the KV cache -> initialise the executor with it
--> build the scheduler.
+-> build the scheduler. With ``[kv_events]`` on, the core publishes the scheduler's KV cache
+events once per step that produced any (and after a prefix-cache reset), through the publisher
+the section selects (``baton.kv.event_publisher``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from baton.errors import (
     worker_error,
 )
 from baton.interfaces import Executor
+from baton.kv.event_publisher import KVEventPublisher, make_kv_event_publisher
 from baton.lora.registry import EngineLoras
 from baton.model.loader import model_folder
 from baton.model_info import ModelInfo, model_info
@@ -56,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: How long the batch-queue loop yields the CPU when it scheduled nothing but requests are pending.
 IDLE_YIELD_S = 0.001
+#: Longest wait of reset_prefix_cache / sleep on an idle engine for the KV connector's reports.
+KV_SETTLE_S = 5.0
 
 
 class EngineCore:
@@ -82,6 +87,8 @@ class EngineCore:
         if executor is None:
             executor = self.plugins.one("executor").create(config)
         self.executor: Executor = executor
+        #: Where the scheduler's KV cache events go; None: kv_events off.
+        self.kv_event_publisher: KVEventPublisher | None = None
         try:
             loaded = executor_model_info(executor)
             self.info: ModelInfo = info or loaded or model_info(config)
@@ -120,13 +127,25 @@ class EngineCore:
                 max_num_seqs_per_batch=per_batch,
                 drafts=self._drafts(config),
                 max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+                enable_kv_cache_events=config.kv_events.enable_kv_cache_events,
             )
+            self.kv_event_publisher = make_kv_event_publisher(
+                config.kv_events, config.executor.data_parallel_rank
+            )
+            if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
+                log.warning(
+                    "kv_events.enable_kv_cache_events with prefix caching off "
+                    "(cache.enable_prefix_caching = false, or the executor's model cannot): the "
+                    "pool caches no block, so only AllBlocksCleared is ever published"
+                )
             self.structured_output = StructuredOutputManager(
                 config, self.plugins.find("structured_output"), self.info
             )
             #: What the KV connector keys blocks with (``[kv_transfer]``); None: no connector.
             self.kv_namespace = start_kv_connector(self)
         except BaseException:
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.shutdown()
             self.executor.shutdown()
             raise
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -343,6 +362,8 @@ class EngineCore:
     def _outputs(
         self, outputs: list[EngineCoreOutput], in_flight: int = 0
     ) -> EngineCoreOutputs | None:
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
         if self.aborts_to_report:
             outputs = self.aborts_to_report + outputs
             self.aborts_to_report = []
@@ -358,11 +379,35 @@ class EngineCore:
             timestamp=time.monotonic(),
         )
 
+    def _publish_kv_events(self) -> None:
+        """The scheduler's KV cache events since the last call, as one batch (none: nothing)."""
+        assert self.kv_event_publisher is not None
+        events = self.scheduler.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(events)
+
     # ------------------------------------------------------------------ utilities (callable remotely)
 
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """Forget the prefix cache; see Scheduler.reset_prefix_cache (``reset_running`` preempts)."""
-        return self.scheduler.reset_prefix_cache(reset_running)
+        self._settle_kv_transfers()
+        done = self.scheduler.reset_prefix_cache(reset_running)
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()  # AllBlocksCleared now: an idle engine has no next step
+        return done
+
+    def _settle_kv_transfers(self) -> None:
+        """With no request left, step until the KV connector's workers reported what it waits
+        for (blocks held for saves, aborted loads): an idle engine's blocks are then all free
+        (an in-process engine is not stepped between calls). At most KV_SETTLE_S seconds."""
+        scheduler = self.scheduler
+        deadline = time.monotonic() + KV_SETTLE_S
+        while (
+            scheduler.has_kv_transfers()
+            and not scheduler.has_unfinished_requests()
+            and time.monotonic() < deadline
+        ):
+            self.step_fn()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1: the weights stay in host memory) or the weights too
@@ -379,6 +424,7 @@ class EngineCore:
                 f"before sleeping at level {level}",
                 param="level",
             )
+        self._settle_kv_transfers()
         if self.has_work():
             n = self.scheduler.get_num_unfinished_requests()
             raise InvalidRequestError(
@@ -398,7 +444,7 @@ class EngineCore:
                 "(baton.interfaces.Sleepable): it cannot free its memory; use uniproc, cuda-tp "
                 "or pipeline"
             )
-        if not self.scheduler.reset_prefix_cache():
+        if not self.reset_prefix_cache():
             raise ExecutorError("the prefix cache could not be reset with no request in flight")
         sleep(level)
         self.sleep_level = level
@@ -543,6 +589,11 @@ class EngineCore:
         return list(self.scheduler.requests)
 
     def shutdown(self) -> None:
+        publisher = self.kv_event_publisher
+        if publisher is not None:
+            self._publish_kv_events()  # recorded after the last step's batch (an abort's)
+            self.kv_event_publisher = None
+            publisher.shutdown()
         self.structured_output.shutdown()
         if self.scheduler.kv_transfer is not None:
             self.scheduler.kv_transfer.shutdown()

@@ -18,7 +18,8 @@ from baton.engine.core_proc import EngineCoreProc
 from baton.engine.dp_core_proc import DPEngineCoreProc
 from baton.errors import BatonError
 from baton.parallel.expert import expert_parallel_size
-from baton.plugins.registry import get_registry
+from baton.plugins.registry import ChosenPlugin, get_registry
+from baton.plugins.resolve import resolve_plugins
 from baton.process_exit import exit_now
 from baton.protocol import ENGINE_CORE_DEAD
 
@@ -41,9 +42,11 @@ def run_engine_core(
             format=f"%(asctime)s %(levelname)s engine{engine_index} %(name)s: %(message)s",
         )
     registry = get_registry()  # plugins load in every process the kernel spawns
+    # the transport first, alone: what fails after it (another plugin set, a plugin missing
+    # here) is reported to the frontend through it; the rest are resolved with it, once
     entry = registry.get("transport", config.transport.name)
-    transport = entry.create(config, entry.settings(config))
-    channel = transport.connect_engine(address, engine_index)
+    transport_plugin = ChosenPlugin(entry, entry.settings(config))
+    channel = transport_plugin.create(config).connect_engine(address, engine_index)
     try:
         if (
             parent_fingerprint is not None
@@ -55,7 +58,8 @@ def run_engine_core(
                 f"{sorted(theirs - ours)}, only in engine {sorted(ours - theirs)}; install the same "
                 "plugins in one environment"
             )
-        core = EngineCore(config, registry=registry, engine_index=engine_index)
+        plugins = resolve_plugins(config, registry, given=(transport_plugin,))
+        core = EngineCore(config, plugins=plugins, engine_index=engine_index)
         try:
             proc = _proc_class(core)(core, channel, engine_index, shutdown_event)
         except BaseException:

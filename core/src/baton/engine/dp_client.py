@@ -61,10 +61,14 @@ class DPAsyncMPClient(AsyncMPClient):
         #: they meet at, and what this client knows of the waves; None: independent engines.
         self._store: Any = None
         self.waves: Waves | None = None
-        if expert_parallel_size(config) > 1:
-            self._store = _serve_store(config.executor.data_parallel_master_port)
-            self.waves = Waves()
-        super().__init__(config, plugins, transport, num_engines=num_engines, loop=loop)
+        try:
+            if expert_parallel_size(config) > 1:
+                self._store = _serve_store(config.executor.data_parallel_master_port)
+                self.waves = Waves()
+            super().__init__(config, plugins, transport, num_engines=num_engines, loop=loop)
+        except BaseException:
+            self._close_router()
+            raise
 
     def _engine_config(self, index: int) -> BatonConfig:
         update: dict[str, Any] = {"data_parallel_rank": index}
@@ -165,6 +169,13 @@ class DPAsyncMPClient(AsyncMPClient):
     def shutdown(self) -> None:
         super().shutdown()
         self._store = None  # the engines are gone: stop serving their store
+        self._close_router()
+
+    def _close_router(self) -> None:
+        """The router's optional ``close()`` (a router that follows the engines, say)."""
+        close = getattr(self.router, "close", None)
+        if callable(close):
+            close()
 
     def _start_wave(self, wave: int, exclude: int) -> None:
         """START_DP_WAVE to every live engine but ``exclude`` (which started it itself)."""

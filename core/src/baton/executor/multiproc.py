@@ -25,38 +25,30 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import warnings
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, ClassVar
 
 from baton.config import BatonConfig
-from baton.errors import BatonError, ExecutorError
+from baton.errors import ExecutorError
 from baton.executor import wire
+from baton.executor.calls import CallBook
 from baton.executor.group import WorkerGroup
-from baton.executor.rank import StepCodec, parallel_stats, rank_bootstraps
+from baton.executor.group_executor import GroupExecutor
+from baton.executor.rank import StepCodec, rank_bootstraps
 from baton.executor.wire import Kind
 from baton.executor.worker_proc import worker_main
 from baton.executor.workers import MultiprocSettings, pick_device, pick_transport
 from baton.interfaces import RunnerFactory
-from baton.protocol import (
-    GrammarOutput,
-    KVCacheConfig,
-    KVCacheSpec,
-    ModelCapabilities,
-    ModelInfo,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from baton.protocol import ModelCapabilities, ModelInfo
 from baton.runner import StockRunner
 
 log = logging.getLogger(__name__)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(GroupExecutor):
     """Implements ``baton.interfaces.Executor`` with worker processes (see the module docstring).
 
     ``runner`` makes each worker's runner (default: baton's stock runner);
@@ -100,11 +92,9 @@ class MultiprocExecutor:
         self.world_size = tp_size * pp_size
         self.driver = (pp_size - 1) * tp_size
         self._encode_lock = threading.Lock()
-        #: Encodes steps (under _encode_lock) and decodes the driver's answers (the completer thread).
         self._codec = StepCodec()
         self.group: WorkerGroup | None = None
         self._store: Any = None
-        #: Seconds each step's broadcast took here: encode the SchedulerOutput, send it to every worker.
         self.broadcast_s: deque[float] = deque(maxlen=4096)
 
         device = pick_device(config, self.world_size, self.name)
@@ -176,107 +166,19 @@ class MultiprocExecutor:
         module, _, attr = legacy.partition(":")
         return getattr(importlib.import_module(module), attr)
 
-    # ------------------------------------------------------------------ Executor
+    # ------------------------------------------------------------------ GroupExecutor
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        frames = StepCodec.encode_rpc(method, args, kwargs)  # checks the method first
-        group = self._group()
-        future = group.call(Kind.RPC, frames)
-        return group.wait(  # type: ignore[no-any-return]
-            future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"
-        )
+    def _call(self, kind: Kind, payload: Any, **how: Any) -> Future[Any]:
+        return self._group().call(kind, payload, **how)  # GroupExecutor._call's keywords
 
-    def get_kv_cache_specs(self) -> list[KVCacheSpec]:
-        return self.collective_rpc("get_kv_cache_spec", timeout=self.settings.startup_timeout)
-
-    def determine_available_memory(self) -> list[int]:
-        return self.collective_rpc(
-            "determine_available_memory", timeout=self.settings.startup_timeout
-        )
-
-    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        self._rpc_or_fail("initialize_kv_cache", config)
-
-    def _rpc_or_fail(self, method: str, *args: Any) -> list[Any]:
-        """``collective_rpc`` of a call whose failure leaves the workers' state unknown (the
-        KV cache, sleep): its error fails the executor, as a step's does."""
-        try:
-            return self.collective_rpc(method, args, timeout=self.settings.startup_timeout)
-        except BatonError as e:
-            self._group().fail(e)
-            raise
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput | None] | None:
-        t0 = time.perf_counter()
-        group = self._group()
-        with self._encode_lock:
-            payload = self._codec.encode_step(scheduler_output)
-        future = group.call(
-            Kind.EXECUTE,
-            payload,
-            reply_from=self.driver,
-            decode=self._codec.decode_output,
-            fail_after=self.settings.step_timeout,
-            chained=True,
-        )
-        if scheduler_output.total_num_scheduled_tokens:
-            self.broadcast_s.append(time.perf_counter() - t0)
-        return future if non_block else future.result()
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        group = self._group()
-        with self._encode_lock:
-            payload = (
-                self._codec.encode_grammar(grammar_output) if grammar_output is not None else []
-            )
-        future = group.call(
-            Kind.SAMPLE,
-            payload,
-            to=[self.driver],
-            reply_from=self.driver,
-            decode=self._codec.decode_output,
-            fail_after=self.settings.step_timeout,
-        )
-        return future if non_block else future.result()
-
-    def sleep(self, level: int) -> None:
-        """Every rank frees its KV cache (level 1) and its weights too (level 2)."""
-        timeout = self.settings.startup_timeout
-        if not all(self.collective_rpc("can_sleep", timeout=timeout)):
-            raise ExecutorError(
-                f"executor {self.name!r}: its runner ({self.runner!r}) has no sleep()/wake_up() "
-                "(baton.interfaces.Sleepable): it cannot free its memory; use "
-                "baton.runner.StockRunner or implement them"
-            )
-        self._rpc_or_fail("sleep", level)
-
-    def wake_up(self) -> None:
-        """Every rank loads its weights (its shard) and allocates its KV cache again."""
-        self._rpc_or_fail("wake_up")
-
-    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
-        self._group().register_failure_callback(callback)
+    def _book(self) -> CallBook:
+        return self._group().calls
 
     def check_health(self) -> None:
         self._group().check_health()
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
-
-    def parallel_stats(self, timeline: bool = False) -> list[dict[str, Any]]:
-        """Each rank's per-step timings: broadcast delivery, all-reduce, gather, send/recv, step
-        (and with ``timeline`` when each step ran)."""
-        return self.collective_rpc(parallel_stats, kwargs={"timeline": timeline}, timeout=30)
 
     def _group(self) -> WorkerGroup:
         if self.group is None:

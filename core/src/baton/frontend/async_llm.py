@@ -22,9 +22,9 @@ from baton.errors import (
     error_from_message,
 )
 from baton.frontend.beam_run import BeamRun
-from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
+from baton.frontend.prompts import InputProcessor, PromptMethods, PromptType
 from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
 from baton.lora.request import LoRARequest, check_lora_request
@@ -43,7 +43,7 @@ from baton.validation import CheckedRequest
 log = logging.getLogger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(PromptMethods):
     """Serve many concurrent requests from one event loop.
 
     Build it with ``await AsyncLLM.create(model=..., config=..., **overrides)``
@@ -67,7 +67,11 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(tokenizer, self.info)
         #: The request tracer (observability.tracing); None: tracing is off.
-        self.tracer = tracer if tracer is not None else make_tracer(config)
+        self.tracer = (
+            tracer
+            if tracer is not None
+            else make_tracer(config.observability, config.served_model_name)
+        )
         self.output_processor = OutputProcessor(tokenizer, tracer=self.tracer)
         self.stat_loggers = StatLoggers(config, plugins)
         self._ids = itertools.count()
@@ -92,7 +96,8 @@ class AsyncLLM:
         )
         # a bad config is refused before the tokenizer and the weights load
         plugins = resolve_plugins(cfg)
-        tracer = make_tracer(cfg)  # tracing asked for without its packages: refused here too
+        # tracing asked for without its packages: refused here too
+        tracer = make_tracer(cfg.observability, cfg.served_model_name)
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:
@@ -116,10 +121,6 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
-
-    def render_chat(self, messages: ChatMessages, *args: Any, **kwargs: Any) -> list[int]:
-        """The prompt token ids of a conversation (the arguments of InputProcessor.render_chat)."""
-        return self.input_processor.render_chat(messages, *args, **kwargs)
 
     async def generate(
         self,

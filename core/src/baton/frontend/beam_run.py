@@ -14,7 +14,7 @@ import msgspec
 
 from baton.beam_search import BeamSearch, BeamSearchParams
 from baton.errors import BatonError
-from baton.frontend.input_processor import InputProcessor
+from baton.frontend.prompts import InputProcessor
 from baton.lora.request import LoRARequest
 from baton.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from baton.sampling_params import SamplingParams

@@ -18,9 +18,9 @@ from baton.engine.clients import make_client
 from baton.engine.core import check_sleep_level
 from baton.errors import EngineSleepingError, InvalidRequestError
 from baton.frontend.beam_run import BeamRun
-from baton.frontend.input_processor import ChatMessages, InputProcessor, PromptType
 from baton.frontend.output_processor import OutputProcessor, split_request
 from baton.frontend.pooling import check_pooling_prompt, pooling_engine_request
+from baton.frontend.prompts import ChatMessages, InputProcessor, PromptMethods, PromptType
 from baton.frontend.request_meta import RequestMeta
 from baton.frontend.stat_loggers import StatLoggers
 from baton.lora.request import LoRARequest, check_lora_request
@@ -39,7 +39,7 @@ from baton.scheduling_info import SchedulingInfo
 SchedulingArg = SchedulingInfo | Mapping[str, Any] | None
 
 
-class LLM:
+class LLM(PromptMethods):
     """Generate offline: ``LLM(model=..., config="baton.toml", **overrides).generate(prompts, params)``.
 
     ``overrides`` are config fields (``max_num_seqs=8``, ``transport="zmq"``,
@@ -56,14 +56,15 @@ class LLM:
         # a bad config is refused before the tokenizer and the weights load
         #: The config's plugins, resolved once (the start-up check)
         self.plugins = resolve_plugins(self.config)
-        check_tracing(self.config)  # tracing asked for without its packages: refused here
+        # tracing asked for without its packages: refused here
+        check_tracing(self.config.observability)
         info = model_info(self.config)
         self.tokenizer = load_tokenizer(self.config, info)
         self.stat_loggers = StatLoggers(self.config, self.plugins)
         self.engine: EngineCoreClient = make_client(self.config, self.plugins, info=info)
         try:
             #: The request tracer (observability.tracing); None: tracing is off.
-            self.tracer = make_tracer(self.config)
+            self.tracer = make_tracer(self.config.observability, self.config.served_model_name)
         except BaseException:  # a bad OTEL_* variable: the engine must not outlive the error
             self.engine.shutdown()
             raise
@@ -76,9 +77,6 @@ class LLM:
         self._asleep = 0
 
     # ------------------------------------------------------------------ API
-
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
 
     def generate(
         self,

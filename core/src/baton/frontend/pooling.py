@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import msgspec
 
 from baton.config import ModelSection
-from baton.frontend.input_processor import InputProcessor
+from baton.frontend.prompts import InputProcessor
 from baton.frontend.request_meta import RequestMeta
 from baton.pooling_params import (
     PoolingParams,

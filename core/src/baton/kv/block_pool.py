@@ -7,12 +7,17 @@ still a valid prefix-cache entry: it stays in the free queue, and is reused
 
 Block 0 is reserved as the null block: never allocated, never freed. Model
 runners can pad block tables with 0 and point padding slots at it.
+
+With KV events on (``kv_events``), the pool records a BlockRemoved for every cache entry it
+drops and AllBlocksCleared on a reset (``baton.kv.events``; the manager records BlockStored,
+which needs the request's tokens); off, ``kv_events`` is None and nothing is recorded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from baton.kv.events import MEDIUM_POOL, AllBlocksCleared, BlockRemoved, KVCacheEvent
 from baton.kv.hashing import BlockHash
 
 NULL_BLOCK_ID = 0
@@ -105,7 +110,9 @@ class BlockPool:
     ``num_blocks`` includes the null block 0, so ``num_blocks - 1`` are usable.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
@@ -117,6 +124,8 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # held forever
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVBlock] = {}
+        #: Events since the last ``take_events``, oldest first; None: events off.
+        self.kv_events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -179,7 +188,27 @@ class BlockPool:
         block_hash = block.block_hash
         if self.cached_block_hash_to_block.get(block_hash) is block:  # type: ignore[arg-type]
             del self.cached_block_hash_to_block[block_hash]  # type: ignore[arg-type]
+            if self.kv_events is not None:
+                self._record_removed(block_hash)  # type: ignore[arg-type]
         block.block_hash = None
+
+    def _record_removed(self, block_hash: BlockHash) -> None:
+        """A BlockRemoved for ``block_hash``; consecutive removals share one event."""
+        events = self.kv_events
+        assert events is not None
+        last = events[-1] if events else None
+        if type(last) is BlockRemoved:
+            last.block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_POOL))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first ([] when events are off)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
 
     def evict(self, n: int) -> int:
         """Drop up to ``n`` cache entries of free blocks, least recently used first; returns how many."""
@@ -199,6 +228,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True
 
     def usage(self) -> float:

@@ -13,12 +13,20 @@ from typing import Any
 
 import msgspec
 
-#: A block hash as the events carry it: baton's 16-byte blake2b digest (vLLM: bytes or int).
+#: A block hash as the events carry it: baton's 16-byte blake2b digest in the engine; on the wire
+#: its low 64 bits as an int by default (vLLM's default), or the bytes (``kv_events.int_block_hashes``).
 ExternalBlockHash = bytes | int
 
 MEDIUM_POOL = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
+
+
+def int_block_hash(block_hash: ExternalBlockHash) -> int:
+    """A digest's low 64 bits as vLLM's integer block hash (its last 8 bytes, big-endian)."""
+    if isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash[-8:], "big")
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

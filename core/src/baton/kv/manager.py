@@ -5,6 +5,10 @@ manager keeps each one's block list and the parallel list of block ids the
 model runner sees. Blocks are registered in the prefix cache once their tokens
 are computed (``cache_blocks``, called after the step that computed them ran),
 so a cache hit never points at KV a forward pass has yet to write.
+
+With KV events on, each registration records a BlockStored (its blocks' hashes, the hash of the
+block before them, their tokens, the request's LoRA id); ``take_events`` hands over what the
+pool and the manager recorded since the last call.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from baton.kv.block_pool import BlockPool, KVBlock
+from baton.kv.events import MEDIUM_POOL, BlockStored, KVCacheEvent
 from baton.kv.view import KVCacheView
 
 if TYPE_CHECKING:
@@ -24,12 +29,18 @@ _NO_BLOCKS: list[KVBlock] = []
 class KVCacheManager:
     """Paged KV books for all requests. ``num_blocks`` includes the null block 0."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         #: How many of a request's leading blocks are registered in the prefix cache.
@@ -168,10 +179,56 @@ class KVCacheManager:
             return
         blocks = self.req_to_blocks[req_id]
         hashes = request.block_hashes
-        cache = self.pool.cache_full_block
-        for i in range(done, upto):
-            cache(blocks[i], hashes[i])
+        if self.pool.kv_events is not None:
+            self._cache_blocks_recording(request, blocks, done, upto)
+        else:
+            cache = self.pool.cache_full_block
+            for i in range(done, upto):
+                cache(blocks[i], hashes[i])
         self.num_cached_blocks[req_id] = upto
+
+    def _cache_blocks_recording(
+        self, request: Request, blocks: list[KVBlock], start: int, stop: int
+    ) -> None:
+        """``cache_blocks`` with events: one BlockStored per run of blocks that entered the cache.
+
+        A block whose hash is cached already (the same prefix computed by another request at the
+        same time) enters nothing and was announced before: it ends a run, and the next run names
+        it as its parent.
+        """
+        hashes = request.block_hashes
+        cache = self.pool.cache_full_block
+        run_start = -1
+        for i in range(start, stop):
+            if cache(blocks[i], hashes[i]):
+                if run_start < 0:
+                    run_start = i
+            elif run_start >= 0:
+                self._record_stored(request, run_start, i)
+                run_start = -1
+        if run_start >= 0:
+            self._record_stored(request, run_start, stop)
+
+    def _record_stored(self, request: Request, start: int, stop: int) -> None:
+        """A BlockStored for the request's blocks ``start .. stop - 1``."""
+        events = self.pool.kv_events
+        assert events is not None
+        bs = self.block_size
+        lora = request.lora_request
+        events.append(
+            BlockStored(
+                block_hashes=request.block_hashes[start:stop],
+                parent_block_hash=request.block_hashes[start - 1] if start else None,
+                token_ids=request.all_token_ids[start * bs : stop * bs],
+                block_size=bs,
+                lora_id=None if lora is None else lora.lora_int_id,
+                medium=MEDIUM_POOL,
+            )
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events recorded since the last call, oldest first; [] when events are off."""
+        return self.pool.take_events()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so a sequence's tail is evicted before its head."""

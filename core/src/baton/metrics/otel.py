@@ -18,7 +18,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from baton import __version__
-from baton.config import BatonConfig
 from baton.errors import ConfigError
 from baton.metrics.tracing import RequestTrace
 
@@ -42,11 +41,10 @@ class OtelTracer:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: BatonConfig) -> OtelTracer:
-        """The application's tracer provider when it set one and no endpoint is configured,
-        else a provider of baton's own with the exporters the OTEL_* variables name."""
-        model = config.serving.served_model_name or config.model.name
-        endpoint = config.observability.otlp_traces_endpoint
+    def create(cls, endpoint: str | None, model: str) -> OtelTracer:
+        """The application's tracer provider when it set one and no ``endpoint``
+        (observability.otlp_traces_endpoint) is configured, else a provider of baton's own
+        with the exporters the OTEL_* variables name; spans name ``model``."""
         current = trace.get_tracer_provider()
         if endpoint is None and not isinstance(current, trace.ProxyTracerProvider):
             return cls(current.get_tracer("baton", __version__), model)

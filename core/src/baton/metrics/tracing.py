@@ -17,7 +17,7 @@ import msgspec
 from baton.errors import ConfigError
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config import ObservabilitySection
 
 #: The headers that carry a caller's trace context (W3C Trace Context), as vLLM forwards them.
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -69,9 +69,8 @@ class RequestTracer(Protocol):
         """Send what is buffered; called once, when the LLM / AsyncLLM shuts down."""
 
 
-def tracing_enabled(config: BatonConfig) -> bool:
-    """Whether the config asks for tracing."""
-    obs = config.observability
+def tracing_enabled(obs: ObservabilitySection) -> bool:
+    """Whether the observability section asks for tracing."""
     return obs.tracing or obs.otlp_traces_endpoint is not None
 
 
@@ -83,9 +82,9 @@ def pick_trace_headers(headers: Mapping[str, str] | None) -> dict[str, str] | No
     return found or None
 
 
-def check_tracing(config: BatonConfig) -> None:
-    """Refuse a config that asks for tracing when the OpenTelemetry packages are missing."""
-    if not tracing_enabled(config):
+def check_tracing(obs: ObservabilitySection) -> None:
+    """Refuse tracing asked for (``obs``) when the OpenTelemetry packages are missing."""
+    if not tracing_enabled(obs):
         return
     for module in OTEL_MODULES:
         try:
@@ -100,11 +99,12 @@ def check_tracing(config: BatonConfig) -> None:
             )
 
 
-def make_tracer(config: BatonConfig) -> RequestTracer | None:
-    """The tracer the config asks for, or None with tracing off (opentelemetry not imported)."""
-    if not tracing_enabled(config):
+def make_tracer(obs: ObservabilitySection, model: str) -> RequestTracer | None:
+    """The tracer ``obs`` asks for, its spans naming ``model`` (the served model name), or None
+    with tracing off (opentelemetry not imported)."""
+    if not tracing_enabled(obs):
         return None
-    check_tracing(config)
+    check_tracing(obs)
     try:
         from baton.metrics.otel import OtelTracer  # OpenTelemetry: optional (baton-core[otel])
     except ImportError as e:  # installed but broken (a missing dependency of theirs)
@@ -112,4 +112,4 @@ def make_tracer(config: BatonConfig) -> RequestTracer | None:
             f"observability.tracing: the OpenTelemetry packages failed to import ({e}): "
             f"{INSTALL_HINT}"
         ) from e
-    return OtelTracer.from_config(config)
+    return OtelTracer.create(obs.otlp_traces_endpoint, model)

@@ -9,6 +9,7 @@ before the executor starts. What it knows about each kind comes from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -58,18 +59,26 @@ def find_plugin_problems(
 
 
 def find_chosen_plugins(
-    config: BatonConfig, registry: Registry, skip: frozenset[str] = frozenset()
+    config: BatonConfig,
+    registry: Registry,
+    skip: frozenset[str] = frozenset(),
+    given: Sequence[ChosenPlugin] = (),
 ) -> tuple[list[ChosenPlugin], list[BatonError]]:
     """The checks, keeping what passed as registry entries with their validated settings
-    (in ``PLUGIN_KINDS`` order, a list selector's names in the config's order)."""
+    (in ``PLUGIN_KINDS`` order, a list selector's names in the config's order). ``given``:
+    selected plugins the caller already resolved, kept as they are (not validated again)."""
     errors: list[BatonError] = []
     chosen: list[ChosenPlugin] = []
     done: set[tuple[str, str]] = set()  # (kind, name) whose sub-table was checked
+    ready = {(c.entry.kind, c.name): c for c in given}
     for kind in PLUGIN_KINDS.values():
         if kind.name in skip:
             continue
         for name in _selected_names(kind, config, registry):
             done.add((kind.name, name))
+            if (kind.name, name) in ready:
+                chosen.append(ready[(kind.name, name)])
+                continue
             try:
                 entry = registry.get(kind.name, name)
                 settings = entry.settings(config)

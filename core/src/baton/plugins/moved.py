@@ -4,7 +4,8 @@ docs/stability.md: a public name keeps working for at least one further minor re
 it is deprecated, and warns (``DeprecationWarning``) naming its replacement and the release
 that removes it. A moved module's old path is a module whose ``__getattr__`` is
 ``forward(old, new)``; a module whose names left the public list (the objects stay, under an
-internal name) has ``retired(module, names)``.
+internal name, there or in the module ``home`` now holding them) has
+``retired(module, names, home=...)``.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def forward(old: str, new: str) -> Callable[[str], Any]:
     return __getattr__
 
 
-def retired(module: str, names: Mapping[str, tuple[str, str]]) -> Callable[[str], Any]:
+def retired(
+    module: str, names: Mapping[str, tuple[str, str]], *, home: str | None = None
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``module``'s names that left the public list.
 
-    ``names``: each retired name -> (the module's internal name for the same object, what to
-    use instead). The old name keeps working until ``REMOVED_IN``, with a warning."""
+    ``names``: each retired name -> (the internal name of the same object, what to use
+    instead), found in ``home`` (default: ``module`` itself). The old name keeps working
+    until ``REMOVED_IN``, with a warning."""
 
     def __getattr__(name: str) -> Any:
         if name not in names:
@@ -54,6 +58,7 @@ def retired(module: str, names: Mapping[str, tuple[str, str]]) -> Callable[[str]
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(sys.modules[module], internal)
+        holder = sys.modules[module] if home is None else importlib.import_module(home)
+        return getattr(holder, internal)
 
     return __getattr__

@@ -87,6 +87,7 @@ SURFACE: dict[str, dict[str, Names]] = {
             "KVTransferSection",
             "RoutingSection",
             "LoRASection",
+            "KVEventsSection",
             "ObservabilitySection",
         ),
     },
@@ -112,6 +113,7 @@ SURFACE: dict[str, dict[str, Names]] = {
         ),
         "baton.rpc": ("register_worker_rpc", "worker_rpc_names", "WORKER_RPC_METHODS"),
         "baton.executor.multiproc": ("MultiprocExecutor",),
+        "baton.executor.group_executor": ("GroupExecutor",),
         "baton.executor.workers": ("MultiprocSettings", "pick_device", "pick_transport"),
         "baton.executor.group": ("WorkerGroup",),
         "baton.executor.calls": ("CallBook", "Call"),
@@ -172,6 +174,8 @@ SURFACE: dict[str, dict[str, Names]] = {
         "baton.kv_transfer.types": ALL,
         "baton.kv.events": ALL,
         "baton.request": ("Request",),
+        # the offload connector's disk tier, reusable by other connectors (a /dev/shm store)
+        "baton.kv_transfer.offload.disk_tier": ("BlockFileStore", "BlockFileHeader"),
     },
     "router": {
         "baton.interfaces": ("Router",),
@@ -257,8 +261,6 @@ SURFACE: dict[str, dict[str, Names]] = {
             "load_adapter",
             "read_adapter_config",
         ),
-        # AsyncLLM.input_processor: the engine's tokenization and chat rendering, its checks
-        "baton.frontend.input_processor": ("InputProcessor",),
         "baton.metrics.stats": ("IterationStats",),
         "baton.cli.main": ("add_engine_arguments", "engine_overrides", "engine_argv"),
         "baton.plugins": ("get_registry", "Registry", "PluginEntry"),
@@ -299,6 +301,7 @@ SURFACE: dict[str, dict[str, Names]] = {
         ),
         "baton.testing.kv_connector": (
             "register_memory_connector",
+            "unregister_memory_connector",
             "MemoryConnector",
             "MemorySettings",
         ),

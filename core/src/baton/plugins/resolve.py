@@ -9,6 +9,7 @@ component looking it up again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from baton.config import BatonConfig
@@ -52,13 +53,18 @@ class ResolvedPlugins:
 
 
 def resolve_plugins(
-    config: BatonConfig, registry: Registry | None = None, skip: frozenset[str] = frozenset()
+    config: BatonConfig,
+    registry: Registry | None = None,
+    skip: frozenset[str] = frozenset(),
+    given: Sequence[ChosenPlugin] = (),
 ) -> ResolvedPlugins:
     """Pick every plugin ``config`` selects and validate its settings, or raise one error
     listing every problem (``check_config_plugins``'s checks and errors). ``registry``: the
-    process's (``get_registry()``) unless given; ``skip``: kinds the caller supplies itself."""
+    process's (``get_registry()``) unless given; ``skip``: kinds the caller supplies itself;
+    ``given``: selected plugins the caller resolved already (an engine process resolves its
+    transport first, to report the rest's errors through it), kept, not validated again."""
     registry = registry if registry is not None else get_registry()
-    chosen, errors = find_chosen_plugins(config, registry, skip)
+    chosen, errors = find_chosen_plugins(config, registry, skip, given)
     if errors:
         raise combined(errors)
     return ResolvedPlugins(registry, tuple(chosen), skip)

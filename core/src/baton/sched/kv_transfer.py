@@ -32,6 +32,7 @@ from baton.protocol import EngineCoreOutput, FinishReason, KVConnectorOutput, KV
 from baton.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from baton.kv.events import KVCacheEvent
     from baton.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,7 @@ class KVTransfer:
     def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
-        except (
-            Exception
-        ) as e:  # the connector's fault fails what the call was about, not the engine
+        except Exception as e:  # the connector's fault: what the call was about fails
             message = f"KV connector {self.name!r}: {what} raised {type(e).__name__}: {e}"
             if isinstance(e, InvalidRequestError):
                 # the request's own fault (its kv_transfer_params): the client gets the error's
@@ -165,8 +164,12 @@ class KVTransfer:
         req.num_cached_tokens = num_hit + loaded
         if self.sched.enable_caching:
             self.sched.kv.cache_blocks(req, req.num_computed_tokens)
-        req.status = RequestStatus.WAITING
+        # it was admitted before the requests queued meanwhile and holds its blocks: it goes back
+        # as a preempted request does (the policy's contract: ahead of later arrivals), else a
+        # tight pool deadlocks (the queue's head waits for the blocks this request holds)
+        req.status = RequestStatus.PREEMPTED
         self.sched.policy.add(req)
+        req.status = RequestStatus.WAITING
 
     # ------------------------------------------------------------------ each step
 
@@ -240,8 +243,8 @@ class KVTransfer:
                 in_step_failed[rid] = message
             elif req is not None:
                 outputs.append(self.fail(req, message))
-            else:
-                self._unhold(rid, _LOAD)  # a finished request's load failed: nothing more comes
+            else:  # a finished request the worker failed: nothing more comes for it
+                self._unhold(rid, _LOAD, _SAVE)
         return in_step_failed, outputs
 
     # ------------------------------------------------------------------ ends
@@ -249,13 +252,14 @@ class KVTransfer:
     def preempted(self, rid: str) -> None:
         self._preempted_ids.append(rid)
 
-    def release(self, req: Request) -> tuple[bool, str | None]:
+    def release(self, req: Request, may_hold: bool = True) -> tuple[bool, str | None]:
         """``req`` finished: ``request_finished``; whether its blocks are held (until a worker
-        reports them), and an error message if the connector raised."""
+        reports them; never when ``may_hold`` is false: forks keep them), and an error message
+        if the connector raised."""
         rid = req.request_id
         self._finished_ids.append(rid)
         waits: set[str] = set()
-        if self.loading.pop(rid, None) is not None:
+        if self.loading.pop(rid, None) is not None and may_hold:
             waits.add(_LOAD)  # its load still writes into its blocks
         error = None
         try:
@@ -267,7 +271,7 @@ class KVTransfer:
             )
         except KVConnectorCallError as e:
             hold, params, error = False, None, e.message
-        if hold:
+        if hold and may_hold:
             waits.add(_SAVE)
         if params is not None:
             req.kv_transfer_params = params
@@ -275,12 +279,14 @@ class KVTransfer:
             self.held[rid] = (req, waits)
         return bool(waits), error
 
-    def _unhold(self, rid: str, why: str) -> None:
+    def _unhold(self, rid: str, *why: str) -> None:
+        """A worker reported ``rid`` (its load, its saves): its blocks go once nothing else is
+        awaited."""
         entry = self.held.get(rid)
         if entry is None:
             return
         req, waits = entry
-        waits.discard(why)
+        waits.difference_update(why)
         if not waits:
             del self.held[rid]
             self.sched.kv.free(req)
@@ -294,6 +300,13 @@ class KVTransfer:
             return self._call("take_stats", self.connector.take_stats)
         except KVConnectorCallError:
             return None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The connector's KV events (its tiers' blocks); [] when the call raised (logged)."""
+        try:
+            return self._call("take_events", self.connector.take_events)
+        except KVConnectorCallError:
+            return []
 
     def shutdown(self) -> None:
         with contextlib.suppress(KVConnectorCallError):  # logged; the engine stops anyway

@@ -87,6 +87,7 @@ from baton.sched.victims import VictimCandidate
 if TYPE_CHECKING:
     from baton.config.sections import CacheSection, SchedulerSection
     from baton.interfaces import SchedulerPolicy
+    from baton.kv.events import KVCacheEvent
     from baton.kv_transfer.connector import KVConnectorScheduler
     from baton.speculative.drafting import Drafts
 
@@ -113,8 +114,10 @@ class Scheduler:
         max_num_seqs_per_batch: int | None = None,
         drafts: Drafts | None = None,
         max_loras: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
-        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's."""
+        """``scheduler`` / ``cache``: the config's sections; ``max_model_len``: the engine's;
+        ``enable_kv_cache_events``: record the pool's KV events (``take_kv_events``)."""
         self.policy = policy
         #: Speculative decoding's bookkeeping (``speculative.method``); None: off.
         self.drafts = drafts
@@ -133,7 +136,9 @@ class Scheduler:
         #: a waiting request with another adapter waits until one of them has no request left.
         self.max_loras = max_loras
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, self.block_size, self.enable_caching)
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, self.enable_caching, enable_kv_cache_events
+        )
         #: Finished requests that keep their KV for forks (beam search), and the copies owed.
         self.forks = KVForks(self.kv)
 
@@ -277,8 +282,10 @@ class Scheduler:
         runner told next step, the policy told by the next ``_tell_policy_finished``. Returns
         the KV connector's error about it, if its ``request_finished`` raised."""
         rid = req.request_id
-        held, error = self.kv_transfer.release(req) if self.kv_transfer else (False, None)
-        if not self.forks.retain(req) and not held:
+        retained = self.forks.retain(req)  # its blocks outlive it: the connector may not hold them
+        kvt = self.kv_transfer
+        held, error = kvt.release(req, may_hold=not retained) if kvt else (False, None)
+        if not retained and not held:
             self.kv.free(req)
         del self.requests[rid]
         self._running_dirty = True
@@ -351,6 +358,15 @@ class Scheduler:
             self._preempted_ids.extend(preempted)
             self.counters.preempted(len(preempted))
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV cache events since the last call, oldest first: the pool's BlockStored,
+        BlockRemoved and AllBlocksCleared (medium "GPU"), then the KV connector's (its tiers'
+        media); [] when KV events are off."""
+        events = self.kv.take_events()
+        if self.kv_transfer is not None and self.kv.pool.kv_events is not None:
+            events += self.kv_transfer.take_events()
+        return events
 
     # ------------------------------------------------------------- schedule
 
@@ -566,7 +582,9 @@ class Scheduler:
             drafts=self.drafts,
             step=self._step,
             num_running=num_running,
-            num_waiting=len(self.policy) + len(self._waiting_for_fsm),
+            num_waiting=len(self.policy)
+            + len(self._waiting_for_fsm)
+            + (len(self.kv_transfer.loading) if self.kv_transfer else 0),
             num_scheduled=self._last_num_scheduled,
             num_batches_in_flight=len(self._steps_in_flight),
         )

@@ -1,7 +1,8 @@
 """A reference KV connector for tests: ``memory``, an in-memory tier inside each worker process.
 
 ``register_memory_connector()`` makes ``kv_transfer.connector = "memory"`` selectable in this
-process (as ``register_fake_executor`` does for executors); worker processes of a multiprocess
+process (as ``register_fake_executor`` does for executors; ``unregister_memory_connector()``
+takes it back); worker processes of a multiprocess
 executor see it only through an entry point naming ``baton.testing.kv_connector``.
 
 Its tier is a dict per worker process, keyed by (namespace key, tp rank, pp rank, block hash),
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +63,8 @@ class MemorySettings(pydantic.BaseModel):
     """Load in a background thread; the request waits (WAITING_FOR_KV) until it is reported."""
     hold_blocks: bool = True
     """Hold a finished request's blocks until a worker confirms its saves (finished_saving)."""
+    load_delay_s: float = pydantic.Field(0.0, ge=0.0, le=10.0)
+    """Seconds an asynchronous load waits before it copies (a slow tier, for tests)."""
 
 
 class _Load(msgspec.Struct, array_like=True):
@@ -181,8 +185,9 @@ class MemoryScheduler:
 class MemoryWorker:
     """The worker half: copies blocks between the runner's cache and this process's TIER."""
 
-    def __init__(self, context: KVWorkerContext) -> None:
+    def __init__(self, context: KVWorkerContext, load_delay_s: float = 0.0) -> None:
         self.prefix = (context.namespace.key, context.tp_rank, context.pp_rank)
+        self.load_delay_s = load_delay_s
         self.caches: list[torch.Tensor] = []
         self._orders = _Orders()
         self._done: dict[str, int] = {}  # asynchronous loads finished, not yet reported
@@ -218,6 +223,7 @@ class MemoryWorker:
         return n * (self.caches[0].shape[3] if self.caches else 0)
 
     def _load_async(self, load: _Load) -> None:
+        time.sleep(self.load_delay_s)
         n = self._load(load)
         with self._done_lock:
             self._done[load.req_id] = n
@@ -260,7 +266,7 @@ class MemoryConnector:
         return MemoryScheduler(context, self.settings)
 
     def worker_side(self, context: KVWorkerContext) -> MemoryWorker:
-        return MemoryWorker(context)
+        return MemoryWorker(context, self.settings.load_delay_s)
 
 
 def create_memory_connector(config: Any, settings: MemorySettings | None) -> MemoryConnector:
@@ -281,3 +287,12 @@ def register_memory_connector(plugins: Any = None) -> None:
     if plugins.pm.has_plugin(PLUGIN_NAME):
         return
     plugins.register(sys.modules[__name__], PLUGIN_NAME, "baton-core", "0")
+
+
+def unregister_memory_connector(plugins: Any = None) -> None:
+    """Undo ``register_memory_connector`` (a process that spawns engines afterwards must not
+    carry a plugin its children lack). Idempotent."""
+    if plugins is None:
+        plugins = get_plugins()
+    if plugins.pm.has_plugin(PLUGIN_NAME):
+        plugins.unregister(PLUGIN_NAME)

@@ -38,23 +38,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from baton.config import BatonConfig
-from baton.errors import BatonError, ExecutorError, worker_error
+from baton.errors import ExecutorError, worker_error
 from baton.executor.calls import Call, CallBook
-from baton.executor.rank import (
-    StepCodec,
-    parallel_stats,
-    rank_bootstraps,
-)
+from baton.executor.group_executor import GroupExecutor
+from baton.executor.rank import StepCodec, rank_bootstraps
 from baton.executor.wire import Kind
 from baton.interfaces import RunnerFactory
 from baton.parallel.hooks import check_parallel_model, parallel_runner
-from baton.protocol import (
-    GrammarOutput,
-    KVCacheConfig,
-    KVCacheSpec,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
 from baton_ray.cluster import actor_env, bundle, connect, describe_resources
 from baton_ray.plugin import RaySettings
 
@@ -69,7 +59,7 @@ WATCH_INTERVAL = 0.1
 CALL_FAILED = "call_error"
 
 
-class RayExecutor:
+class RayExecutor(GroupExecutor):
     """Implements ``baton.interfaces.Executor`` with Ray actors (see the module docstring).
 
     ``runner`` replaces the ranks' runner factory (default: the stock runner, sharded
@@ -334,26 +324,13 @@ class RayExecutor:
         else:
             self._calls.answer(call, rank, value)
 
-    # ------------------------------------------------------------------ Executor
+    # ------------------------------------------------------------------ GroupExecutor
 
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput | None] | None:
-        t0 = time.perf_counter()
-        with self._encode_lock:
-            frames = self._codec.encode_step(scheduler_output)
-        ref = self._put(frames)
-        future = self._call(
-            Kind.EXECUTE,
-            ref,
-            reply_from=self.driver,
-            decode=self._codec.decode_output,
-            fail_after=self.settings.step_timeout,
-            chained=True,
-        )
-        if scheduler_output.total_num_scheduled_tokens:
-            self.broadcast_s.append(time.perf_counter() - t0)
-        return future if non_block else future.result()
+    def _book(self) -> CallBook:
+        return self._calls
+
+    def _step_payload(self, frames: list[Any]) -> Any:
+        return self._put(frames)
 
     def _put(self, frames: list[Any]) -> Any:
         """The step's frames in the object store once (``ray.put``), for every rank; a step
@@ -368,76 +345,8 @@ class RayExecutor:
             self._fail(ExecutorError(f"cannot put the step in Ray's object store: {e}"))
             raise ExecutorError(f"the ray executor failed: {e}") from e
 
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        with self._encode_lock:
-            frames = self._codec.encode_grammar(grammar_output) if grammar_output else []
-        future = self._call(
-            Kind.SAMPLE,
-            frames,
-            to=[self.driver],
-            reply_from=self.driver,
-            decode=self._codec.decode_output,
-            fail_after=self.settings.step_timeout,
-        )
-        return future if non_block else future.result()
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple = (),
-        kwargs: dict | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]:
-        future = self._call(Kind.RPC, StepCodec.encode_rpc(method, args, kwargs))
-        return self._calls.wait(  # type: ignore[no-any-return]
-            future, timeout, f"collective_rpc {getattr(method, '__name__', method)!r}"
-        )
-
-    def get_kv_cache_specs(self) -> list[KVCacheSpec]:
-        return self.collective_rpc("get_kv_cache_spec", timeout=self.settings.startup_timeout)
-
-    def determine_available_memory(self) -> list[int]:
-        return self.collective_rpc(
-            "determine_available_memory", timeout=self.settings.startup_timeout
-        )
-
-    def initialize_kv_cache(self, config: KVCacheConfig) -> None:
-        self._rpc_or_fail("initialize_kv_cache", config)
-
-    def _rpc_or_fail(self, method: str, *args: Any) -> list[Any]:
-        """``collective_rpc`` of a call whose failure leaves the ranks' state unknown (the KV
-        cache, sleep): its error fails the executor, as a step's does."""
-        try:
-            return self.collective_rpc(method, args, timeout=self.settings.startup_timeout)
-        except BatonError as e:
-            self._fail(e)
-            raise
-
-    def sleep(self, level: int) -> None:
-        """Every rank frees its KV cache (level 1) and its weights too (level 2)."""
-        timeout = self.settings.startup_timeout
-        if not all(self.collective_rpc("can_sleep", timeout=timeout)):
-            raise ExecutorError(
-                f"executor 'ray': its runner ({self.runner!r}) has no sleep()/wake_up() "
-                "(baton.interfaces.Sleepable): it cannot free its memory"
-            )
-        self._rpc_or_fail("sleep", level)
-
-    def wake_up(self) -> None:
-        """Every rank loads its weights (its shard) and allocates its KV cache again."""
-        self._rpc_or_fail("wake_up")
-
-    def parallel_stats(self, timeline: bool = False) -> list[dict[str, Any]]:
-        """Each rank's per-step timings (as ``MultiprocExecutor.parallel_stats``)."""
-        return self.collective_rpc(parallel_stats, kwargs={"timeline": timeline}, timeout=30)
-
     def worker_pids(self) -> list[int]:
         return list(self.pids)
-
-    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
-        self._latch.register(callback)
 
     def check_health(self) -> None:
         self._latch.check()

@@ -8,6 +8,7 @@ is looked up in RAM first, then on disk (every worker shard's file exists) for t
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,10 @@ from baton.kv_transfer.types import KVConnectorOutput, KVTransferStats
 
 if TYPE_CHECKING:
     from baton.request import Request
+
+
+#: Events kept for ``take_events`` (older ones are dropped: with KV events off nobody asks).
+MAX_PENDING_EVENTS = 10_000
 
 
 class _Lookup:
@@ -56,7 +61,8 @@ class OffloadScheduler:
         self._requests: dict[str, Request] = {}
         self._background: dict[str, int] = {}  # request -> tokens its RAM part loaded
         self._orders = StepOrders()
-        self._events: list[KVCacheEvent] = []
+        # the kernel asks for events only when KV events are on: keep the latest, not all
+        self._events: deque[KVCacheEvent] = deque(maxlen=MAX_PENDING_EVENTS)
         self._stats = KVTransferStats()
         self._disk_level: tuple[int, int] | None = None  # (bytes, capacity) as workers last said
 
@@ -161,9 +167,9 @@ class OffloadScheduler:
         if not hashes:
             return []
         bs = self.block_size
-        if request is None:
+        index = {} if request is None else {h: i for i, h in enumerate(request.block_hashes)}
+        if request is None or any(h not in index for h in hashes):
             return [BlockStored(hashes, None, [], bs, None, medium)]
-        index = {h: i for i, h in enumerate(request.block_hashes)}
         runs: list[list[int]] = []
         for h in hashes:
             i = index[h]
@@ -215,7 +221,8 @@ class OffloadScheduler:
     # ---- reports
 
     def take_events(self) -> list[KVCacheEvent]:
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()
         return events
 
     def take_stats(self) -> KVTransferStats | None:

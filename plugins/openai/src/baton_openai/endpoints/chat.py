@@ -114,7 +114,7 @@ def template_in_use(ctx: ServerContext, client_template: str | None) -> Any:
     return (
         client_template
         or ctx.preprocess.chat_template
-        or getattr(ctx.engine.tokenizer, "chat_template", None)
+        or getattr(ctx.engine.get_tokenizer(), "chat_template", None)
     )
 
 

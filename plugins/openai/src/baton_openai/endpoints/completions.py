@@ -119,7 +119,7 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
         texts, ids_list, built_list = [], [], []
         for prompt in prompts:
             try:  # a huge text is refused by a prefix, a long id list by its length
-                text, ids = engine.input_processor.tokenize(prompt)
+                ids = engine.tokenize(prompt)
             except InvalidRequestError as e:
                 raise from_baton_error(e) from None
             built_list.append(
@@ -135,8 +135,9 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
                     prompt_logprobs_param=prompt_lps_param,
                 )
             )
+            text = prompt if isinstance(prompt, str) else None
             if req.echo and text is None:
-                text = engine.tokenizer.decode(ids)
+                text = engine.get_tokenizer().decode(ids)
             texts.append(text)
             ids_list.append(ids)
         return texts, ids_list, built_list
@@ -177,7 +178,7 @@ async def _generate(
     )
     acc = Accumulator([len(ids) for ids in ids_list], req.n)
     built = built_list[0]
-    echo = Echo(texts, ids_list, engine.tokenizer.decode) if req.echo else None
+    echo = Echo(texts, ids_list, engine.get_tokenizer().decode) if req.echo else None
     if not req.stream:
         done = await cancel_on_disconnect(raw, collect(stream, None, acc, built))
         if done is DISCONNECTED:
@@ -201,7 +202,7 @@ async def _beam_search(
     ticket = ctx.queue.admit(len(prompts))  # a 429 when server.max_queued_requests are waiting
     try:
         try:
-            ids_list = [ctx.engine.input_processor.tokenize(p)[1] for p in prompts]
+            ids_list = [ctx.engine.tokenize(p) for p in prompts]
         except InvalidRequestError as e:
             raise from_baton_error(e) from None
         outs = await run_beam_searches(ctx, raw, req, ids_list, params)

@@ -119,13 +119,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response | Em
 
     def prepare() -> list[list[int]]:
         # tokenizing (and checking every token id) is work the client controls: on a worker thread
-        out = []
-        for item in inputs:
-            if isinstance(item, str):
-                out.append(engine.input_processor.encode(item, add_special_tokens=special))
-            else:
-                out.append(engine.input_processor.tokenize(item)[1])
-        return out
+        return [engine.tokenize(item, add_special_tokens=special) for item in inputs]
 
     ticket = ctx.queue.admit(len(inputs))  # a 429 when server.max_queued_requests are waiting
     try:

@@ -99,14 +99,14 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     if req.messages is not None:
         ids = await chat_prompt_ids(req, ctx)
         if req.add_special_tokens:  # vLLM's: the tokenizer's own (BOS) before the rendered chat
-            ids = engine.tokenizer.build_inputs_with_special_tokens(ids)
+            ids = engine.get_tokenizer().build_inputs_with_special_tokens(ids)
     else:
         text = req.prompt
         assert text is not None and req.add_special_tokens is not None
         special = req.add_special_tokens
         try:
             ids = await pre.run(
-                lambda: engine.input_processor.encode(text, add_special_tokens=special),
+                lambda: engine.tokenize(text, add_special_tokens=special),
                 deadline=pre.deadline(),
                 what="tokenizing the prompt",
                 param="prompt",
@@ -116,7 +116,7 @@ async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
     strs = None
     if req.return_token_strs:
         strs = await pre.run(
-            lambda: [str(t) for t in engine.tokenizer.convert_ids_to_tokens(ids)],
+            lambda: [str(t) for t in engine.get_tokenizer().convert_ids_to_tokens(ids)],
             deadline=pre.deadline(),
             what="naming the tokens",
             param="return_token_strs",
@@ -174,7 +174,7 @@ async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse
         )
     pre = ctx.preprocess
     text = await pre.run(
-        lambda: engine.tokenizer.decode(tokens),
+        lambda: engine.get_tokenizer().decode(tokens),
         deadline=pre.deadline(),
         what="detokenizing the tokens",
         param="tokens",

@@ -141,8 +141,8 @@ def build_app(
         preprocess=Preprocessor(engine, srv),
         api_key=srv.api_key,
         metrics=metrics,
-        tool_parser=parsers.tool_parser(srv.tool_call_parser, engine.tokenizer),
-        reasoning_parser=parsers.reasoning_parser(srv.reasoning_parser, engine.tokenizer),
+        tool_parser=parsers.tool_parser(srv.tool_call_parser, engine.get_tokenizer()),
+        reasoning_parser=parsers.reasoning_parser(srv.reasoning_parser, engine.get_tokenizer()),
         queue=QueueGate(
             srv.max_queued_requests,
             on_reject=(lambda: metrics.count_rejected("queue_full")) if metrics else None,

@@ -80,7 +80,7 @@ def finish_reason(
     seq: BeamSearchSequence, prompt_len: int, ctx: ServerContext, ignore_eos: bool
 ) -> str:
     """``stop`` for a beam that ended with EOS, else ``length`` (vLLM's)."""
-    eos = ctx.engine.tokenizer.eos_token_id
+    eos = ctx.engine.get_tokenizer().eos_token_id
     stopped = len(seq.tokens) > prompt_len and seq.tokens[-1] == eos and not ignore_eos
     return "stop" if stopped else "length"
 

@@ -262,7 +262,7 @@ def prompt_shape(value: Any) -> str | list[Any]:
     """A completion prompt whose shape is one of PromptInput's, told by its first item.
 
     Only the lengths and the shape are checked here, on the event loop; each token id
-    is checked on a preprocessing worker (InputProcessor.tokenize, then the vocabulary
+    is checked on a preprocessing worker (AsyncLLM.tokenize, then the vocabulary
     bound). A plain union would validate a million ids once per branch it tries.
     """
     if isinstance(value, str):

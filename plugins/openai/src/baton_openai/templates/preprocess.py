@@ -26,7 +26,6 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from baton import AsyncLLM
-from baton.frontend.input_processor import InputProcessor
 from baton_openai.http.errors import OpenAIError
 from baton_openai.server_section import ServerSection
 from baton_openai.templates.chat_template import load_chat_template
@@ -184,11 +183,11 @@ class Preprocessor:
                 param="chat_template",
                 code="unsupported_parameter",
             )
-        processor = self.engine.input_processor
+        engine = self.engine
 
         def prepare() -> tuple[list[dict[str, Any]], dict[str, Any]]:
             msgs = messages()
-            return msgs, client_template_variables(processor, msgs, template_kwargs)
+            return msgs, client_template_variables(engine, msgs, template_kwargs)
 
         msgs, variables = await self.run(prepare, deadline=deadline, what=what, param="messages")
         try:
@@ -215,13 +214,12 @@ class Preprocessor:
                 f"the chat template failed: {e}", 400, param="chat_template", code="invalid_value"
             ) from None
 
-        def encode() -> list[int]:
-            # as apply_chat_template does: the template wrote the special tokens itself
-            return processor.encode(
-                text, add_special_tokens=False, what="the rendered chat", param="messages"
-            )
-
-        return await self.run(encode, deadline=deadline, what=what, param="messages")
+        return await self.run(
+            lambda: engine.tokenize_rendered_chat(text),
+            deadline=deadline,
+            what=what,
+            param="messages",
+        )
 
     async def aclose(self) -> None:
         """Stop the sandbox processes and the threads; a job still running finishes on its own
@@ -232,16 +230,16 @@ class Preprocessor:
 
 
 def client_template_variables(
-    processor: InputProcessor,
+    engine: AsyncLLM,
     messages: list[dict[str, Any]],
     template_kwargs: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """The checks render_chat makes before rendering (the same refusals, the same messages),
     and the variables a client template sees: the tokenizer's special tokens, then
     chat_template_kwargs (which win, as in transformers)."""
-    processor.check_messages(messages)
-    variables = processor.template_variables(template_kwargs)
-    return {**special_tokens(processor.tokenizer), **variables}
+    engine.check_messages(messages)
+    variables = engine.chat_template_variables(template_kwargs)
+    return {**special_tokens(engine.get_tokenizer()), **variables}
 
 
 def special_tokens(tokenizer: Any) -> dict[str, Any]:
