@@ -24,6 +24,7 @@ from baton.engine.executor_facts import executor_capabilities, executor_model_in
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.kv_connector import settle_kv_transfers, start_kv_connector
 from baton.engine.sharded_state import check_sharded_folder, save_sharded_state
+from baton.engine.utility_methods import check_sleep_level
 from baton.errors import (
     ConfigError,
     EngineSleepingError,
@@ -98,18 +99,7 @@ class EngineCore:
             self.num_blocks = self._initialize_kv_cache()
             policy = self.plugins.one("scheduler_policy").create(config)
             self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
-            target = config.scheduler.target_step_ms
-            if self.batch_queue_size > 1 and target != "off":
-                # an explicit number the user asked for warns; the default "auto" only informs
-                log.log(
-                    logging.INFO if target == "auto" else logging.WARNING,
-                    "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
-                    "(pipeline parallel): batches overlap, so no step time is measured",
-                    target,
-                    self.batch_queue_size,
-                )
-                off = config.scheduler.model_copy(update={"target_step_ms": "off"})
-                self.config = config = config.model_copy(update={"scheduler": off})
+            self.config = config = self._without_step_target(config)
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (
                 -(-config.scheduler.max_num_seqs // self.batch_queue_size)
@@ -154,6 +144,23 @@ class EngineCore:
         self.loras = EngineLoras(config.lora, self.executor, self.scheduler)
 
     # ------------------------------------------------------------------ start-up
+
+    def _without_step_target(self, config: BatonConfig) -> BatonConfig:
+        """``config`` with ``scheduler.target_step_ms`` off under a batch queue (batches overlap:
+        no step time is measured); unchanged without one."""
+        target = config.scheduler.target_step_ms
+        if self.batch_queue_size == 1 or target == "off":
+            return config
+        # an explicit number the user asked for warns; the default "auto" only informs
+        log.log(
+            logging.INFO if target == "auto" else logging.WARNING,
+            "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
+            "(pipeline parallel): batches overlap, so no step time is measured",
+            target,
+            self.batch_queue_size,
+        )
+        off = config.scheduler.model_copy(update={"target_step_ms": "off"})
+        return config.model_copy(update={"scheduler": off})
 
     def _drafts(self, config: BatonConfig) -> Drafts | None:
         """Speculative decoding's bookkeeping with the selected speculator; None when off."""
@@ -545,39 +552,6 @@ class EngineCore:
         if self.scheduler.kv_transfer is not None:
             self.scheduler.kv_transfer.shutdown()
         self.executor.shutdown()
-
-
-#: Methods a client may call through a UTILITY request, with the type of their result.
-UTILITY_METHODS: dict[str, Any] = {
-    "reset_prefix_cache": bool,
-    "get_stats": SchedulerStats,
-    "check_health": None,
-    "get_model_info": ModelInfo,
-    "get_num_blocks": int,
-    "list_requests": list[str],
-    "sleep": None,
-    "wake_up": None,
-    "is_sleeping": bool,
-    "get_memory_usage": list[WorkerMemory],
-    "start_profile": None,
-    "stop_profile": list[str],
-    "collective_rpc": list[Any],
-    "save_sharded_state": None,
-    "add_lora": bool,
-    "remove_lora": bool,
-    "list_loras": list[int],
-    "pin_lora": bool,
-}
-
-
-def check_sleep_level(level: object) -> None:
-    """Refuse a sleep level other than 1 or 2 (InvalidRequestError with ``param`` "level")."""
-    if type(level) is not int or level not in (1, 2):
-        raise InvalidRequestError(
-            f"sleep level {level!r}: use 1 (free the KV cache, keep the weights in host "
-            "memory) or 2 (free the weights too)",
-            param="level",
-        )
 
 
 def _then(future: Future[Any], fn: Any) -> Future[Any]:
