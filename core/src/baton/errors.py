@@ -79,7 +79,9 @@ class TransportError(BatonError, OSError):
     """A transport channel failed (peer gone, closed, timed out)."""
 
 
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+#: The request field an error's message names: a sampling field, or (a KV connector's refusal)
+#: kv_transfer_params at its start.
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)|^(kv_transfer_params)\b")
 
 
 def error_from_message(message: str) -> BaseException:
@@ -88,7 +90,7 @@ def error_from_message(message: str) -> BaseException:
     cls = globals().get(name) if sep else None
     if isinstance(cls, type) and issubclass(cls, InvalidRequestError):
         m = _SAMPLING_FIELD.search(text)
-        return cls(text, param=m.group(1) if m else None)
+        return cls(text, param=(m.group(1) or m.group(2)) if m else None)
     if isinstance(cls, type) and issubclass(cls, BatonError):
         return cls(text)
     return BatonError(message)

@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from baton.config import BatonConfig
-from baton.engine.core import UTILITY_METHODS, EngineCore
+from baton.engine.core import EngineCore
+from baton.engine.utility_methods import UTILITY_METHODS
 from baton.errors import InvalidRequestError
 from baton.model_info import ModelInfo
 from baton.protocol import EngineCoreOutputs, EngineCoreRequest

@@ -22,7 +22,9 @@ import msgspec
 from baton.config import BatonConfig
 from baton.engine.executor_facts import executor_capabilities, executor_model_info
 from baton.engine.kv_capacity import fit_max_model_len
-from baton.engine.kv_connector import start_kv_connector
+from baton.engine.kv_connector import settle_kv_transfers, start_kv_connector
+from baton.engine.sharded_state import check_sharded_folder, save_sharded_state
+from baton.engine.utility_methods import check_sleep_level
 from baton.errors import (
     ConfigError,
     EngineSleepingError,
@@ -33,7 +35,6 @@ from baton.errors import (
 from baton.interfaces import Executor
 from baton.kv.event_publisher import KVEventPublisher, make_kv_event_publisher
 from baton.lora.registry import EngineLoras
-from baton.model.loader import model_folder
 from baton.model_info import ModelInfo, model_info
 from baton.plugins.registry import Registry
 from baton.plugins.resolve import ResolvedPlugins, resolve_plugins
@@ -59,8 +60,6 @@ log = logging.getLogger(__name__)
 
 #: How long the batch-queue loop yields the CPU when it scheduled nothing but requests are pending.
 IDLE_YIELD_S = 0.001
-#: Longest wait of reset_prefix_cache / sleep on an idle engine for the KV connector's reports.
-KV_SETTLE_S = 5.0
 
 
 class EngineCore:
@@ -83,7 +82,7 @@ class EngineCore:
             config, registry, skip=frozenset({"executor"}) if executor else frozenset()
         )
         if executor is None and config.model.load_format == "sharded_state":
-            _check_sharded_folder(config)  # a wrong layout named here, not inside an executor
+            check_sharded_folder(config)  # a wrong layout named here, not inside an executor
         if executor is None:
             executor = self.plugins.one("executor").create(config)
         self.executor: Executor = executor
@@ -100,18 +99,7 @@ class EngineCore:
             self.num_blocks = self._initialize_kv_cache()
             policy = self.plugins.one("scheduler_policy").create(config)
             self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
-            target = config.scheduler.target_step_ms
-            if self.batch_queue_size > 1 and target != "off":
-                # an explicit number the user asked for warns; the default "auto" only informs
-                log.log(
-                    logging.INFO if target == "auto" else logging.WARNING,
-                    "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
-                    "(pipeline parallel): batches overlap, so no step time is measured",
-                    target,
-                    self.batch_queue_size,
-                )
-                off = config.scheduler.model_copy(update={"target_step_ms": "off"})
-                self.config = config = config.model_copy(update={"scheduler": off})
+            self.config = config = self._without_step_target(config)
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (
                 -(-config.scheduler.max_num_seqs // self.batch_queue_size)
@@ -130,14 +118,10 @@ class EngineCore:
                 enable_kv_cache_events=config.kv_events.enable_kv_cache_events,
             )
             self.kv_event_publisher = make_kv_event_publisher(
-                config.kv_events, config.executor.data_parallel_rank
+                config.kv_events,
+                config.executor.data_parallel_rank,
+                config.cache.enable_prefix_caching,
             )
-            if self.kv_event_publisher is not None and not config.cache.enable_prefix_caching:
-                log.warning(
-                    "kv_events.enable_kv_cache_events with prefix caching off "
-                    "(cache.enable_prefix_caching = false, or the executor's model cannot): the "
-                    "pool caches no block, so only AllBlocksCleared is ever published"
-                )
             self.structured_output = StructuredOutputManager(
                 config, self.plugins.find("structured_output"), self.info
             )
@@ -160,6 +144,23 @@ class EngineCore:
         self.loras = EngineLoras(config.lora, self.executor, self.scheduler)
 
     # ------------------------------------------------------------------ start-up
+
+    def _without_step_target(self, config: BatonConfig) -> BatonConfig:
+        """``config`` with ``scheduler.target_step_ms`` off under a batch queue (batches overlap:
+        no step time is measured); unchanged without one."""
+        target = config.scheduler.target_step_ms
+        if self.batch_queue_size == 1 or target == "off":
+            return config
+        # an explicit number the user asked for warns; the default "auto" only informs
+        log.log(
+            logging.INFO if target == "auto" else logging.WARNING,
+            "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
+            "(pipeline parallel): batches overlap, so no step time is measured",
+            target,
+            self.batch_queue_size,
+        )
+        off = config.scheduler.model_copy(update={"target_step_ms": "off"})
+        return config.model_copy(update={"scheduler": off})
 
     def _drafts(self, config: BatonConfig) -> Drafts | None:
         """Speculative decoding's bookkeeping with the selected speculator; None when off."""
@@ -390,24 +391,11 @@ class EngineCore:
 
     def reset_prefix_cache(self, reset_running: bool = False) -> bool:
         """Forget the prefix cache; see Scheduler.reset_prefix_cache (``reset_running`` preempts)."""
-        self._settle_kv_transfers()
+        settle_kv_transfers(self)
         done = self.scheduler.reset_prefix_cache(reset_running)
         if self.kv_event_publisher is not None:
             self._publish_kv_events()  # AllBlocksCleared now: an idle engine has no next step
         return done
-
-    def _settle_kv_transfers(self) -> None:
-        """With no request left, step until the KV connector's workers reported what it waits
-        for (blocks held for saves, aborted loads): an idle engine's blocks are then all free
-        (an in-process engine is not stepped between calls). At most KV_SETTLE_S seconds."""
-        scheduler = self.scheduler
-        deadline = time.monotonic() + KV_SETTLE_S
-        while (
-            scheduler.has_kv_transfers()
-            and not scheduler.has_unfinished_requests()
-            and time.monotonic() < deadline
-        ):
-            self.step_fn()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1: the weights stay in host memory) or the weights too
@@ -424,7 +412,7 @@ class EngineCore:
                 f"before sleeping at level {level}",
                 param="level",
             )
-        self._settle_kv_transfers()
+        settle_kv_transfers(self)
         if self.has_work():
             n = self.scheduler.get_num_unfinished_requests()
             raise InvalidRequestError(
@@ -486,41 +474,7 @@ class EngineCore:
         """Every worker writes its already sharded weights into ``path``; the model folder's
         config and tokenizer files and a marker of the layout follow (``baton.model.sharded_state``).
         Load it back with ``model.load_format = "sharded_state"`` at the same TP size."""
-        from pathlib import Path
-
-        from baton.model.sharded_state import write_folder_files  # torch, as start_profile's
-
-        ex, m = self.config.executor, self.config.model
-        if not isinstance(path, str) or not path:
-            raise InvalidRequestError(
-                f"save_sharded_state path {path!r}: give a folder", param="path"
-            )
-        if ex.pipeline_parallel_size > 1:
-            raise InvalidRequestError(
-                f"save_sharded_state with pipeline_parallel_size={ex.pipeline_parallel_size}: "
-                "not supported yet; save from an engine with pipeline_parallel_size = 1"
-            )
-        if self.config.lora.enable_lora:
-            raise InvalidRequestError(
-                "save_sharded_state with lora.enable_lora = true: the LoRA wrappers do not load "
-                "back as plain weights; start the engine without LoRA to save"
-            )
-        if self.sleep_level:
-            raise InvalidRequestError("the engine is asleep: call wake_up() before saving")
-        source = model_folder(self.config)
-        dest = Path(path).expanduser().resolve()
-        if dest == source.resolve():
-            raise InvalidRequestError(
-                f"save_sharded_state path {path!r} is the model's own folder: pick another"
-            )
-        outcomes = self.executor.collective_rpc(
-            "save_sharded_state", (str(dest), pattern, max_size)
-        )
-        if not all(isinstance(o, list) for o in outcomes):
-            raise ExecutorError(f"save_sharded_state: a worker answered {outcomes!r}")
-        write_folder_files(
-            source, dest, ex.tensor_parallel_size, ex.pipeline_parallel_size, m.dtype
-        )
+        save_sharded_state(self.config, self.executor, self.sleep_level, path, pattern, max_size)
 
     def collective_rpc(
         self,
@@ -598,47 +552,6 @@ class EngineCore:
         if self.scheduler.kv_transfer is not None:
             self.scheduler.kv_transfer.shutdown()
         self.executor.shutdown()
-
-
-#: Methods a client may call through a UTILITY request, with the type of their result.
-UTILITY_METHODS: dict[str, Any] = {
-    "reset_prefix_cache": bool,
-    "get_stats": SchedulerStats,
-    "check_health": None,
-    "get_model_info": ModelInfo,
-    "get_num_blocks": int,
-    "list_requests": list[str],
-    "sleep": None,
-    "wake_up": None,
-    "is_sleeping": bool,
-    "get_memory_usage": list[WorkerMemory],
-    "start_profile": None,
-    "stop_profile": list[str],
-    "collective_rpc": list[Any],
-    "save_sharded_state": None,
-    "add_lora": bool,
-    "remove_lora": bool,
-    "list_loras": list[int],
-    "pin_lora": bool,
-}
-
-
-def _check_sharded_folder(config: BatonConfig) -> None:
-    """ConfigError unless the model folder is a sharded state of the engine's TP x PP layout."""
-    from baton.model.sharded_state import check_marker  # torch, as start_profile's
-
-    ex = config.executor
-    check_marker(model_folder(config), ex.tensor_parallel_size, ex.pipeline_parallel_size)
-
-
-def check_sleep_level(level: object) -> None:
-    """Refuse a sleep level other than 1 or 2 (InvalidRequestError with ``param`` "level")."""
-    if type(level) is not int or level not in (1, 2):
-        raise InvalidRequestError(
-            f"sleep level {level!r}: use 1 (free the KV cache, keep the weights in host "
-            "memory) or 2 (free the weights too)",
-            param="level",
-        )
 
 
 def _then(future: Future[Any], fn: Any) -> Future[Any]:

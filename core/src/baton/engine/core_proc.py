@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from baton.engine.core import UTILITY_METHODS, EngineCore
+from baton.engine.core import EngineCore
+from baton.engine.utility_methods import UTILITY_METHODS
 from baton.errors import BatonError, ExecutorError, ProtocolError, TransportError
 from baton.interfaces import EngineChannel
 from baton.protocol import (

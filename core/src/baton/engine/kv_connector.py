@@ -5,6 +5,7 @@ on every worker (``baton.executor.kv_connector``)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from baton.errors import ConfigError
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
     from baton.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
+
+#: Longest wait of reset_prefix_cache / sleep on an idle engine for the KV connector's reports.
+KV_SETTLE_S = 5.0
 
 
 def start_kv_connector(core: EngineCore) -> KVNamespace | None:
@@ -56,3 +60,17 @@ def start_kv_connector(core: EngineCore) -> KVNamespace | None:
     core.executor.collective_rpc(start_worker_half, (namespace, role))
     log.info("KV connector %r (role %s), namespace %s", name, role, namespace.key)
     return namespace
+
+
+def settle_kv_transfers(core: EngineCore) -> None:
+    """With no request left, step ``core`` until the KV connector's workers reported what it
+    waits for (blocks held for saves, aborted loads): an idle engine's blocks are then all free
+    (an in-process engine is not stepped between calls). At most KV_SETTLE_S seconds."""
+    scheduler = core.scheduler
+    deadline = time.monotonic() + KV_SETTLE_S
+    while (
+        scheduler.has_kv_transfers()
+        and not scheduler.has_unfinished_requests()
+        and time.monotonic() < deadline
+    ):
+        core.step_fn()

@@ -27,10 +27,10 @@ import msgspec
 
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
-from baton.engine.core import UTILITY_METHODS
 from baton.engine.core_main import run_engine_core
 from baton.engine.core_proc import READY
 from baton.engine.launch import make_launcher
+from baton.engine.utility_methods import UTILITY_METHODS
 from baton.errors import (
     BatonError,
     EngineDeadError,

@@ -14,7 +14,7 @@ from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
 from baton.engine.clients import make_client
-from baton.engine.core import check_sleep_level
+from baton.engine.utility_methods import check_sleep_level
 from baton.errors import (
     EngineDeadError,
     EngineShuttingDownError,

@@ -15,7 +15,7 @@ from baton.beam_search import BeamSearchOutput, BeamSearchParams
 from baton.config import BatonConfig
 from baton.engine.client import EngineCoreClient
 from baton.engine.clients import make_client
-from baton.engine.core import check_sleep_level
+from baton.engine.utility_methods import check_sleep_level
 from baton.errors import EngineSleepingError, InvalidRequestError
 from baton.frontend.beam_run import BeamRun
 from baton.frontend.output_processor import OutputProcessor, split_request

@@ -9,6 +9,7 @@ stamped with its data-parallel rank.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 from baton.config.sections import endpoint_port
@@ -17,6 +18,8 @@ from baton.errors import ConfigError
 if TYPE_CHECKING:
     from baton.config.sections import KVEventsSection
     from baton.kv.events import KVCacheEvent
+
+log = logging.getLogger(__name__)
 
 
 class KVEventPublisher(Protocol):
@@ -53,11 +56,18 @@ def rank_endpoint(endpoint: str, data_parallel_rank: int) -> str:
 
 
 def make_kv_event_publisher(
-    section: KVEventsSection, data_parallel_rank: int
+    section: KVEventsSection, data_parallel_rank: int, prefix_caching: bool = True
 ) -> KVEventPublisher | None:
-    """The publisher ``section`` selects, started; None when KV events are off."""
+    """The publisher ``section`` selects, started; None when KV events are off. Warns when
+    the pool caches nothing (``prefix_caching`` false)."""
     if not section.enable_kv_cache_events:
         return None
+    if not prefix_caching:
+        log.warning(
+            "kv_events.enable_kv_cache_events with prefix caching off "
+            "(cache.enable_prefix_caching = false, or the executor's model cannot): the "
+            "pool caches no block, so only AllBlocksCleared is ever published"
+        )
     if section.publisher == "null":
         return NullEventPublisher()
     try:

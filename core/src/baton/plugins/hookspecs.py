@@ -193,7 +193,8 @@ def register_kv_connectors(register: Register[KVConnectorFactory]) -> None:
     ``kv_transfer.role``. The factory is called once in the engine process (the scheduler
     half, ``scheduler_side``) and once in each worker process (``worker_side``);
     docs/kv-connectors.md says when each half's calls run. Built in: ``offload`` (a RAM tier
-    and a disk tier, docs/kv-offload.md).
+    and a disk tier, docs/kv-offload.md), ``pd`` (prefill on a producer engine, decode on a
+    consumer: docs/kv-connectors.md).
     """
 
 

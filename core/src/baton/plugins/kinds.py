@@ -275,7 +275,7 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             section="kv_transfer",
             selector="connector",
             unselected=frozenset({"none"}),
-            builtin=("offload",),
+            builtin=("offload", "pd"),
         ),
         PluginKind(
             name="router",
@@ -294,7 +294,11 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             factory=CommandFactory,
             product=None,
             builtin=("generate", "chat", "plugins", "bench", "config", "env"),
-            distributions={"serve": "baton-plugin-openai", "run-batch": "baton-plugin-openai"},
+            distributions={
+                "serve": "baton-plugin-openai",
+                "run-batch": "baton-plugin-openai",
+                "pd-proxy": "baton-plugin-openai",
+            },
         ),
         PluginKind(
             name="config_section",

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from baton.errors import InvalidRequestError
 from baton.kv_transfer.connector import KVBlockRef, KVConnectorScheduler, KVStep
 from baton.protocol import EngineCoreOutput, FinishReason, KVConnectorOutput, KVTransferStats
 from baton.request import Request, RequestStatus
@@ -84,6 +85,10 @@ class KVTransfer:
             return fn(*args)
         except Exception as e:  # the connector's fault: what the call was about fails
             message = f"KV connector {self.name!r}: {what} raised {type(e).__name__}: {e}"
+            if isinstance(e, InvalidRequestError):
+                # the request's own fault (its kv_transfer_params): the client gets the error's
+                # class first ("ClassName: text", error_from_message), so an HTTP server's 400
+                message = f"{type(e).__name__}: {e} (KV connector {self.name!r}, {what})"
             log.warning("%s", message)
             log.debug("%s: traceback", what, exc_info=e)
             raise KVConnectorCallError(message) from e

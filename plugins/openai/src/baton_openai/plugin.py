@@ -1,4 +1,4 @@
-"""Plugin module of baton-plugin-openai: registers commands ``serve`` and ``run-batch``, stat
+"""Plugin module of baton-plugin-openai: registers commands ``serve``, ``run-batch`` and ``pd-proxy``, stat
 logger ``prometheus`` and the ``[server]`` config section (``baton bench serve``, its HTTP load, is baton-bench's).
 
 Plugins load in every process baton spawns (engine cores too), so this module
@@ -38,10 +38,19 @@ def create_prometheus_logger(config: Any, settings: Any = None, engine_index: in
     return PrometheusStatLogger(config, settings, engine_index)
 
 
+def pd_proxy_command(parser: Any) -> Any:
+    """Disaggregated serving: prefill each request on a producer engine, decode on a consumer."""
+    from baton_openai.pd_proxy.cli import add_arguments, main
+
+    add_arguments(parser)
+    return main
+
+
 @hookimpl
 def register_commands(register: Any) -> None:
     register("serve", serve_command)
     register("run-batch", run_batch_command)
+    register("pd-proxy", pd_proxy_command)
 
 
 @hookimpl

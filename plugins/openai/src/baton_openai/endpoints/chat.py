@@ -407,6 +407,7 @@ def _response(run: ChatRun) -> ChatCompletionResponse:
         choices=choices,
         usage=acc.usage(),
         prompt_logprobs=prompt_logprobs_field(acc.prompt_logprobs.get(0)),
+        kv_transfer_params=acc.kv_transfer_params,
     )
 
 

@@ -98,6 +98,13 @@ async def create_completion(req: CompletionRequest, raw: Request) -> Response | 
         )
     engine = ctx.engine
     prompts = _prompts(req.prompt)
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise OpenAIError(
+            f"kv_transfer_params go with one prompt, but the request has {len(prompts)}: send "
+            "one prompt per request",
+            param="kv_transfer_params",
+            code="invalid_value",
+        )
     if req.use_beam_search:
         return await _beam_search(req, raw, ctx, prompts)
     # echo with logprobs scores the prompt (vLLM: prompt_logprobs = logprobs); max_tokens=0
@@ -272,7 +279,13 @@ def _response(
     usage = acc.usage()
     if echo_only:
         usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    return CompletionResponse(
+        id=request_id,
+        model=model,
+        choices=choices,
+        usage=usage,
+        kv_transfer_params=acc.kv_transfer_params,
+    )
 
 
 def _delta_choices(

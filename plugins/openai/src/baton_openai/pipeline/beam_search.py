@@ -36,6 +36,7 @@ def beam_search_params(
         "logit_bias": bool(req.logit_bias),
         "allowed_token_ids": req.allowed_token_ids is not None,
         "bad_words": bool(req.bad_words),
+        "kv_transfer_params": req.kv_transfer_params is not None,
         **also_refused,
     }
     for param, given in refused.items():

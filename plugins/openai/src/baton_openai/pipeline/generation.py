@@ -100,6 +100,8 @@ class Accumulator:
         self.cached_tokens = 0
         #: prompt index -> its prompt logprobs (requests with prompt_logprobs)
         self.prompt_logprobs: dict[int, PromptLogprobs] = {}
+        #: what the KV connector returned when the request finished (kv_transfer_params)
+        self.kv_transfer_params: dict[str, Any] | None = None
 
     def index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.n + c.index
@@ -119,6 +121,8 @@ class Accumulator:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         if out.finished:
             self.cached_tokens += out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                self.kv_transfer_params = out.kv_transfer_params
 
     def usage(self) -> Usage:
         prompt = sum(self.prompt_lens)

@@ -52,6 +52,20 @@ def logit_bias(req: SamplingFields) -> dict[int, float] | None:
     return out
 
 
+def kv_transfer_args(req: SamplingFields) -> dict[str, object] | None:
+    """``SamplingParams.extra_args`` carrying the request's ``kv_transfer_params`` (vLLM's route
+    to the KV connector); one engine request gets them, so ``n`` must be 1."""
+    if req.kv_transfer_params is None:
+        return None
+    if req.n != 1:
+        raise OpenAIError(
+            f"kv_transfer_params go with one generation, but n = {req.n}: send n = 1",
+            param="n",
+            code="invalid_value",
+        )
+    return {"kv_transfer_params": req.kv_transfer_params}
+
+
 def _structured_outputs(req: SamplingFields) -> dict[str, object] | None:
     """vLLM's structured_outputs as StructuredOutputSpec fields; its options baton cannot
     honour are refused by name."""
@@ -187,6 +201,7 @@ def build_params(
             logit_bias=logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            extra_args=kv_transfer_args(req),
         )
         checked = checked_request(
             prompt_token_ids,

@@ -162,6 +162,9 @@ class SamplingFields(SamplerFields):
     the others were just generated)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """vLLM's: each prompt token's logprob and the top k there (not with stream)."""
+    kv_transfer_params: Annotated[dict[str, Any], Bounded] | None = None
+    """vLLM's: what the engine's KV connector reads (``[kv_transfer]``), e.g. a producer's
+    params from a prefill's response, for the consumer that decodes (docs/kv-connectors.md)."""
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Bounded] | None = None
@@ -382,6 +385,9 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the engine's KV connector returned, e.g. where a consumer finds this
+    prefill's KV (None: nothing)."""
 
 
 class DeltaFunctionCall(BaseModel):
@@ -449,6 +455,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the engine's KV connector returned (None: nothing)."""
 
 
 class ModelCard(BaseModel):
