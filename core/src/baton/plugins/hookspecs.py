@@ -274,6 +274,7 @@ def register_benches(register: Register[BenchFactory]) -> None:
         ``baton.cli.main.add_engine_arguments`` itself.
 
     Called once when ``baton bench`` builds its parser. None built in: ``baton-bench``
-    adds ``scheduler``, ``simulate``, ``transport``, ``throughput``, ``latency`` and
-    ``serve`` (HTTP load against ``baton serve`` or any OpenAI-compatible server).
+    adds ``scheduler``, ``simulate``, ``transport``, ``throughput``, ``latency``, ``serve``
+    (HTTP load against ``baton serve`` or any OpenAI-compatible server) and ``multiturn``
+    (multi-turn chat sessions, the prefix cache and KV tiers).
     """

@@ -316,7 +316,15 @@ PLUGIN_KINDS: dict[str, PluginKind] = {
             product=None,
             distributions={
                 name: "baton-bench"
-                for name in ("scheduler", "simulate", "transport", "throughput", "latency", "serve")
+                for name in (
+                    "scheduler",
+                    "simulate",
+                    "transport",
+                    "throughput",
+                    "latency",
+                    "serve",
+                    "multiturn",
+                )
             },
         ),
     )
