@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from baton.testing.tiny_model import tiny_model
+
 from .browser import browser_errors, chromium, screenshot, text_of, wait_until
 from .conftest import ServerThread, metric, running_server, wait_for
 
@@ -22,6 +24,9 @@ LOAD_REQUESTS = 4
 LOAD_TOKENS = 120
 #: Seconds the load may take on a busy machine (2 shared cores).
 LOAD_TIMEOUT = 180
+#: The stop test's answer: long enough that it still runs when the click lands however busy the
+#: machine (the tiny model writes ~1,200 tokens/s here, so 900 tokens could end before the click).
+LONG_ANSWER = 30_000
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,14 @@ def keyed_server(model_dir: str) -> Iterator[ServerThread]:
     with running_server(
         model_dir, max_num_seqs=1, cache={"kv_cache_memory": "64MiB"}, server={"api_key": KEY}
     ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def long_server() -> Iterator[ServerThread]:
+    """A tiny model whose context holds ``LONG_ANSWER`` tokens."""
+    model = tiny_model("llama", max_position_embeddings=LONG_ANSWER + 1024)
+    with running_server(str(model), max_model_len=LONG_ANSWER + 1024) as srv:
         yield srv
 
 
@@ -123,11 +136,12 @@ def test_a_chat_streams_the_models_answer_into_the_page(browser, server):
     assert browser_errors(browser) == []
 
 
-def test_stop_aborts_the_request_in_the_engine(browser, server):
+def test_stop_aborts_the_request_in_the_engine(browser, long_server):
+    server = long_server
     open_page(browser, f"{server.url}/")
     wait_until(browser, ready, "the playground to load")
     before = server.metrics()
-    fill(browser, "max-tokens", "900")
+    fill(browser, "max-tokens", str(LONG_ANSWER))
     fill(browser, "extra", '{"ignore_eos": true}')
     fill(browser, "system-prompt", "You are a storyteller.")
     fill(browser, "prompt", "Tell me a very long story.")
@@ -162,7 +176,7 @@ def test_stop_aborts_the_request_in_the_engine(browser, server):
     generated = metric(after, "baton_generation_tokens_total") - metric(
         before, "baton_generation_tokens_total"
     )
-    assert 0 < generated < 900
+    assert 0 < generated < LONG_ANSWER
     assert metric(after, "baton_request_success_total", finished_reason="length") == metric(
         before, "baton_request_success_total", finished_reason="length"
     )
