@@ -355,7 +355,7 @@ def test_engine_core_feeds_each_step_time_to_the_budget():
 def test_engine_core_ignores_the_target_with_a_batch_queue(caplog):
     config = BatonConfig.load(max_model_len=512, **{"scheduler.target_step_ms": 200})
     fake = FakeExecutor(block_size=16, max_concurrent_batches=2, latency_s=0.0)
-    with caplog.at_level(logging.WARNING, logger="baton.engine.core"):
+    with caplog.at_level(logging.WARNING, logger="baton.engine.step_target"):
         core = EngineCore(config, executor=fake, info=INFO)
     assert core.scheduler.prefill_budget is None
     assert core.config.scheduler.target_step_ms == "off"
@@ -365,7 +365,7 @@ def test_engine_core_ignores_the_target_with_a_batch_queue(caplog):
 def test_engine_core_turns_auto_off_with_a_batch_queue_saying_why(caplog):
     config = BatonConfig.load(max_model_len=512)  # target_step_ms = "auto", the default
     fake = FakeExecutor(block_size=16, max_concurrent_batches=2, latency_s=0.0)
-    with caplog.at_level(logging.INFO, logger="baton.engine.core"):
+    with caplog.at_level(logging.INFO, logger="baton.engine.step_target"):
         core = EngineCore(config, executor=fake, info=INFO)
     assert core.scheduler.prefill_budget is None
     record = next(r for r in caplog.records if "target_step_ms=auto is ignored" in r.message)

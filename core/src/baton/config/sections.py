@@ -176,7 +176,10 @@ class SchedulerSection(_Section):
     alone (their rows and attention), from the first measured step on (before it: no target),
     so it follows the machine, the model and the load. A number: that many milliseconds. "off" (or None): prompt chunks fill max_num_batched_tokens. Needs
     enable_chunked_prefill (off without it), and is off with a pipeline batch queue (overlapping
-    batches have no step time to measure; a number set there logs a warning)."""
+    batches have no step time to measure; a number set there logs a warning). "auto" is also
+    off where the model computes in bfloat16 or float16 on CPU: those results depend on each
+    step's shapes, so a budget that follows the clock would change tokens from run to run (a
+    number is kept there)."""
 
     @pydantic.field_validator("target_step_ms", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from baton.engine.executor_facts import executor_capabilities, executor_model_in
 from baton.engine.kv_capacity import fit_max_model_len
 from baton.engine.kv_connector import settle_kv_transfers, start_kv_connector
 from baton.engine.sharded_state import check_sharded_folder, save_sharded_state
+from baton.engine.step_target import effective_step_target
 from baton.engine.utility_methods import check_sleep_level
 from baton.errors import (
     ConfigError,
@@ -99,7 +100,7 @@ class EngineCore:
             self.num_blocks = self._initialize_kv_cache()
             policy = self.plugins.one("scheduler_policy").create(config)
             self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
-            self.config = config = self._without_step_target(config)
+            self.config = config = effective_step_target(config, self.info, self.batch_queue_size)
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (
                 -(-config.scheduler.max_num_seqs // self.batch_queue_size)
@@ -144,23 +145,6 @@ class EngineCore:
         self.loras = EngineLoras(config.lora, self.executor, self.scheduler)
 
     # ------------------------------------------------------------------ start-up
-
-    def _without_step_target(self, config: BatonConfig) -> BatonConfig:
-        """``config`` with ``scheduler.target_step_ms`` off under a batch queue (batches overlap:
-        no step time is measured); unchanged without one."""
-        target = config.scheduler.target_step_ms
-        if self.batch_queue_size == 1 or target == "off":
-            return config
-        # an explicit number the user asked for warns; the default "auto" only informs
-        log.log(
-            logging.INFO if target == "auto" else logging.WARNING,
-            "scheduler.target_step_ms=%s is ignored with a batch queue of %d "
-            "(pipeline parallel): batches overlap, so no step time is measured",
-            target,
-            self.batch_queue_size,
-        )
-        off = config.scheduler.model_copy(update={"target_step_ms": "off"})
-        return config.model_copy(update={"scheduler": off})
 
     def _drafts(self, config: BatonConfig) -> Drafts | None:
         """Speculative decoding's bookkeeping with the selected speculator; None when off."""
