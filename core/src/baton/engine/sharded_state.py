@@ -38,7 +38,7 @@ def save_sharded_state(
         )
     if sleep_level:
         raise InvalidRequestError("the engine is asleep: call wake_up() before saving")
-    source = model_folder(config)
+    source = model_folder(config.model)
     dest = Path(path).expanduser().resolve()
     if dest == source.resolve():
         raise InvalidRequestError(
@@ -55,4 +55,4 @@ def check_sharded_folder(config: BatonConfig) -> None:
     from baton.model.sharded_state import check_marker  # torch, as start_profile's
 
     ex = config.executor
-    check_marker(model_folder(config), ex.tensor_parallel_size, ex.pipeline_parallel_size)
+    check_marker(model_folder(config.model), ex.tensor_parallel_size, ex.pipeline_parallel_size)

@@ -101,8 +101,8 @@ class AsyncLLM(PromptMethods):
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:
-            info = model_info(cfg)
-            tokenizer = load_tokenizer(cfg, info)
+            info = model_info(cfg.model)
+            tokenizer = load_tokenizer(cfg.model, info)
             client = make_client(cfg, plugins, asyncio_mode=True, loop=loop, info=info)
             return client, tokenizer
 
