@@ -84,7 +84,9 @@ class EngineCore:
             config, registry, skip=frozenset({"executor"}) if executor else frozenset()
         )
         if executor is None and config.model.load_format == "sharded_state":
-            check_sharded_folder(config)  # a wrong layout named here, not inside an executor
+            check_sharded_folder(
+                config.model, config.executor
+            )  # a wrong layout named here, not inside an executor
         if executor is None:
             executor = self.plugins.one("executor").create(config)
         self.executor: Executor = executor
@@ -487,7 +489,17 @@ class EngineCore:
         """Every worker writes its already sharded weights into ``path``; the model folder's
         config and tokenizer files and a marker of the layout follow (``baton.model.sharded_state``).
         Load it back with ``model.load_format = "sharded_state"`` at the same TP size."""
-        save_sharded_state(self.config, self.executor, self.sleep_level, path, pattern, max_size)
+        c = self.config
+        save_sharded_state(
+            c.model,
+            c.executor,
+            c.lora.enable_lora,
+            self.executor,
+            self.sleep_level,
+            path,
+            pattern,
+            max_size,
+        )
 
     def collective_rpc(
         self,

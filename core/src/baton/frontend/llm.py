@@ -60,7 +60,9 @@ class LLM(PromptMethods):
         check_tracing(self.config.observability)
         info = model_info(self.config.model)
         self.tokenizer = load_tokenizer(self.config.model, info)
-        self.stat_loggers = StatLoggers(self.config, self.plugins)
+        self.stat_loggers = StatLoggers(
+            self.config.observability, self.plugins.factories("stat_logger", self.config)
+        )
         self.engine: EngineCoreClient = make_client(self.config, self.plugins, info=info)
         try:
             #: The request tracer (observability.tracing); None: tracing is off.
