@@ -84,9 +84,8 @@ class EngineCore:
             config, registry, skip=frozenset({"executor"}) if executor else frozenset()
         )
         if executor is None and config.model.load_format == "sharded_state":
-            check_sharded_folder(
-                config.model, config.executor
-            )  # a wrong layout named here, not inside an executor
+            # a wrong layout named here, not inside an executor
+            check_sharded_folder(config.model, config.executor)
         if executor is None:
             executor = self.plugins.one("executor").create(config)
         self.executor: Executor = executor
@@ -185,7 +184,7 @@ class EngineCore:
         return StructuredOutputManager(
             config.structured_output,
             backend_name=chosen.name if chosen is not None else None,
-            create_backend=functools.partial(chosen.create, config) if chosen else None,
+            create_backend=functools.partial(chosen.create, config) if chosen is not None else None,
             load_tokenizer=functools.partial(load_tokenizer, config.model, self.info),
             vocab_size=self.info.vocab_size,
             max_num_seqs=config.scheduler.max_num_seqs,
