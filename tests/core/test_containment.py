@@ -40,6 +40,7 @@ from baton.testing.tiny_model import tiny_model
 from baton.worker.input_batch import InputBatch
 from baton.worker.model_runner import ModelRunner
 from baton.worker.sampler import Sampler, SamplingMetadata
+from baton.worker.worker import runner_settings
 from tests.core.sched_helpers import make_request, make_scheduler
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -252,7 +253,7 @@ def runner() -> ModelRunner:
     cfg = BatonConfig.load(
         model=str(tiny_model("llama")), block_size=4, max_num_batched_tokens=64, max_num_seqs=8
     )
-    r = ModelRunner(cfg, torch.device("cpu"))
+    r = ModelRunner(runner_settings(cfg), torch.device("cpu"))
     r.load_model()
     r.initialize_kv_cache(KVCacheConfig(num_blocks=128, block_size=4))
     return r

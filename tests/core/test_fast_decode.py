@@ -18,6 +18,7 @@ from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
 from baton.worker.fast_decode import build_fast_decode
 from baton.worker.model_runner import ModelRunner
+from baton.worker.worker import runner_settings
 
 from .test_model_runner import NUM_BLOCKS, assert_greedy_parity, hf_greedy, make_runner, prompts
 
@@ -121,7 +122,7 @@ def test_refused_when_switched_off_without_kernels_and_for_subclasses(caplog):
 
     from baton.config import BatonConfig
 
-    runner = Staged(BatonConfig.load(model=str(path)), torch.device("cpu"))
+    runner = Staged(runner_settings(BatonConfig.load(model=str(path))), torch.device("cpu"))
     runner.load_model()
     assert runner.fast_decode is None
 

@@ -184,7 +184,7 @@ def test_hook_register_structured_output_backends(monkeypatch):
     plugins = plugins_with(Plugin(), "so-hook-plugin")
     assert plugins.registry.get("structured_output", "only-token-hook").plugin == "so-hook-plugin"
     # the fake model has no tokenizer; this backend does not need one
-    monkeypatch.setattr("baton.model.tokenizer.load_tokenizer", lambda config, info: "no-tokenizer")
+    monkeypatch.setattr("baton.engine.core.load_tokenizer", lambda model, info: "no-tokenizer")
     config = BatonConfig.load(structured_output="only-token-hook", max_model_len=512)
     core = EngineCore(config, registry=plugins.registry, executor=FakeExecutor(), info=INFO)
     tokens = serve(core, n=2, structured_outputs=StructuredOutputSpec(choice=["77"]))
@@ -265,7 +265,8 @@ def test_hook_register_stat_loggers(global_plugin):
 
     global_plugin(Plugin(), "stat-hook-plugin")
     config = BatonConfig.load(**{"observability.stat_loggers": ["recorder-hook"]})
-    loggers = StatLoggers(config, resolve_plugins(config), engine_index=3)
+    factories = resolve_plugins(config).factories("stat_logger", config)
+    loggers = StatLoggers(config.observability, factories, engine_index=3)
     loggers.record(None, IterationStats(timestamp=0.0, num_generation_tokens=5))
     loggers.log()
     assert seen == [("created", 3), ("record", 5), ("log",)]

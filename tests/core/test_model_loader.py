@@ -128,10 +128,10 @@ def test_local_folder_is_used_as_is():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_tiny_arch_loads_with_baton_attention(arch):
     cfg = BatonConfig.load(model=str(tiny_model(arch)))
-    model = load_model(cfg, torch.device("cpu"))
+    model = load_model(cfg.model, cfg.executor, torch.device("cpu"))
     assert model.config._attn_implementation == "baton"
     assert not model.training
-    tok = load_tokenizer(cfg)
+    tok = load_tokenizer(cfg.model)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
         "<|im_start|>"
     )

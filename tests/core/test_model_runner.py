@@ -26,6 +26,7 @@ from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
 from baton.worker import kv_cache
 from baton.worker.model_runner import ModelRunner
+from baton.worker.worker import runner_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -44,7 +45,7 @@ def make_runner(path, block_size=4, budget=24, max_seqs=8, **overrides) -> Model
         max_num_seqs=max_seqs,
         **overrides,
     )
-    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner = ModelRunner(runner_settings(cfg), torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, block_size=block_size))
     return runner
@@ -282,7 +283,7 @@ def test_kv_cache_spec_and_memory():
         "float32",
     )
     assert runner.determine_available_memory() == 3 * 2**20
-    runner.cfg.cache.kv_cache_memory = None
+    runner.cache.kv_cache_memory = None
     per_token = spec.page_size_bytes // spec.block_size
     assert runner.determine_available_memory() == min(
         2 * 2**30, 8 * runner.max_model_len * per_token
@@ -304,5 +305,5 @@ def test_kv_cache_dtype_sizes_the_cache(monkeypatch):
     # the CPU default keeps the float32 cache's tokens, in half the memory
     monkeypatch.setattr(kv_cache, "CPU_DEFAULT_KV_BYTES", 2**20)
     assert runner.determine_available_memory() == 2**19
-    runner.cfg.cache.kv_cache_memory = "1MiB"  # an explicit budget buys twice the blocks
+    runner.cache.kv_cache_memory = "1MiB"  # an explicit budget buys twice the blocks
     assert runner.determine_available_memory() == 2**20

@@ -346,9 +346,10 @@ def test_the_runner_restarts_a_preempted_mean_from_its_first_token(path):
     from baton.config import BatonConfig
     from baton.protocol import CachedRequestData, KVCacheConfig, NewRequestData
     from baton.worker.model_runner import ModelRunner
+    from baton.worker.worker import runner_settings
 
     cfg = BatonConfig.load(model=str(path), block_size=4, max_num_batched_tokens=16)
-    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner = ModelRunner(runner_settings(cfg), torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=32, block_size=4))
     prompt = LONG[:12]

@@ -118,9 +118,10 @@ def test_runner_scores_a_prompt_again_after_a_preemption_mid_prompt(path: str) -
     from baton.protocol import KVCacheConfig
     from baton.testing.runner_driver import Driver
     from baton.worker.model_runner import ModelRunner
+    from baton.worker.worker import runner_settings
 
     cfg = BatonConfig.load(model=path, block_size=4, max_num_batched_tokens=7, max_num_seqs=4)
-    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner = ModelRunner(runner_settings(cfg), torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=64, block_size=4))
     d = Driver(runner, 64, 4, budget=7)

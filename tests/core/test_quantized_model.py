@@ -25,6 +25,7 @@ from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
 from baton.testing.tiny_gguf import F16_TENSOR, make_tiny_gguf
 from baton.testing.tiny_model import tiny_model
 from baton.worker.model_runner import ModelRunner
+from baton.worker.worker import runner_settings
 
 CPU = torch.device("cpu")
 
@@ -44,7 +45,7 @@ def tiny_gguf(tmp_path_factory):
 
 def load(path, quantization: str, **overrides) -> torch.nn.Module:
     cfg = BatonConfig.load(model=str(path), **{"model.quantization": quantization}, **overrides)
-    return load_model(cfg, CPU)
+    return load_model(cfg.model, cfg.executor, CPU)
 
 
 def quant_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -106,11 +107,11 @@ def test_every_engine_command_takes_it_with_set(argv):
 
 def test_auto_says_why_a_gguf_stays_dequantized():
     cfg = BatonConfig.load()
-    assert _why_dequantized(cfg, CPU, torch.float32) == ""
-    assert "float32" in _why_dequantized(cfg, CPU, torch.bfloat16)
-    assert "CPU" in _why_dequantized(cfg, torch.device("cuda"), torch.float32)
+    assert _why_dequantized(cfg.executor, CPU, torch.float32) == ""
+    assert "float32" in _why_dequantized(cfg.executor, CPU, torch.bfloat16)
+    assert "CPU" in _why_dequantized(cfg.executor, torch.device("cuda"), torch.float32)
     assert "tensor parallel" in _why_dequantized(
-        cfg.replace(tensor_parallel_size=2), CPU, torch.float32
+        cfg.replace(tensor_parallel_size=2).executor, CPU, torch.float32
     )
 
 
@@ -271,7 +272,7 @@ def test_the_runner_keeps_quantized_layers_and_head(tiny_gguf, cpu_kernels):
     cfg = BatonConfig.load(
         model=str(folder), max_num_seqs=4, max_num_batched_tokens=64, cpu_kernels=cpu_kernels
     )
-    runner = ModelRunner(cfg, CPU)
+    runner = ModelRunner(runner_settings(cfg), CPU)
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=16, block_size=16))  # warm-up runs
     assert runner.dtype == torch.float32 and runner.vocab_size == 49152

@@ -38,6 +38,7 @@ from baton import hookimpl
 from baton.executor.uniproc import UniprocExecutor
 from baton.worker.input_batch import InputBatch
 from baton.worker.model_runner import ModelRunner
+from baton.worker.worker import runner_settings
 from baton.worker.sampler import Sampler
 
 PREP_SEED = 911_001
@@ -69,9 +70,13 @@ class FaultyRunner(ModelRunner):
         inject(self)
 
 
+def faulty_runner(cfg, device):
+    return FaultyRunner(runner_settings(cfg), device)
+
+
 class FaultyUniproc(UniprocExecutor):
     def _init_worker(self):
-        self.worker.runner_cls = FaultyRunner
+        self.worker.runner_cls = faulty_runner
         super()._init_worker()
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from baton.config import BatonConfig
+from baton.config import ModelSection
 from baton.errors import ConfigError, ModelLoadError
 from baton.model.loader import check_causal_architectures, model_folder
 from baton.protocol import ModelInfo
@@ -14,10 +14,9 @@ from baton.protocol import ModelInfo
 __all__ = ["ModelInfo", "model_info", "read_model_info"]
 
 
-def model_info(config: BatonConfig) -> ModelInfo:
+def model_info(model: ModelSection) -> ModelInfo:
     """Resolve the configured model (converting a GGUF once) and read its limits."""
-    folder = model_folder(config)
-    return read_model_info(folder, config.model.max_model_len)
+    return read_model_info(model_folder(model), model.max_model_len)
 
 
 def read_model_info(folder: str | Path, max_model_len: int | None) -> ModelInfo:

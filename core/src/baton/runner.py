@@ -33,7 +33,7 @@ from baton.errors import PluginError
 from baton.model.loader import load_hf_config
 from baton.worker.model_runner import ModelRunner as Stock
 from baton.worker.runner_hooks import HooksFactory, KVShape, LoadedModel, ModelRunnerHooks
-from baton.worker.worker import Worker
+from baton.worker.worker import Worker, runner_settings
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,7 @@ class StockRunner:
                 f"StockRunner: hooks factory {self.hooks!r} returned {type(hooks).__name__}, "
                 "not a baton.runner.ModelRunnerHooks"
             )
-        return Stock(config, device, hooks=hooks)
+        return Stock(runner_settings(config), device, hooks=hooks)
 
     def __repr__(self) -> str:
         return f"StockRunner({getattr(self.hooks, '__qualname__', self.hooks)!r})"
@@ -99,4 +99,4 @@ def load_worker(
 def model_config(config: BatonConfig) -> Any:
     """The transformers config of ``config.model.name`` (read from its folder, no weights):
     an executor's checks before any worker starts (head counts, layers)."""
-    return load_hf_config(config)[1]
+    return load_hf_config(config.model)[1]

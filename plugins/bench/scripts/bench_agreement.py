@@ -45,7 +45,7 @@ def teacher_forced_logits(
     overrides: dict[str, str], sequences: list[list[int]]
 ) -> list[torch.Tensor]:
     cfg = BatonConfig.load(**overrides)
-    model = load_model(cfg, torch.device("cpu"))
+    model = load_model(cfg.model, cfg.executor, torch.device("cpu"))
     model.set_attn_implementation("sdpa")
     out = []
     with torch.inference_mode():

@@ -67,7 +67,7 @@ class Side:
             model=model, max_num_seqs=BATCH, enable_prefix_caching=False, kv_cache_memory="1GiB"
         )
         self.core = EngineCore(config)
-        tok = load_tokenizer(config, self.core.info)
+        tok = load_tokenizer(config.model, self.core.info)
         text = tok.apply_chat_template(
             [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False
         )
@@ -183,8 +183,8 @@ def bench_compile(model: str, repeats: int) -> dict[str, Any]:
     from baton.plugins import get_registry
 
     config = BatonConfig.load(model=model)
-    info = model_info(config)
-    tok = load_tokenizer(config, info)
+    info = model_info(config.model)
+    tok = load_tokenizer(config.model, info)
     entry = get_registry().get("structured_output", "xgrammar")
     settings = config.plugin_settings("structured_output", "xgrammar", entry.settings_model)
     t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from baton.protocol import KVCacheConfig
 from baton.sampling_params import SamplingParams
 from baton.testing.runner_driver import Driver
 from baton.worker.model_runner import ModelRunner
+from baton.worker.worker import runner_settings
 
 WORKLOAD = Path("/work/shared/bench/workload.json")
 
@@ -59,7 +60,7 @@ def make_runner(args, num_blocks: int) -> ModelRunner:
         max_num_batched_tokens=args.budget,
         num_threads=args.threads,
     )
-    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner = ModelRunner(runner_settings(cfg), torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(KVCacheConfig(num_blocks=num_blocks, block_size=args.block_size))
     return runner

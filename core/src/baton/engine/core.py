@@ -10,6 +10,7 @@ the section selects (``baton.kv.event_publisher``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from baton.errors import (
 from baton.interfaces import Executor
 from baton.kv.event_publisher import KVEventPublisher, make_kv_event_publisher
 from baton.lora.registry import EngineLoras
+from baton.model.tokenizer import load_tokenizer
 from baton.model_info import ModelInfo, model_info
 from baton.plugins.registry import Registry
 from baton.plugins.resolve import ResolvedPlugins, resolve_plugins
@@ -83,7 +85,8 @@ class EngineCore:
             config, registry, skip=frozenset({"executor"}) if executor else frozenset()
         )
         if executor is None and config.model.load_format == "sharded_state":
-            check_sharded_folder(config)  # a wrong layout named here, not inside an executor
+            # a wrong layout named here, not inside an executor
+            check_sharded_folder(config.model, config.executor)
         if executor is None:
             executor = self.plugins.one("executor").create(config)
         self.executor: Executor = executor
@@ -91,7 +94,7 @@ class EngineCore:
         self.kv_event_publisher: KVEventPublisher | None = None
         try:
             loaded = executor_model_info(executor)
-            self.info: ModelInfo = info or loaded or model_info(config)
+            self.info: ModelInfo = info or loaded or model_info(config.model)
             if loaded is not None and loaded.dtype:  # what only the loaded model knows
                 self.info = msgspec.structs.replace(
                     self.info, dtype=loaded.dtype, dtype_native=loaded.dtype_native
@@ -123,9 +126,7 @@ class EngineCore:
                 config.executor.data_parallel_rank,
                 config.cache.enable_prefix_caching,
             )
-            self.structured_output = StructuredOutputManager(
-                config, self.plugins.find("structured_output"), self.info
-            )
+            self.structured_output = self._structured_output(config)
             #: What the KV connector keys blocks with (``[kv_transfer]``); None: no connector.
             self.kv_namespace = start_kv_connector(self)
         except BaseException:
@@ -159,6 +160,19 @@ class EngineCore:
                 "use an executor without a batch queue"
             )
         return Drafts(self.plugins.one("speculator").create(config), config.speculative)
+
+    def _structured_output(self, config: BatonConfig) -> StructuredOutputManager:
+        """The manager with the chosen backend's factory (the plugin contract: it takes the
+        config) and a tokenizer loader bound; it keeps only its own section."""
+        chosen = self.plugins.find("structured_output")
+        return StructuredOutputManager(
+            config.structured_output,
+            backend_name=chosen.name if chosen is not None else None,
+            create_backend=functools.partial(chosen.create, config) if chosen is not None else None,
+            load_tokenizer=functools.partial(load_tokenizer, config.model, self.info),
+            vocab_size=self.info.vocab_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
 
     def _apply_model_capabilities(self, config: BatonConfig) -> BatonConfig:
         caps = executor_capabilities(self.executor)
@@ -458,7 +472,17 @@ class EngineCore:
         """Every worker writes its already sharded weights into ``path``; the model folder's
         config and tokenizer files and a marker of the layout follow (``baton.model.sharded_state``).
         Load it back with ``model.load_format = "sharded_state"`` at the same TP size."""
-        save_sharded_state(self.config, self.executor, self.sleep_level, path, pattern, max_size)
+        c = self.config
+        save_sharded_state(
+            c.model,
+            c.executor,
+            c.lora.enable_lora,
+            self.executor,
+            self.sleep_level,
+            path,
+            pattern,
+            max_size,
+        )
 
     def collective_rpc(
         self,

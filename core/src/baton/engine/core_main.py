@@ -89,6 +89,6 @@ def run_engine_core(
 
 def _proc_class(core: EngineCore) -> type[EngineCoreProc]:
     """The loop this engine needs: waves when its experts are shared with the other engines."""
-    if expert_parallel_size(core.config) > 1:
+    if expert_parallel_size(core.config.executor, core.config.model) > 1:
         return DPEngineCoreProc
     return EngineCoreProc

@@ -62,7 +62,7 @@ class DPAsyncMPClient(AsyncMPClient):
         self._store: Any = None
         self.waves: Waves | None = None
         try:
-            if expert_parallel_size(config) > 1:
+            if expert_parallel_size(config.executor, config.model) > 1:
                 self._store = _serve_store(config.executor.data_parallel_master_port)
                 self.waves = Waves()
             super().__init__(config, plugins, transport, num_engines=num_engines, loop=loop)

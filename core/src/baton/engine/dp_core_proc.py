@@ -76,7 +76,7 @@ class DPEngineCoreProc(EngineCoreProc):
             t.start()
         core = self.core
         try:
-            self.group = connect_group(core.config, "dp", torch.device("cpu"))
+            self.group = connect_group(core.config.executor, "dp", torch.device("cpu"))
             self.output_queue.put(self._ready_frames())
             was_busy = False
             while True:

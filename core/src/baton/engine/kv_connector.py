@@ -42,7 +42,7 @@ def start_kv_connector(core: EngineCore) -> KVNamespace | None:
     ex, m = config.executor, config.model
     variant = f"dtype={core.info.dtype or m.dtype};quantization={m.quantization};rev={m.revision}"
     namespace = build_namespace(
-        model_identity(model_folder(config), variant),
+        model_identity(model_folder(config.model), variant),
         core.executor.get_kv_cache_specs(),
         ex.tensor_parallel_size,
         ex.pipeline_parallel_size,

@@ -54,7 +54,8 @@ class UniprocExecutor:
             # torch, as above
             from baton.parallel.expert import expert_parallel_runner, expert_parallel_size
 
-            if expert_parallel_size(config) > 1:  # this engine's experts only (issue 18)
+            # this engine's experts only (issue 18)
+            if expert_parallel_size(config.executor, config.model) > 1:
                 self.worker.runner_cls = expert_parallel_runner
             # on the step thread: torch's thread settings and inference state are per thread
             self._call(self._init_worker)

@@ -73,7 +73,9 @@ class AsyncLLM(PromptMethods):
             else make_tracer(config.observability, config.served_model_name)
         )
         self.output_processor = OutputProcessor(tokenizer, tracer=self.tracer)
-        self.stat_loggers = StatLoggers(config, plugins)
+        self.stat_loggers = StatLoggers(
+            config.observability, plugins.factories("stat_logger", config)
+        )
         self._ids = itertools.count()
         self._handler: asyncio.Task[None] | None = None
         #: Beam searches' engine requests -> where their raw outputs go (past the processor).
@@ -101,8 +103,8 @@ class AsyncLLM(PromptMethods):
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[EngineCoreClient, Any]:
-            info = model_info(cfg)
-            tokenizer = load_tokenizer(cfg, info)
+            info = model_info(cfg.model)
+            tokenizer = load_tokenizer(cfg.model, info)
             client = make_client(cfg, plugins, asyncio_mode=True, loop=loop, info=info)
             return client, tokenizer
 

@@ -58,9 +58,11 @@ class LLM(PromptMethods):
         self.plugins = resolve_plugins(self.config)
         # tracing asked for without its packages: refused here
         check_tracing(self.config.observability)
-        info = model_info(self.config)
-        self.tokenizer = load_tokenizer(self.config, info)
-        self.stat_loggers = StatLoggers(self.config, self.plugins)
+        info = model_info(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.model, info)
+        self.stat_loggers = StatLoggers(
+            self.config.observability, self.plugins.factories("stat_logger", self.config)
+        )
         self.engine: EngineCoreClient = make_client(self.config, self.plugins, info=info)
         try:
             #: The request tracer (observability.tracing); None: tracing is off.

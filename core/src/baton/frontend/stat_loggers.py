@@ -3,27 +3,31 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
-from baton.config import BatonConfig
+from baton.config import ObservabilitySection
 from baton.interfaces import StatLogger
 from baton.metrics.stats import IterationStats
-from baton.plugins.resolve import ResolvedPlugins
 from baton.protocol import SchedulerStats
 
 
 class StatLoggers:
-    """The stat loggers ``plugins`` resolved (``observability.stat_loggers``), when
-    ``observability.log_stats`` is on; ``config`` is what their factories take."""
+    """The configured stat loggers (``observability.stat_loggers``), built when
+    ``observability.log_stats`` is on. ``factories``: each one's factory with the config and
+    its settings bound (``ResolvedPlugins.factories("stat_logger", config)``), called with
+    ``engine_index``."""
 
     def __init__(
-        self, config: BatonConfig, plugins: ResolvedPlugins, engine_index: int = 0
+        self,
+        settings: ObservabilitySection,
+        factories: Sequence[Callable[[int], StatLogger]],
+        engine_index: int = 0,
     ) -> None:
-        self.interval = config.observability.log_stats_interval
-        self.enabled = config.observability.log_stats
+        self.interval = settings.log_stats_interval
+        self.enabled = settings.log_stats
         self.loggers: list[StatLogger] = []
         if self.enabled:
-            for chosen in plugins.all("stat_logger"):
-                self.loggers.append(chosen.create(config, engine_index))
+            self.loggers = [factory(engine_index) for factory in factories]
         self._next_log = time.monotonic() + self.interval
 
     def record(

@@ -30,7 +30,7 @@ from baton.errors import ModelLoadError
 from baton.model.hub import from_hub, is_repo_id
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config import ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,8 @@ def _from_hub(name: str, revision: str | None, download: bool) -> Path:
     return from_hub(name, revision=revision, download=download, hint=hint)
 
 
-def model_folder(cfg: BatonConfig) -> Path:
-    """The local folder of ``cfg``'s model (``model.name`` at ``model.revision``)."""
-    m = cfg.model
+def model_folder(m: ModelSection) -> Path:
+    """The local folder of the model (``model.name`` at ``model.revision``)."""
     return resolve_model(m.name, m.cache_dir, revision=m.revision, download=m.download)
 
 
@@ -346,29 +345,29 @@ def check_architecture(hf_config: Any) -> type:
     return cls
 
 
-def load_hf_config(cfg: BatonConfig) -> tuple[Path, Any]:
-    """(resolved folder, transformers config) for ``cfg.model.name``."""
+def load_hf_config(model: ModelSection) -> tuple[Path, Any]:
+    """(resolved folder, transformers config) for ``model.name``."""
     from transformers import AutoConfig
 
-    folder = model_folder(cfg)
+    folder = model_folder(model)
     try:
         return folder, AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read the model config in {folder}: {e}") from e
 
 
-def tokenizer_path(cfg: BatonConfig) -> Path:
+def tokenizer_path(model: ModelSection) -> Path:
     """The folder the tokenizer loads from: ``model.tokenizer`` when set, else the model's folder."""
-    if cfg.model.tokenizer:
-        return resolve_model(cfg.model.tokenizer, cfg.model.cache_dir, download=cfg.model.download)
-    return model_folder(cfg)
+    if model.tokenizer:
+        return resolve_model(model.tokenizer, model.cache_dir, download=model.download)
+    return model_folder(model)
 
 
-def load_tokenizer(cfg: BatonConfig) -> Any:
-    """The Hugging Face tokenizer of ``cfg``'s model (same resolved folder as ``load_model``)."""
+def load_tokenizer(model: ModelSection) -> Any:
+    """The Hugging Face tokenizer of the model (same resolved folder as ``load_model``)."""
     from transformers import AutoTokenizer
 
-    path = tokenizer_path(cfg)
+    path = tokenizer_path(model)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

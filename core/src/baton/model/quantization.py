@@ -41,7 +41,7 @@ from baton.model.gguf_tensors import (
 from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config import ExecutorSection, ModelSection
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +73,23 @@ class QuantizationReport:
         )
 
 
-def kernels_arg(cfg: BatonConfig) -> bool | None:
+def kernels_arg(executor: ExecutorSection) -> bool | None:
     """QuantLinear's ``kernels``: None (use them when they build) unless ``executor.cpu_kernels`` is off."""
-    return None if cfg.executor.cpu_kernels else False
+    return None if executor.cpu_kernels else False
 
 
 def quantize_model(
     model: torch.nn.Module,
-    cfg: BatonConfig,
+    settings: ModelSection,
+    executor: ExecutorSection,
     folder: Path,
     device: torch.device,
     dtype: torch.dtype,
 ) -> QuantizationReport:
-    """Apply ``cfg.model.quantization`` and ``activation_quantization`` to ``model`` (loaded
-    from ``folder``, still on the CPU)."""
-    report = _quantize_weights(model, cfg, folder, device, dtype)
-    act = cfg.model.activation_quantization
+    """Apply ``settings.quantization`` and ``activation_quantization`` to ``model`` (loaded
+    from ``folder``, still on the CPU); ``executor``: its kernels and tensor-parallel size."""
+    report = _quantize_weights(model, settings, executor, folder, device, dtype)
+    act = settings.activation_quantization
     if report.quantized:
         set_activation_quantization(model, act)
     elif act != "none":
@@ -103,12 +104,13 @@ def quantize_model(
 
 def _quantize_weights(
     model: torch.nn.Module,
-    cfg: BatonConfig,
+    settings: ModelSection,
+    executor: ExecutorSection,
     folder: Path,
     device: torch.device,
     dtype: torch.dtype,
 ) -> QuantizationReport:
-    mode = cfg.model.quantization
+    mode = settings.quantization
     report = QuantizationReport(mode)
     if mode == "none":
         return report
@@ -116,20 +118,20 @@ def _quantize_weights(
         source = gguf_source(folder)
         if source is None:
             return report  # a checkpoint runs as stored
-        why = _why_dequantized(cfg, device, dtype)
+        why = _why_dequantized(executor, device, dtype)
         if why:
             log.info("%s: its quantized weights are dequantized to float: %s", source.name, why)
             return report
         report.source = source.name
-        keep_gguf_types(model, source, kernels_arg(cfg), report)
+        keep_gguf_types(model, source, kernels_arg(executor), report)
     else:
         if dtype != torch.float32:
             raise ModelLoadError(
                 f"model.quantization={mode!r} computes in float32 but the model loads as "
-                f"{str(dtype).removeprefix('torch.')} (model.dtype={cfg.model.dtype!r}): "
+                f"{str(dtype).removeprefix('torch.')} (model.dtype={settings.dtype!r}): "
                 "set model.dtype = 'float32'"
             )
-        quantize_linears(model, mode, kernels_arg(cfg), report)
+        quantize_linears(model, mode, kernels_arg(executor), report)
     if report.quantized:
         own_float_tensors(model)
     _log_kept(report)
@@ -155,7 +157,7 @@ def own_float_tensors(model: torch.nn.Module) -> None:
                 t.data = t.data.clone()
 
 
-def _why_dequantized(cfg: BatonConfig, device: torch.device, dtype: torch.dtype) -> str:
+def _why_dequantized(executor: ExecutorSection, device: torch.device, dtype: torch.dtype) -> str:
     """Why ``auto`` cannot keep a GGUF's types here; "" when it can."""
     if device.type != "cpu":
         return f"quantized layers run on the CPU only (device {device})"
@@ -165,7 +167,7 @@ def _why_dequantized(cfg: BatonConfig, device: torch.device, dtype: torch.dtype)
             "so every weight is dequantized to it (model.dtype = 'float32' or 'auto' keeps "
             "the file's blocks)"
         )
-    if cfg.executor.tensor_parallel_size > 1:
+    if executor.tensor_parallel_size > 1:
         return "tensor parallel shards keep float weights in this version"
     return ""
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.config import BatonConfig
+from baton.config import ModelSection
 from baton.errors import ModelLoadError
 from baton.model_info import ModelInfo
 
 
-def load_tokenizer(config: BatonConfig, info: ModelInfo) -> Any:
+def load_tokenizer(model: ModelSection, info: ModelInfo) -> Any:
+    """The fast tokenizer of ``model.tokenizer``, else of the model's folder ``info.path``."""
     from transformers import AutoTokenizer
 
-    source = config.model.tokenizer or info.path
+    source = model.tokenizer or info.path
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:

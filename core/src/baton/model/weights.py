@@ -25,7 +25,7 @@ from baton.model.sharded_state import check_marker, load_sharded_state
 from baton.parallel.context import get_parallel_context
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config import ExecutorSection, ModelSection
 
 # the loader's name, as before this module was cut from it: log filters keep working
 log = logging.getLogger("baton.model.loader")
@@ -39,25 +39,26 @@ _FROM_PRETRAINED = threading.Lock()
 
 
 def load_model(
-    cfg: BatonConfig,
+    settings: ModelSection,
+    executor: ExecutorSection,
     device: torch.device,
     dtype: torch.dtype | None = None,
     prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
-    """Load ``cfg.model.name`` onto ``device`` with attn_implementation="baton", in eval mode.
+    """Load ``settings.name`` onto ``device`` with attn_implementation="baton", in eval mode.
 
     ``prepare(model)`` runs on the loaded model before it moves to ``device``
     (tensor- and pipeline-parallel workers shard or prune it there, so only
     their part ever reaches the device); ``model.quantization`` applies after it
-    (``baton.model.quantization``).
+    (``baton.model.quantization``). ``executor``: the parallel sizes and kernels.
     """
-    folder, hf_config = load_hf_config(cfg)
+    folder, hf_config = load_hf_config(settings)
     cls = check_architecture(hf_config)
-    dtype = dtype or resolve_dtype(cfg.model.dtype, hf_config, device, cfg.model.quantization)
+    dtype = dtype or resolve_dtype(settings.dtype, hf_config, device, settings.quantization)
     attention.register()
     t0 = time.monotonic()
-    if cfg.model.load_format == "sharded_state":
-        model = _load_sharded(cfg, folder, hf_config, cls, dtype, prepare)
+    if settings.load_format == "sharded_state":
+        model = _load_sharded(settings, executor, folder, hf_config, cls, dtype, prepare)
         model.to(device)
         model.eval()
         model.requires_grad_(False)
@@ -72,13 +73,13 @@ def load_model(
         raise ModelLoadError(f"cannot load the model in {folder}: {e}") from e
     if prepare is not None:
         prepare(model)
-    quantize_model(model, cfg, folder, device, dtype)
+    quantize_model(model, settings, executor, folder, device, dtype)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
     log.info(
         "loaded %s (%s, %.1f MiB of weights, %s activations) on %s in %.1f s",
-        cfg.model.name,
+        settings.name,
         type(model).__name__,
         weight_bytes(model) / 2**20,
         str(dtype).removeprefix("torch."),
@@ -89,7 +90,8 @@ def load_model(
 
 
 def _load_sharded(
-    cfg: BatonConfig,
+    settings: ModelSection,
+    executor: ExecutorSection,
     folder: Path,
     hf_config: Any,
     cls: Any,
@@ -98,12 +100,11 @@ def _load_sharded(
 ) -> torch.nn.Module:
     """The model built on meta from its config, prepared (sharded) as at save, then filled with
     this rank's tensors from ``folder`` (``baton.model.sharded_state``); no full weights read."""
-    ex = cfg.executor
-    tp, pp = ex.tensor_parallel_size, ex.pipeline_parallel_size
+    tp, pp = executor.tensor_parallel_size, executor.pipeline_parallel_size
     check_marker(folder, tp, pp)
-    if cfg.model.quantization in ("int8", "int4"):
+    if settings.quantization in ("int8", "int4"):
         raise ConfigError(
-            f"model.quantization={cfg.model.quantization!r} with load_format='sharded_state': "
+            f"model.quantization={settings.quantization!r} with load_format='sharded_state': "
             "a sharded state holds float weights as saved; use quantization 'auto' or 'none'"
         )
     rank = 0

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from baton.config import BatonConfig
+from baton.config import BatonConfig, ExecutorSection, ModelSection
 from baton.errors import ConfigError
-from baton.runner import StockRunner, model_config
+from baton.model.loader import load_hf_config
+from baton.runner import StockRunner
 from baton.worker.runner_hooks import ModelRunnerHooks
 
 log = logging.getLogger(__name__)
@@ -54,17 +55,19 @@ def num_experts(hf_config: Any) -> int:
     return 0
 
 
-def expert_parallel_size(config: BatonConfig, hf_config: Any | None = None) -> int:
+def expert_parallel_size(
+    ex: ExecutorSection, model: ModelSection, hf_config: Any | None = None
+) -> int:
     """Engines the experts are sharded over: ``data_parallel_size`` with expert parallel on an
     MoE model, else 1 (a dense model, or expert_parallel off: independent engines).
+    ``hf_config``: the model's transformers config when the caller has it (else read).
 
     Refuses (ConfigError) what cannot shard: E not divisible by N, tensor or pipeline parallel.
     """
-    ex = config.executor
     if not ex.expert_parallel or ex.data_parallel_size == 1:
         return 1
     if hf_config is None:
-        hf_config = model_config(config)
+        hf_config = load_hf_config(model)[1]
     experts = num_experts(hf_config)
     if experts == 0:
         log.warning(
@@ -90,11 +93,10 @@ def expert_parallel_size(config: BatonConfig, hf_config: Any | None = None) -> i
     return n
 
 
-def connect_group(config: BatonConfig, name: str, device: torch.device) -> ExpertGroup:
+def connect_group(ex: ExecutorSection, name: str, device: torch.device) -> ExpertGroup:
     """Join the data-parallel engines' process group ``name`` (every engine calls this)."""
     import torch.distributed as dist
 
-    ex = config.executor
     if not ex.data_parallel_master_port:
         raise ConfigError(
             "executor.data_parallel_master_port is 0 in an engine core: the data-parallel "
@@ -270,14 +272,14 @@ def shard_experts(model: torch.nn.Module, group: ExpertGroup) -> int:
 class ExpertParallelHooks(ModelRunnerHooks):
     """The stock runner with this engine's experts only, in the engines' expert group."""
 
-    def __init__(self, config: BatonConfig, device: torch.device) -> None:
-        self.config = config
+    def __init__(self, executor: ExecutorSection, device: torch.device) -> None:
+        self.executor = executor
         self.device = device
         self.group: ExpertGroup | None = None
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         if self.group is None:  # a level-2 wake_up loads the model again: the group stays
-            self.group = connect_group(self.config, "ep", self.device)
+            self.group = connect_group(self.executor, "ep", self.device)
         n = shard_experts(model, self.group)
         log.info(
             "expert parallel: rank %d of %d holds %d of %d experts in each of %d MoE layers",
@@ -290,6 +292,7 @@ class ExpertParallelHooks(ModelRunnerHooks):
 
 
 def expert_parallel_runner(config: BatonConfig, device: torch.device) -> Any:
-    """A runner factory (``baton.interfaces.RunnerFactory``): the stock runner holding this
-    engine's experts only."""
-    return StockRunner(functools.partial(ExpertParallelHooks, config, device))(config, device)
+    """A runner factory (``baton.interfaces.RunnerFactory``: it takes the whole config): the
+    stock runner holding this engine's experts only."""
+    hooks = functools.partial(ExpertParallelHooks, config.executor, device)
+    return StockRunner(hooks)(config, device)

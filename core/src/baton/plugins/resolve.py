@@ -9,8 +9,10 @@ component looking it up again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from baton.config import BatonConfig
 from baton.errors import PluginError
@@ -39,6 +41,12 @@ class ResolvedPlugins:
         = 'none'``, no structured-output backend installed)."""
         found = self.all(kind)
         return found[0] if found else None
+
+    def factories(self, kind: str, config: BatonConfig) -> list[Callable[..., Any]]:
+        """Every chosen plugin of ``kind`` as its factory with ``config`` and its settings bound
+        (called with the kind's other arguments): what a component building them takes instead
+        of the config."""
+        return [functools.partial(c.create, config) for c in self.all(kind)]
 
     def one(self, kind: str) -> ChosenPlugin:
         """The chosen plugin of a kind the config always selects (``transport``, ``router``)."""

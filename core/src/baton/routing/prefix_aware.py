@@ -38,7 +38,7 @@ from baton.routing.routers import least_loaded
 from baton.routing.types import EngineLoad, RouteRequest
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config import BatonConfig, KVEventsSection
     from baton.routing.kv_event_index import KVEventIndex
 
 
@@ -176,9 +176,9 @@ class PrefixAwareRouter:
             self.index.close()
 
 
-def _event_index(config: BatonConfig) -> KVEventIndex:
-    """The engines' KV events, followed from the frontend: one endpoint per engine core."""
-    ev = config.kv_events
+def _event_index(ev: KVEventsSection, n: int) -> KVEventIndex:
+    """The engines' KV events, followed from the frontend: one endpoint per engine core
+    (``n``: data_parallel_size)."""
     if not ev.enable_kv_cache_events or ev.publisher != "zmq":
         raise ConfigError(
             "routing.prefix-aware.use_kv_events follows the engines' KV events: set "
@@ -195,7 +195,6 @@ def _event_index(config: BatonConfig) -> KVEventIndex:
             "routing.prefix-aware.use_kv_events needs pyzmq, which is not installed: pip "
             "install 'baton-core[kv-events]' (or pyzmq)"
         ) from e
-    n = config.executor.data_parallel_size
     return KVEventIndex(
         [rank_endpoint(ev.endpoint, r) for r in range(n)],
         [
@@ -208,7 +207,11 @@ def _event_index(config: BatonConfig) -> KVEventIndex:
 
 def _factory(config: BatonConfig, settings: PrefixAwareSettings | None) -> PrefixAwareRouter:
     settings = settings or PrefixAwareSettings()
-    index = _event_index(config) if settings.use_kv_events else None
+    index = (
+        _event_index(config.kv_events, config.executor.data_parallel_size)
+        if settings.use_kv_events
+        else None
+    )
     return PrefixAwareRouter(settings, index, config.kv_events.int_block_hashes)
 
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from baton.config import BatonConfig
+from baton.config import StructuredOutputSection
 from baton.errors import StructuredOutputError
-from baton.model import tokenizer as tokenizers
-from baton.model_info import ModelInfo
-from baton.plugins.registry import ChosenPlugin
 from baton.protocol import GrammarOutput, SchedulerOutput
 from baton.request import Request, RequestStatus
 from baton.structured.drafts import fill_draft_rows
@@ -31,6 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The chosen backend's factory with the engine's config bound: ``create(tokenizer, vocab_size)``.
+BackendFactory = Callable[[Any, int], "StructuredOutputBackend"]
+
 #: Compiled grammars kept by spec (least recently used dropped first).
 COMPILED_CACHE_SIZE = 1024
 
@@ -38,13 +39,26 @@ COMPILED_CACHE_SIZE = 1024
 class StructuredOutputManager:
     """Compiles grammars off the step thread and fills each step's bitmask. Driven by EngineCore."""
 
-    def __init__(self, config: BatonConfig, chosen: ChosenPlugin | None, info: ModelInfo) -> None:
-        """``chosen``: the resolved backend (``structured_output.backend``); None: none installed
-        ("auto") or turned off ("none"). ``config`` is what the backend's factory takes."""
-        self.config = config
-        self.chosen = chosen
-        self.info = info
-        self.backend_name = chosen.name if chosen is not None else None
+    def __init__(
+        self,
+        settings: StructuredOutputSection,
+        *,
+        backend_name: str | None,
+        create_backend: BackendFactory | None,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        max_num_seqs: int,
+    ) -> None:
+        """``backend_name`` / ``create_backend``: the resolved backend (``structured_output.backend``)
+        and its factory; None: none installed ("auto") or turned off ("none"). ``load_tokenizer``
+        gives the model's tokenizer (called on the pool, on first use); ``vocab_size`` is the
+        logits' width; ``max_num_seqs`` the fewest bitmask rows allocated."""
+        self.settings = settings
+        self.backend_name = backend_name if create_backend is not None else None
+        self._create = create_backend
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
         self._backend: StructuredOutputBackend | None = None
         self._backend_error: BaseException | None = None
         self._backend_lock = threading.Lock()
@@ -59,7 +73,7 @@ class StructuredOutputManager:
     def _check_available(self) -> None:
         if self.backend_name is not None:
             return
-        setting = self.config.structured_output.backend
+        setting = self.settings.backend
         if setting == "none":
             raise StructuredOutputError(
                 "the request has a structured-output spec but structured output is turned off "
@@ -91,13 +105,11 @@ class StructuredOutputManager:
             return self._backend
 
     def _create_backend(self) -> StructuredOutputBackend:
-        assert self.chosen is not None
-        tokenizer = tokenizers.load_tokenizer(self.config, self.info)
-        log.info(
-            "structured output: backend %r, vocabulary %d", self.chosen.name, self.info.vocab_size
-        )
+        assert self._create is not None
+        tokenizer = self._load_tokenizer()
+        log.info("structured output: backend %r, vocabulary %d", self.backend_name, self.vocab_size)
         # the model's vocabulary size (the logits' width), which may exceed the tokenizer's
-        return self.chosen.create(self.config, tokenizer, self.info.vocab_size)
+        return self._create(tokenizer, self.vocab_size)
 
     # ------------------------------------------------------------------ requests
 
@@ -113,7 +125,7 @@ class StructuredOutputManager:
         self._check_available()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
-                self.config.structured_output.compile_threads, thread_name_prefix="baton-grammar"
+                self.settings.compile_threads, thread_name_prefix="baton-grammar"
             )
         key = spec.key()
         with self._lock:
@@ -176,7 +188,7 @@ class StructuredOutputManager:
         # a request verifying k drafts takes 1 + k rows, one per position
         n = len(req_ids) + sum(len(spec.get(rid, ())) for rid in req_ids) if spec else len(req_ids)
         if self._bitmask is None or self._bitmask.shape[0] < n:
-            self._bitmask = backend.allocate_bitmask(max(n, self.config.scheduler.max_num_seqs))
+            self._bitmask = backend.allocate_bitmask(max(n, self.max_num_seqs))
         bitmask = self._bitmask
         requests = scheduler.requests
         filled: list[str] = []

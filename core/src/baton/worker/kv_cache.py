@@ -23,7 +23,7 @@ from baton.protocol import KVCacheConfig, KVCacheSpec
 from baton.worker.memory import release_device_memory, release_host_memory
 
 if TYPE_CHECKING:
-    from baton.config import BatonConfig
+    from baton.config import CacheSection
     from baton.lora.model import LoRAModel
     from baton.worker.fast_decode import FastDecode
     from baton.worker.step_inputs import StepInputBuilder
@@ -58,7 +58,7 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 class KVCacheMixin:
     """The KV cache half of the model runner (sizing, allocation, warm-up, copies, sleep)."""
 
-    cfg: BatonConfig
+    cache: CacheSection
     device: torch.device
     model: torch.nn.Module | None
     dtype: torch.dtype
@@ -95,7 +95,7 @@ class KVCacheMixin:
 
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache: kv_cache_memory if set; else a share of the device's memory."""
-        cache = self.cfg.cache
+        cache = self.cache
         if cache.kv_cache_memory is not None:
             return int(cache.kv_cache_memory)
         if self.device.type == "cuda":

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from baton.config import BatonConfig
+from baton.config import (
+    CacheSection,
+    ExecutorSection,
+    LoRASection,
+    ModelSection,
+    SchedulerSection,
+)
 from baton.errors import ExecutorError, InvalidRequestError
 from baton.kernels import loader
 from baton.kernels.attention import META_KWARG, model_capabilities
@@ -63,6 +69,18 @@ class PendingStep:
     pooled: dict[str, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The config sections the stock runner reads (``baton.worker.worker.runner_settings`` takes
+    them from the config a Worker receives)."""
+
+    model: ModelSection
+    cache: CacheSection
+    scheduler: SchedulerSection
+    executor: ExecutorSection
+    lora: LoRASection
+
+
 def activation_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype the model computes in: its first floating-point parameter's (quantized blocks are uint8)."""
     for p in model.parameters():
@@ -85,26 +103,28 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
     """
 
     def __init__(
-        self, cfg: BatonConfig, device: torch.device, hooks: ModelRunnerHooks | None = None
+        self, settings: RunnerSettings, device: torch.device, hooks: ModelRunnerHooks | None = None
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
+        #: What the KV cache half reads (its size: ``kv_cache_memory``, ``memory_utilization``).
+        self.cache = settings.cache
         self.device = device
         self.hooks = hooks if hooks is not None else ModelRunnerHooks()
-        self.block_size = cfg.cache.block_size
-        self.max_num_reqs = cfg.scheduler.max_num_seqs
-        self.max_num_tokens = cfg.scheduler.max_num_batched_tokens
+        self.block_size = settings.cache.block_size
+        self.max_num_reqs = settings.scheduler.max_num_seqs
+        self.max_num_tokens = settings.scheduler.max_num_batched_tokens
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor | None] = []
         self.num_blocks = 0
         self._pending: PendingStep | None = None
         self.fast_decode: FastDecode | None = None
         #: executor.batch_invariant: every step runs fast_decode's invariant path
-        self.invariant = cfg.executor.batch_invariant
+        self.invariant = settings.executor.batch_invariant
         #: The adapted layers and the adapters read (lora.enable_lora); None: LoRA off.
         self.lora: LoRAModel | None = None
         # the model's own pooling type: load_model
         self.pooler = Pooler(
-            "last", cfg.model.pooling_normalize, invariant=cfg.executor.batch_invariant
+            "last", settings.model.pooling_normalize, invariant=settings.executor.batch_invariant
         )
         #: prompt logprobs of requests whose prompt is still being computed (chunked prefill)
         self._prompt_lps: dict[str, list[TokenLogprobs]] = {}
@@ -112,12 +132,10 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
     # ------------------------------------------------------------------ model
 
     def load_model(self) -> None:
-        folder = model_folder(self.cfg)
-        self.model_info = read_model_info(folder, self.cfg.model.max_model_len)
-        self.pooler.pooling_type = default_pooling_type(
-            self.cfg.model.pooling_type, self.model_info
-        )
-        self.model = load_model(self.cfg, self.device, prepare=self.prepare_model)
+        model, executor = self.settings.model, self.settings.executor
+        self.model_info = read_model_info(model_folder(model), model.max_model_len)
+        self.pooler.pooling_type = default_pooling_type(model.pooling_type, self.model_info)
+        self.model = load_model(model, executor, self.device, prepare=self.prepare_model)
         self.hf_config = self.model.config
         text = self.hf_config.get_text_config()
         self.num_layers = text.num_hidden_layers
@@ -131,7 +149,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             dtype=str(self.dtype).removeprefix("torch."),
             dtype_native=native_compute(self.dtype, self.device),
         )
-        self.kv_dtype = kv_cache_dtype(self.cfg.cache.dtype, self.dtype, self.device)
+        self.kv_dtype = kv_cache_dtype(self.cache.dtype, self.dtype, self.device)
         head = self.model.get_output_embeddings()
         #: a base model without an LM head (BertModel, ...): it only pools (baton.model.no_lm_head)
         self.no_lm_head = head is None
@@ -156,7 +174,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             kernels=self.kernels,
             token_tables=self.invariant,
         )
-        self.sampler = Sampler(self.device, self.cfg.model.seed)
+        self.sampler = Sampler(self.device, self.settings.model.seed)
 
     def _apply_kv_shape(self) -> None:
         """The layers and heads this runner holds: the model's, or what its hooks say."""
@@ -192,7 +210,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
 
     def _use_kernels(self) -> bool:
         """Whether decode attention and linears run through baton's C++ kernels: float32 on CPU, when they build."""
-        if not self.cfg.executor.cpu_kernels:
+        if not self.settings.executor.cpu_kernels:
             return False
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
@@ -204,7 +222,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         Only this class's own forward without hooks: a parallel runner (hooks or a subclass)
         holds a cut or sharded model.
         """
-        if not self.cfg.executor.fast_decode:
+        if not self.settings.executor.fast_decode:
             return None
         cls = type(self)
         why = None
@@ -235,7 +253,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
     def _lora(self) -> LoRAModel | None:
         """The adaptable layers wrapped (lora.enable_lora), the adapters read before kept (a
         reload after sleep level 2)."""
-        lora_cfg = self.cfg.lora
+        lora_cfg = self.settings.lora
         if not lora_cfg.enable_lora:
             return None
         lora = LoRAModel(

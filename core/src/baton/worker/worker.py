@@ -29,6 +29,7 @@ from baton.protocol import (
 from baton.worker.kv_connector import WorkerKVConnector
 from baton.worker.memory import measure
 from baton.worker.model_runner import ModelRunner as StockModelRunner
+from baton.worker.model_runner import RunnerSettings
 from baton.worker.profiler import WorkerProfiler, profile_dir
 
 if TYPE_CHECKING:
@@ -81,6 +82,23 @@ def tune_malloc() -> bool:
     return bool(ok)
 
 
+def runner_settings(cfg: BatonConfig) -> RunnerSettings:
+    """The sections of ``cfg`` the stock model runner reads."""
+    return RunnerSettings(
+        model=cfg.model,
+        cache=cfg.cache,
+        scheduler=cfg.scheduler,
+        executor=cfg.executor,
+        lora=cfg.lora,
+    )
+
+
+def stock_runner(cfg: BatonConfig, device: torch.device) -> StockModelRunner:
+    """The default runner factory (``baton.interfaces.RunnerFactory``): baton's stock runner
+    with ``cfg``'s sections."""
+    return StockModelRunner(runner_settings(cfg), device)
+
+
 class Worker:
     """Owns the device choice and a model runner; every public method is an RPC target.
 
@@ -92,7 +110,7 @@ class Worker:
     """
 
     #: The runner factory init_device calls as ``runner_cls(config, device)`` (a class is one).
-    runner_cls: RunnerFactory = StockModelRunner
+    runner_cls: RunnerFactory = staticmethod(stock_runner)
 
     def __init__(
         self, cfg: BatonConfig, rank: int = 0, runner: RunnerFactory | None = None
