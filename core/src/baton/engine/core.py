@@ -103,7 +103,10 @@ class EngineCore:
             self.num_blocks = self._initialize_kv_cache()
             policy = self.plugins.one("scheduler_policy").create(config)
             self.batch_queue_size = max(1, int(executor.max_concurrent_batches))
-            self.config = config = effective_step_target(config, self.info, self.batch_queue_size)
+            scheduler_section = effective_step_target(
+                config.scheduler, config.executor.device, self.info, self.batch_queue_size
+            )
+            self.config = config = config.model_copy(update={"scheduler": scheduler_section})
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (
                 -(-config.scheduler.max_num_seqs // self.batch_queue_size)

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from baton.config import BatonConfig
+from baton.config import SchedulerSection
 from baton.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -28,12 +28,13 @@ SHAPE_DEPENDENT_DTYPES = frozenset({"bfloat16", "float16"})
 
 
 def effective_step_target(
-    config: BatonConfig, info: ModelInfo, batch_queue_size: int
-) -> BatonConfig:
-    """``config`` with ``scheduler.target_step_ms`` off where it cannot steer (module doc)."""
-    target = config.scheduler.target_step_ms
+    scheduler: SchedulerSection, device: str, info: ModelInfo, batch_queue_size: int
+) -> SchedulerSection:
+    """``scheduler`` with ``target_step_ms`` off where it cannot steer (module doc); ``device``
+    is ``executor.device``."""
+    target = scheduler.target_step_ms
     if target == "off":
-        return config
+        return scheduler
     if batch_queue_size > 1:
         # an explicit number the user asked for warns; the default "auto" only informs
         log.log(
@@ -43,7 +44,7 @@ def effective_step_target(
             target,
             batch_queue_size,
         )
-    elif target == "auto" and info.dtype in SHAPE_DEPENDENT_DTYPES and _on_cpu(config):
+    elif target == "auto" and info.dtype in SHAPE_DEPENDENT_DTYPES and _on_cpu(device):
         log.info(
             "scheduler.target_step_ms=auto is off: the model computes in %s on CPU, whose "
             "results depend on each step's shapes, and a budget that follows the clock would "
@@ -52,11 +53,9 @@ def effective_step_target(
             info.dtype,
         )
     else:
-        return config
-    off = config.scheduler.model_copy(update={"target_step_ms": "off"})
-    return config.model_copy(update={"scheduler": off})
+        return scheduler
+    return scheduler.model_copy(update={"target_step_ms": "off"})
 
 
-def _on_cpu(config: BatonConfig) -> bool:
-    device = config.executor.device
+def _on_cpu(device: str) -> bool:
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
