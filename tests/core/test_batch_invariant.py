@@ -145,7 +145,42 @@ def test_layer_stack_rows_equal_each_row_alone(quantization, activations, cache,
             assert torch.equal(fast.invariant_head(normed[5 : 5 + m]), together[5 : 5 + m])
 
 
-def _inv_call(fast, caches, hidden, positions, slots, table, lens, head, threads):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_stack_by_parts_equals_the_whole_stack(threads):
+    """decode_layers one half layer at a time (``part``: what a tensor-parallel rank runs, its
+    o_proj / down_proj output added into the residual stream by the caller), then the final norm
+    alone, gives the whole stack's bits; a part with a head, outside [0, 2L] or without
+    invariant=True is refused."""
+    runner = _invariant_runner()
+    fast = runner.fast_decode
+    g = torch.Generator().manual_seed(12)
+    caches = _random_caches(runner, torch.float32, g)
+    table = torch.randperm(256, generator=g)[:13].view(1, 13).expand(30, 13).contiguous()
+    positions = torch.arange(4, 34)
+    slots = table.gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
+    hidden = torch.randn((30, fast.norms[0].numel()), generator=g)
+    no_head = (None, -1, 0, None)
+    args = (positions, slots, table, positions + 1)
+    halves = len(fast.norms) - 1
+    with torch.inference_mode():
+        whole, k1, v1 = _inv_call(fast, caches, hidden, *args, no_head, threads)
+        written = list(zip(k1, v1, strict=True))
+        h = hidden
+        for part in range(halves):
+            y, _, _ = _inv_call(fast, written, h, *args, no_head, threads, part)
+            h = h + y
+        normed, _, _ = _inv_call(fast, written, h, *args, no_head, threads, halves)
+        assert torch.equal(normed, whole)
+        for head, part, invariant in (
+            (fast.head_args[:4], 0, True),
+            (no_head, halves + 1, True),
+            (no_head, 0, False),
+        ):
+            with pytest.raises(RuntimeError, match="part"):
+                _stack_call(fast, written, h, *args, head, threads, True, invariant, part)
+
+
+def _inv_call(fast, caches, hidden, positions, slots, table, lens, head, threads, part=-1):
     return _stack_call(
         fast,
         caches,
@@ -158,6 +193,7 @@ def _inv_call(fast, caches, hidden, positions, slots, table, lens, head, threads
         threads,
         shared=True,
         invariant=True,
+        part=part,
     )
 
 
@@ -194,7 +230,7 @@ def test_sampler_rows_do_not_depend_on_the_rows_beside_them():
 
 def test_config_refuses_what_it_cannot_honour(monkeypatch):
     for overrides, named in (
-        ({"executor.tensor_parallel_size": 2}, "executor.tensor_parallel_size=2"),
+        ({"executor.pipeline_parallel_size": 2}, "executor.pipeline_parallel_size=2"),
         ({"executor.device": "cuda"}, "executor.device='cuda'"),
         ({"executor.cpu_kernels": False}, "executor.cpu_kernels=False"),
         ({"lora.enable_lora": True}, "lora.enable_lora=True"),
@@ -204,6 +240,11 @@ def test_config_refuses_what_it_cannot_honour(monkeypatch):
             BatonConfig.load(**{"executor.batch_invariant": True, **overrides})
         assert named in str(e.value)
     assert BatonConfig.load().executor.batch_invariant is False
+    # tensor parallelism holds within a size (tests/plugins/cuda_tp/test_batch_invariant.py)
+    tp = BatonConfig.load(
+        **{"executor.batch_invariant": True, "executor.tensor_parallel_size": 2}
+    ).executor
+    assert tp.batch_invariant and tp.tensor_parallel_size == 2
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     assert BatonConfig.load().executor.batch_invariant is True
     assert BatonConfig.load(**{"executor.batch_invariant": False}).executor.batch_invariant is False

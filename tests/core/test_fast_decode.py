@@ -173,10 +173,12 @@ def _stack_call(
     threads,
     shared=False,
     invariant=False,
+    part=-1,
 ):
     """decode_layers on copies of ``caches`` with ``threads`` threads; (output, caches after).
     ``shared``: rows read keys that other rows of the step write (a verify step's drafts);
-    ``invariant``: batch-invariant sums, one parallel region at any row count."""
+    ``invariant``: batch-invariant sums, one parallel region at any row count; ``part``: one
+    half layer's partial sum or the final norm (a tensor-parallel rank's steps)."""
     k = [c[0].clone() for c in caches]
     v = [c[1].clone() for c in caches]
     before = torch.get_num_threads()
@@ -205,6 +207,7 @@ def _stack_call(
             *head,
             shared,
             invariant,
+            part,
         )
     finally:
         torch.set_num_threads(before)

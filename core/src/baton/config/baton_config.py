@@ -170,12 +170,6 @@ class BatonConfig(BaseSettings):
                     "the invariant kernels are CPU kernels (set device = 'cpu')",
                 ),
                 (
-                    "executor.tensor_parallel_size",
-                    ex.tensor_parallel_size,
-                    ex.tensor_parallel_size > 1,
-                    "a rank's partial sums meet in an all-reduce whose order is not fixed",
-                ),
-                (
                     "executor.pipeline_parallel_size",
                     ex.pipeline_parallel_size,
                     ex.pipeline_parallel_size > 1,

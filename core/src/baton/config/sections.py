@@ -217,9 +217,11 @@ class ExecutorSection(_Section):
     runs beside it (batch size and composition, its row, prefill chunk boundaries, speculative
     verify rows). Every step, prefill included, runs fast_decode's native layer stack with one
     summation order per output whatever the number of rows (docs/cpu-kernels.md). Default: the
-    environment variable BATON_BATCH_INVARIANT (1/true/yes/on), else false. Refused (an error
-    naming why) where it cannot hold: CUDA, tensor / pipeline / expert parallelism, LoRA,
-    cpu_kernels or fast_decode off, dtype other than float32, a model fast_decode does not run."""
+    environment variable BATON_BATCH_INVARIANT (1/true/yes/on), else false. With
+    tensor_parallel_size > 1 it holds within that size (the ranks' partial sums added in rank
+    order); another size gives other bits. Refused (an error naming why) where it cannot hold:
+    CUDA, pipeline / expert parallelism, LoRA, cpu_kernels or fast_decode off, dtype other than
+    float32, a model fast_decode does not run."""
     expert_parallel: bool = False
     """With data_parallel_size N > 1 and a mixture-of-experts model (Mixtral, Qwen2/3-MoE, OLMoE):
     each engine core holds E/N of every MoE layer's E experts and the layers dispatch tokens to

@@ -11,6 +11,10 @@
 // linear_q_tiles, paged_write, paged_decode) called through the dispatcher, each parallelising
 // itself; boxed calls, so that only the ops' schemas are relied upon.
 //
+// `part` (batch-invariant mode under tensor parallelism): one layer's attention or MLP half at a
+// time, returning the rank's o_proj / down_proj partial sum for the caller to add across ranks in
+// a fixed order (FastDecode's sharded path), or the final norm alone.
+//
 // Elementwise steps are compiled without FMA contraction, so that they round as transformers'
 // separate torch ops do (rotary: q * cos + rotate_half(q) * sin is bit-identical).
 #include <ATen/core/Tensor.h>
@@ -224,6 +228,10 @@ struct Stack {
   bool shared_context;
   // batch-invariant mode (lin_rows): every output summed in an order independent of M
   bool invariant;
+  // -1: every layer, then the final norm. p in [0, 2L): only layer p/2's attention (p even) or MLP
+  // (p odd), its o_proj / down_proj output written to `out` without the residual add (a tensor-
+  // parallel rank's partial sum, added across ranks by the caller); 2L: only the final norm.
+  int64_t part;
 };
 
 void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
@@ -240,58 +248,65 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
 #pragma omp barrier
     }
   };
+  const bool partial = s.part >= 0 && s.part < 2 * s.L;
+  // the o_proj / down_proj output: added into the residual stream, or (one part) the result
+  auto residual = [&](const Lin& lin, const float* in) {
+    const auto [a, b] = share(Hd, nt, tid, 8);
+    lin_rows(lin, in, M, ++gen, prep, partial ? s.out : s.tmp, a, b, s.invariant);
+    if (!partial)
+      for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
+  };
   for (int64_t l = 0; l < s.L; ++l) {
     const Lin* lw = lins + l * PER_LAYER;
-    // attention block: this thread's rows of q, k and v (one x, so one preparation of it)
-    rms_norm(s.h, (*s.norms)[2 * l], x.data(), M, Hd, s.eps);
-    ++gen;
-    {
-      const int64_t nq = lw[Q].N, nk = lw[K].N;
-      const auto [a, b] = share(nq + nk + lw[V].N, nt, tid, 8);
-      const int64_t off[3] = {0, nq, nq + nk};
-      float* dst[3] = {s.q, s.k, s.v};
-      for (int i = 0; i < 3; ++i) {
-        const Lin& li = lw[Q + i];
-        lin_rows(li, x.data(), M, gen, prep, dst[i], std::max<int64_t>(a - off[i], 0),
-                 std::min<int64_t>(b - off[i], li.N), s.invariant);
-      }
-    }
-    barrier();
-    {  // this thread's (request, kv head) pairs: rotary, cache write, attention of the head group
-      const auto [a, b] = share(M * KVH, nt, tid, 1);
-      auto write = [&](int64_t u) {
-        const int64_t m = u / KVH, j = u % KVH;
-        float* q = s.q + m * QW;
-        float* k = s.k + m * KW;
-        rotary(k + j * D, 1, 1, D, KW, s.cos + m * D, s.sin + m * D);
-        rotary(q + j * G * D, 1, G, D, QW, s.cos + m * D, s.sin + m * D);
-        baton_rows::write_kv(s.cache_type, k, s.v + m * KW, (*s.k_caches)[l], (*s.v_caches)[l], s.slots[m], cd, j,
-                             j + 1);
-      };
-      auto attend = [&](int64_t u) {
-        const int64_t m = u / KVH, j = u % KVH;
-        baton_rows::decode_heads(s.cache_type, s.q + m * QW, D, (*s.k_caches)[l], (*s.v_caches)[l],
-                                 s.block_table + m * s.max_blocks, s.ctx_lens[m], 0, cd, s.scale, s.attn + m * QW, D,
-                                 j, j + 1, scores, qbuf);
-      };
-      if (s.shared_context) {
-        for (int64_t u = a; u < b; ++u) write(u);
-        barrier();
-        for (int64_t u = a; u < b; ++u) attend(u);
-      } else {
-        for (int64_t u = a; u < b; ++u) {
-          write(u);
-          attend(u);
+    if (s.part < 0 || s.part == 2 * l) {
+      // attention block: this thread's rows of q, k and v (one x, so one preparation of it)
+      rms_norm(s.h, (*s.norms)[2 * l], x.data(), M, Hd, s.eps);
+      ++gen;
+      {
+        const int64_t nq = lw[Q].N, nk = lw[K].N;
+        const auto [a, b] = share(nq + nk + lw[V].N, nt, tid, 8);
+        const int64_t off[3] = {0, nq, nq + nk};
+        float* dst[3] = {s.q, s.k, s.v};
+        for (int i = 0; i < 3; ++i) {
+          const Lin& li = lw[Q + i];
+          lin_rows(li, x.data(), M, gen, prep, dst[i], std::max<int64_t>(a - off[i], 0),
+                   std::min<int64_t>(b - off[i], li.N), s.invariant);
         }
       }
+      barrier();
+      {  // this thread's (request, kv head) pairs: rotary, cache write, attention of the head group
+        const auto [a, b] = share(M * KVH, nt, tid, 1);
+        auto write = [&](int64_t u) {
+          const int64_t m = u / KVH, j = u % KVH;
+          float* q = s.q + m * QW;
+          float* k = s.k + m * KW;
+          rotary(k + j * D, 1, 1, D, KW, s.cos + m * D, s.sin + m * D);
+          rotary(q + j * G * D, 1, G, D, QW, s.cos + m * D, s.sin + m * D);
+          baton_rows::write_kv(s.cache_type, k, s.v + m * KW, (*s.k_caches)[l], (*s.v_caches)[l], s.slots[m], cd, j,
+                               j + 1);
+        };
+        auto attend = [&](int64_t u) {
+          const int64_t m = u / KVH, j = u % KVH;
+          baton_rows::decode_heads(s.cache_type, s.q + m * QW, D, (*s.k_caches)[l], (*s.v_caches)[l],
+                                   s.block_table + m * s.max_blocks, s.ctx_lens[m], 0, cd, s.scale, s.attn + m * QW, D,
+                                   j, j + 1, scores, qbuf);
+        };
+        if (s.shared_context) {
+          for (int64_t u = a; u < b; ++u) write(u);
+          barrier();
+          for (int64_t u = a; u < b; ++u) attend(u);
+        } else {
+          for (int64_t u = a; u < b; ++u) {
+            write(u);
+            attend(u);
+          }
+        }
+      }
+      barrier();
+      residual(lw[O], s.attn);
+      barrier();
     }
-    barrier();
-    {
-      const auto [a, b] = share(Hd, nt, tid, 8);
-      lin_rows(lw[O], s.attn, M, ++gen, prep, s.tmp, a, b, s.invariant);
-      for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
-    }
-    barrier();
+    if (s.part >= 0 && s.part != 2 * l + 1) continue;
     // MLP block: this thread's rows of gate and up, then SiLU(gate) * up on them
     rms_norm(s.h, (*s.norms)[2 * l + 1], x.data(), M, Hd, s.eps);
     ++gen;
@@ -302,13 +317,10 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
       for (int64_t m = 0; m < M; ++m) silu_mul(s.gate + m * I + a, s.up + m * I + a, b - a);
     }
     barrier();
-    {
-      const auto [a, b] = share(Hd, nt, tid, 8);
-      lin_rows(lw[DOWN], s.gate, M, ++gen, prep, s.tmp, a, b, s.invariant);
-      for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
-    }
+    residual(lw[DOWN], s.gate);
     barrier();
   }
+  if (partial) return;
   rms_norm(s.h, (*s.norms)[2 * s.L], x.data(), M, Hd, s.eps);
   if (s.out != nullptr && tid == 0) std::memcpy(s.out, x.data(), M * Hd * sizeof(float));
   if (s.head != nullptr) {
@@ -344,7 +356,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
                       at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                       const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t H, int64_t KVH, float eps,
                       float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_bias,
-                      bool shared_context, bool invariant) {
+                      bool shared_context, bool invariant, int64_t part) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), M = hidden.size(0), Hd = hidden.size(1);
   const at::Tensor& v0 = v_caches[0];
   const int64_t D = v0.size(3), BS = v0.size(2), blocks = v0.size(0);
@@ -456,7 +468,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            head != nullptr ? &head_lin : nullptr,
            head != nullptr ? logits.data_ptr<float>() : nullptr,
            shared_context,
-           invariant};
+           invariant,
+           part};
   at::internal::lazy_init_num_threads();
   const int64_t want = at::get_num_threads();
   if (want <= 1 || at::in_parallel_region()) {
@@ -479,7 +492,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t quant_max_rows,
                          int64_t float_max_rows, const std::optional<at::Tensor>& head, int64_t head_qtype,
                          int64_t head_q8a, const std::optional<at::Tensor>& head_bias, bool shared_context,
-                         bool invariant) {
+                         bool invariant, int64_t part) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
@@ -509,6 +522,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   if (has_head)
     TORCH_CHECK(head->dim() == 2 && (head_qtype >= 0 ? head->scalar_type() == at::kByte : head->size(1) == Hd),
                 "decode_layers: head must be [vocab, hidden] float32 or [vocab, row_bytes] uint8 quantized rows");
+  TORCH_CHECK(part < 0 || (invariant && !has_head && part <= 2 * L), "decode_layers: part ", part,
+              " needs invariant=True, no head and a part in [0, ", 2 * L, "]");
   const bool one = one_region_fits(M, weights, qtypes, la, head_qtype, has_head, invariant);
   TORCH_CHECK(one || !invariant,
               "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
@@ -516,7 +531,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   if (one)
     return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, k_caches, v_caches, slots, block_table,
                       ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr, head_qtype,
-                      head_q8a != 0, hb, shared_context, invariant);
+                      head_q8a != 0, hb, shared_context, invariant, part);
 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
@@ -575,7 +590,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
       "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
       "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False, "
-      "bool invariant=False) -> Tensor");
+      "bool invariant=False, int part=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layers", decode_layers); }

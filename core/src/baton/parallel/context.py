@@ -103,6 +103,23 @@ class ParallelContext:
         self.timers.add("all_reduce", time.perf_counter() - t0)
         return t
 
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of every tp rank's ``t``, added in rank order ((t0 + t1) + t2 ...) on every
+        rank: each element's sum has one order whatever the tensor's length (batch-invariant
+        mode). A ring all-reduce's order depends on which chunk of the buffer an element falls
+        in, so on the buffer's length, from three ranks on."""
+        if self.tp_size == 1:
+            return t
+        t = t.contiguous()
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+        dist.all_gather(parts, t, group=self.tp_group)
+        self.timers.add("all_gather", time.perf_counter() - t0)
+        out = parts[0]
+        for p in parts[1:]:
+            out.add_(p)
+        return out
+
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every tp rank's ``t`` along the last dimension, on tp rank 0 only (else None)."""
         if self.tp_size == 1:

@@ -26,12 +26,19 @@ one parallel region at any row count, its linears summed in one order whatever t
 beside it (``invariant=True``), and the LM head on the rows that need logits through the
 same kernels. ``build_fast_decode(..., invariant=True)`` raises an ExecutorError naming
 why instead of returning None.
+
+A tensor-parallel rank's model (``baton.parallel.sharding``: column-parallel q/k/v/gate/up,
+``RowParallelLinear`` o/down, vocabulary-parallel embedding and head) runs here in
+batch-invariant mode only, one half layer per ``decode_layers`` call (``part``): the rank's
+o_proj / down_proj partial sums are added across ranks in rank order
+(``ParallelContext.sum_in_rank_order``), the head's vocabulary slices gathered on the driver.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +52,9 @@ from baton.kernels.cpu_linear import (
 )
 from baton.quant.linear import QuantLinear
 from baton.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from baton.parallel.context import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +74,12 @@ _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layern
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 _NO_BIAS = torch.empty(0)
+#: baton.parallel.sharding's modules (by name: that package imports the runner, which imports this)
+ROW_PARALLEL, VOCAB_EMBEDDING, VOCAB_HEAD = (
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+)
 #: rope types whose cos/sin depend on the position alone (not on the sequence length, as
 #: "dynamic" and "longrope" do): tabulated once at load.
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -98,6 +114,13 @@ class FastDecode:
     #: depend on the sequence length; None: ``rotary`` runs every step.
     cos_table: torch.Tensor | None = None
     sin_table: torch.Tensor | None = None
+    #: a tensor-parallel rank's group (its model is sharded: ``sharded_hidden``), else None
+    tp: ParallelContext | None = None
+    #: per half layer (attention, MLP), the o_proj / down_proj bias a sharded model adds once,
+    #: after the ranks' sum (None: no bias)
+    after_sum: list[torch.Tensor | None] = field(default_factory=list)
+    #: the vocabulary (a sharded head's last slice is padded)
+    vocab_size: int = 0
     #: decode-only steps run so far (tests and benchmarks check that the path is taken)
     steps: int = field(default=0, init=False)
     #: the K / V views of the step's caches, made once for the list the runner passes every step
@@ -149,6 +172,10 @@ class FastDecode:
                 "with StepInputBuilder(token_tables=True)"
             )
         n = int(inputs.input_ids.shape[0])
+        if self.tp is not None:
+            out = self.sharded_hidden(inputs, blocks)
+            rows = out.index_select(0, inputs.logits_indices)
+            return self.invariant_head(rows), out if want_hidden else None
         fused = (
             self.head_args is not None
             and not want_hidden
@@ -172,7 +199,11 @@ class FastDecode:
             y = x.new_empty(x.shape[0], w.shape[0])
             if x.shape[0]:
                 torch.ops.baton.linear_small(x, w, y)
-            return y.add_(bias) if bias is not None else y
+            y = y.add_(bias) if bias is not None else y
+            if self.tp is None:
+                return y
+            full = self.tp.gather_last_dim(y)  # concatenation: each logit is one rank's sum
+            return full[:, : self.vocab_size] if full is not None else y
         if q8a:
             return torch.ops.baton.linear_q8a(x, w, qtype, bias)
         return torch.ops.baton.linear_q(x, w, qtype, bias, True)
@@ -188,21 +219,66 @@ class FastDecode:
     ) -> torch.Tensor:
         """decode_layers over the step's tokens, one row each (``blocks`` [tokens, blocks] and
         ``ctx_lens`` [tokens]): the final normed hidden states, or the logits when ``fused_head``."""
+        self._cache_views(inputs)
+        h = self.embed(inputs.input_ids)
+        cos, sin = self._rotary(h, inputs.positions)
+        head = (
+            self.head_args[:4] if fused_head and self.head_args is not None else (None, -1, 0, None)
+        )
+        self.steps += 1
+        return self._layers(
+            h, cos, sin, inputs, blocks, ctx_lens, head, shared_context, invariant, -1
+        )
+
+    def sharded_hidden(self, inputs: StepInputs, blocks: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's invariant step: the final normed hidden states [tokens,
+        hidden], every half layer's partial sums added across the ranks in rank order."""
+        assert self.tp is not None
+        self._cache_views(inputs)
+        h = self.embed(inputs.input_ids)  # one rank's row, zeros from the others: exact
+        cos, sin = self._rotary(h, inputs.positions)
+        ctx_lens = inputs.positions + 1
+        args = (cos, sin, inputs, blocks, ctx_lens, (None, -1, 0, None), True, True)
+        for part, bias in enumerate(self.after_sum):
+            y = self.tp.sum_in_rank_order(self._layers(h, *args, part))
+            h = h + (y + bias if bias is not None else y)
+        self.steps += 1
+        return self._layers(h, *args, len(self.after_sum))  # the final norm
+
+    def _rotary(
+        self, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [tokens, head_dim] of the step's positions."""
+        if self.cos_table is not None and self.sin_table is not None:
+            return self.cos_table.index_select(0, positions), self.sin_table.index_select(
+                0, positions
+            )
+        cos, sin = (t[0].contiguous() for t in self.rotary(h[None], positions[None]))
+        return cos, sin
+
+    def _cache_views(self, inputs: StepInputs) -> None:
         a = inputs.attn
         if a.kv_caches is not self._caches:
             self._k = [key_cache_view(c) for c in a.kv_caches]
             self._v = [c[1] for c in a.kv_caches]
             self._caches = a.kv_caches
-        h = self.embed(inputs.input_ids)
-        if self.cos_table is not None and self.sin_table is not None:
-            cos = self.cos_table.index_select(0, inputs.positions)
-            sin = self.sin_table.index_select(0, inputs.positions)
-        else:
-            cos, sin = (t[0].contiguous() for t in self.rotary(h[None], inputs.positions[None]))
-        head = (
-            self.head_args[:4] if fused_head and self.head_args is not None else (None, -1, 0, None)
-        )
-        out = torch.ops.baton.decode_layers(
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        inputs: StepInputs,
+        blocks: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        head: tuple[torch.Tensor | None, int, int, torch.Tensor | None],
+        shared_context: bool,
+        invariant: bool,
+        part: int,
+    ) -> torch.Tensor:
+        """One decode_layers call (``part``: -1 the whole stack, else one half layer or the
+        final norm)."""
+        return torch.ops.baton.decode_layers(
             h,
             cos,
             sin,
@@ -213,7 +289,7 @@ class FastDecode:
             self.q8a,
             self._k,
             self._v,
-            a.slot_mapping,
+            inputs.attn.slot_mapping,
             blocks,
             ctx_lens,
             self.num_heads,
@@ -225,9 +301,8 @@ class FastDecode:
             *head,
             shared_context,
             invariant,
+            part,
         )
-        self.steps += 1
-        return out
 
 
 def build_fast_decode(
@@ -242,6 +317,8 @@ def build_fast_decode(
     to every step, else an ExecutorError naming why."""
     try:
         fast = _build(model, device, kernels)
+        if fast.tp is not None and not invariant:
+            raise Unsupported("a tensor-parallel shard runs it in batch-invariant mode only")
         static = getattr(fast.rotary, "rope_type", None) in STATIC_ROPE_TYPES
         if invariant:
             _check_invariant(fast, static)
@@ -302,12 +379,14 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         raise Unsupported(f"{len(layers)} layers, config says {cfg.num_hidden_layers}")
     _check_no_hooks(model)
     embed, head = inner.embed_tokens, model.get_output_embeddings()
-    if type(embed).__name__ not in ("Embedding", "QuantEmbedding"):
+    if type(embed).__name__ not in ("Embedding", "QuantEmbedding", VOCAB_EMBEDDING):
         raise Unsupported(f"embedding {type(embed).__name__}")
 
     num_heads = cfg.num_attention_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
     norms, weights, biases, qtypes, q8a = [], [], [], [], []
+    after_sum: list[torch.Tensor | None] = []
+    tps: list[ParallelContext] = []
     eps: float | None = None
     scale: float | None = None
     for i, layer in enumerate(layers):
@@ -328,17 +407,19 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             eps = _norm(norm, eps, norms, f"layer {i}")
         for parent, name in LINEARS:
-            _linear(
-                getattr(getattr(layer, parent), name),
-                f"layer {i} {name}",
-                weights,
-                biases,
-                qtypes,
-                q8a,
-            )
+            m = getattr(getattr(layer, parent), name)
+            if type(m).__name__ == ROW_PARALLEL:  # its bias is added after the ranks' sum
+                tps += [m.ctx] if all(m.ctx is not t for t in tps) else []
+                after_sum.append(m.bias.detach() if m.bias is not None else None)
+            _linear(m, f"layer {i} {name}", weights, biases, qtypes, q8a)
     eps = _norm(inner.norm, eps, norms, "final norm")
     assert eps is not None and scale is not None  # at least one layer
+    tp = _one_group(tps, len(after_sum), 2 * len(layers), embed, head)
+    shards = tp.tp_size if tp is not None else 1
     return FastDecode(
+        tp=tp,
+        after_sum=after_sum if tp is not None else [],
+        vocab_size=getattr(head, "vocab_size", 0),
         head_args=_head_args(head),
         embed=embed,
         rotary=inner.rotary_emb,
@@ -348,8 +429,8 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         biases=biases,
         qtypes=qtypes,
         q8a=q8a,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        num_heads=num_heads // shards,
+        num_kv_heads=num_kv_heads // shards,
         eps=eps,
         scale=scale,
         quant_max_rows=QuantLinear.KERNEL_MAX_ROWS,
@@ -368,6 +449,10 @@ def _head_args(
     if type(head) is QuantLinear and head.kernels:
         q8a = int(bool(head.int8_activations) and hasattr(torch.ops.baton, "linear_q8a"))
         return head.raw, int(head.qtype), q8a, bias, QuantLinear.KERNEL_MAX_ROWS
+    if type(head).__name__ == VOCAB_HEAD:  # this rank's rows of the vocabulary, kept transposed
+        w = head.weight_t.t().contiguous()
+        head.weight_t = w.t()  # the module's view of the one copy
+        return w, -1, 0, bias, HEAD_KERNEL_MAX_ROWS
     if type(head) in (CpuLMHead, SmallBatchLinear):
         if type(head) is CpuLMHead and not head.kernels:
             return None
@@ -377,6 +462,26 @@ def _head_args(
         rows = HEAD_KERNEL_MAX_ROWS if type(head) is CpuLMHead else KERNEL_MAX_ROWS
         return w, -1, 0, bias, rows
     return None
+
+
+def _one_group(
+    tps: list[ParallelContext],
+    row_parallel: int,
+    halves: int,
+    embed: torch.nn.Module,
+    head: torch.nn.Module,
+) -> ParallelContext | None:
+    """The tensor-parallel group of a sharded model (None: not sharded); Unsupported unless
+    every o_proj / down_proj, the embedding and the head are sharded over that one group."""
+    if not tps:
+        return None
+    parts = [type(embed).__name__, type(head).__name__]
+    if len(tps) != 1 or row_parallel != halves or parts != [VOCAB_EMBEDDING, VOCAB_HEAD]:
+        raise Unsupported(
+            f"a partly sharded model ({row_parallel} of {halves} o/down projections row-parallel "
+            f"over {len(tps)} group(s), embedding {parts[0]}, head {parts[1]})"
+        )
+    return tps[0]
 
 
 def _check_no_hooks(model: torch.nn.Module) -> None:
@@ -414,9 +519,11 @@ def _linear(
     qtypes: list[int],
     q8a: list[int],
 ) -> None:
-    """Append one linear's weight, bias (empty: none), qtype (-1: float32) and int8-activation flag."""
-    bias = m.bias.detach() if m.bias is not None else None
-    if type(m) in (torch.nn.Linear, SmallBatchLinear):
+    """Append one linear's weight, bias (empty: none; a RowParallelLinear's is added after the
+    ranks' sum), qtype (-1: float32) and int8-activation flag."""
+    row_parallel = type(m).__name__ == ROW_PARALLEL
+    bias = m.bias.detach() if m.bias is not None and not row_parallel else None
+    if type(m) in (torch.nn.Linear, SmallBatchLinear) or row_parallel:
         w = m.weight.detach()
         if w.dtype != torch.float32 or not w.is_contiguous():
             raise Unsupported(f"{what} weight {w.dtype}, contiguous={w.is_contiguous()}")

@@ -220,7 +220,9 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         """The native layer stack for decode-only steps, when executor.fast_decode is on and it applies.
 
         Only this class's own forward without hooks: a parallel runner (hooks or a subclass)
-        holds a cut or sharded model.
+        holds a cut or sharded model. In batch-invariant mode hooks may change the model: a
+        tensor-parallel rank's shards run the stack half a layer at a time (fast_decode.py), any
+        other change is refused by build_fast_decode.
         """
         if not self.settings.executor.fast_decode:
             return None
@@ -228,7 +230,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         why = None
         if (cls.forward, cls.prepare_model) != (ModelRunner.forward, ModelRunner.prepare_model):
             why = f"{cls.__name__} runs a cut or sharded model"
-        elif type(self.hooks) is not ModelRunnerHooks:
+        elif type(self.hooks) is not ModelRunnerHooks and not self.invariant:
             why = f"hooks {type(self.hooks).__name__} change the model"
         elif self.invariant and not self.kernels:
             why = f"baton's C++ kernels are off on {self.device} in {self.dtype}"
