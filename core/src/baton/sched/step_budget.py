@@ -42,8 +42,10 @@ with prompt chunks said).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import statistics
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -71,13 +73,18 @@ MIN_STEP_S = 1e-3
 #: Most the prompt budget grows from one step with decodes to the next.
 MAX_GROWTH = 2
 #: ``target_step_ms = "auto"``: the target is this multiple of a decode-only step's time.
-AUTO_MULTIPLE = 2.0
+AUTO_MULTIPLE = 1.75
 #: ``"auto"`` sets no target until this many steps have been measured.
 AUTO_MIN_STEPS = 1
 #: ``"auto"``: a measured time is taken at most this many times the model's prediction and at
 #: least its inverse (a step stretched by a neighbour or a page-fault storm moves the fit by a
 #: bounded amount; a lasting change is still followed, within a few steps).
 AUTO_CLIP = 3.0
+#: ``"auto"``: every this many steps with decodes (while prompt chunks ride along) is a
+#: decode-only step, a direct measure of what the target is a multiple of (0: never).
+PROBE_EVERY = 8
+#: ``"auto"``: the decode-only steps whose median sets the target's scale.
+DECODE_SAMPLES = 5
 
 
 class StepShape(msgspec.Struct, frozen=True):
@@ -253,8 +260,11 @@ class PrefillBudget:
         min_tokens: int,
         max_tokens: int,
         model: StepTimeModel | None = None,
-        multiple: float = AUTO_MULTIPLE,
+        multiple: float | None = None,
     ) -> None:
+        """``multiple``: the ``"auto"`` target's multiple of a decode-only step (None:
+        ``AUTO_MULTIPLE``)."""
+        multiple = AUTO_MULTIPLE if multiple is None else multiple
         if target_s is not None and not (math.isfinite(target_s) and target_s > 0):
             raise ConfigError(
                 f"scheduler.target_step_ms: must be a positive number of milliseconds, "
@@ -274,6 +284,9 @@ class PrefillBudget:
         self.last_target_s: float | None = None
         #: The budget given to the latest step with decodes (None before the first).
         self._last: int | None = None
+        self._decode_steps = 0
+        #: measured / prior time of the latest decode-only steps (the machine's decode speed).
+        self._decode_scales: collections.deque[float] = collections.deque(maxlen=DECODE_SAMPLES)
         #: Attention pairs of the latest step's decodes, and the recent pairs per prompt token
         #: (a prompt token attends to its context: longer prompts cost more per token).
         self._decode_pairs = 0
@@ -285,25 +298,46 @@ class PrefillBudget:
     def auto(self) -> bool:
         return self.target_s is None
 
-    def target(self, decode_rows: int, decode_pairs: int = 0) -> float | None:
+    def target(
+        self, decode_rows: int, decode_pairs: int = 0, demand_rows: int | None = None
+    ) -> float | None:
         """Seconds a step with ``decode_rows`` decodes attending to ``decode_pairs`` tokens in
-        all should take. None: no target yet (``"auto"`` before a step is measured)."""
+        all should take. None: no target yet (``"auto"`` before a step is measured).
+        ``demand_rows``: the decode batch the engine is headed to (every unfinished request
+        that fits in a batch, at least ``decode_rows``); ``"auto"`` targets a multiple of that
+        batch's decode-only step (its pairs scaled from the present decodes'), so while prompts
+        wait to join the decodes their chunks are not held to the few decodes running yet."""
         if self.target_s is not None:
             return self.target_s
         if self.model.num_observed < AUTO_MIN_STEPS:
             return None
-        return self.multiple * self.model.predict(0, decode_rows, decode_pairs)
+        rows = max(decode_rows, demand_rows or 0)
+        pairs = decode_pairs * rows // decode_rows if decode_rows > 0 else decode_pairs
+        return self.multiple * self.decode_only_s(rows, pairs)
 
-    def prefill_tokens(self, decode_rows: int, decode_pairs: int = 0) -> int:
+    def decode_only_s(self, rows: int, pairs: int) -> float:
+        """Predicted seconds of a step of ``rows`` decodes alone: the prior's shape at the
+        median scale of the latest decode-only steps measured, else the fitted model's."""
+        if self._decode_scales:
+            scale = statistics.median(self._decode_scales)
+            return scale * DEFAULT_COST_MODEL.step_cost(0, rows, pairs)
+        return self.model.predict(0, rows, pairs)
+
+    def prefill_tokens(
+        self, decode_rows: int, decode_pairs: int = 0, demand_rows: int | None = None
+    ) -> int:
         """Most prompt tokens a step with ``decode_rows`` decodes (attending to ``decode_pairs``
         tokens in all) should compute; a step with no decode is not held to the target (no
-        request waits there for its next token)."""
+        request waits there for its next token). ``demand_rows``: see ``target``."""
         if decode_rows <= 0:
             return self.max_tokens
         self._decode_pairs = decode_pairs
-        target = self.last_target_s = self.target(decode_rows, decode_pairs)
+        target = self.last_target_s = self.target(decode_rows, decode_pairs, demand_rows)
         if target is None:
             return self.max_tokens
+        self._decode_steps += 1
+        if self.auto and PROBE_EVERY and self._decode_steps % PROBE_EVERY == 1:
+            return 0
         left = target - self.model.predict(0, decode_rows, decode_pairs)
         per_token = self.model.coefficients[1] + self.model.per_pair * self._pairs_per_prompt_token
         if per_token <= 0.0:
@@ -344,6 +378,9 @@ class PrefillBudget:
             )
             return False
         self.model.observe(shape, seconds)
+        if shape.prefill_tokens == 0 and shape.decode_rows > 0:
+            prior = DEFAULT_COST_MODEL.step_cost(0, shape.decode_rows, shape.attention_pairs)
+            self._decode_scales.append(seconds / prior)
         return True
 
 
@@ -364,4 +401,6 @@ def prefill_cap(sched: Scheduler) -> int:
             decodes += 1
             pairs += req.num_tokens  # its new token attends to every token
     room = sched.max_num_batched_tokens - decodes
-    return max(0, min(sched.prefill_budget.prefill_tokens(decodes, pairs), room))
+    # the batch the decodes grow to once the prompts running and waiting are computed
+    demand = min(per_batch, len(sched.running) + len(sched.policy))
+    return max(0, min(sched.prefill_budget.prefill_tokens(decodes, pairs, demand), room))
