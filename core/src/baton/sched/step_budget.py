@@ -14,16 +14,29 @@ of a step, and a per-token cost fitted near zero must not let one huge chunk
 stall the decodes (the next measured step corrects it).
 
 The target is a number of milliseconds, or ``"auto"`` (the default): a
-multiple (``AUTO_MULTIPLE``) of what the model predicts for a step of the same
-decodes alone, so a step carrying prompt chunks takes about two decode steps'
-time on any machine, model and load, and prompts still get a decode step's
-time in every step (they are never starved). Before any step is measured
-``"auto"`` sets no target; its model treats the built-in prior as a shape whose
-scale the first measured step sets (a machine five times slower than the
-prior's must not read as a five-second fixed cost per step). Tuned on the
-scheduler simulator (workload.json, machines 20x faster to 5x slower than the
-prior, 15% step noise): 2x kept ITL p99 within ~2.3-3.5x p50 at 0.94-0.98x
-the throughput of "off"; 2.5x gave 0.98-1.0x at 3.2-4.4x.
+multiple (``AUTO_MULTIPLE``, 1.75) of the time of a step of decodes alone, for
+the batch the decodes grow to (``demand_rows``: the requests running and
+waiting, up to a batch's most requests), so a step carrying prompt chunks takes
+less than two decode steps' time on any machine, model and load, and prompts
+still get most of a decode step's time in every step (they are never starved).
+While prompts wait to join, the decodes running are few, and a target held to
+them would admit prompts so slowly that the batch never fills (the simulator:
+0.91-0.94x the throughput of "off"). That decode-only time is measured, not
+fitted: while every step carries a prompt chunk the fit cannot tell a step's
+fixed cost from a prompt token's (it gave the fixed cost to the decode rows, 4x
+too much, and extrapolated to a full batch the target reached 2-3x its right
+value), so the first step with decodes and every ``PROBE_EVERY``-th after
+computes no prompt token (a probe), and the median of the latest
+``DECODE_SAMPLES`` probes (one step stretched by a neighbour does not move it),
+carried to other batch sizes by the fitted model's shape and the cost model's
+(the smaller of the two), sets the target. Before a probe is measured the
+fitted model predicts it; before any step is measured ``"auto"`` sets no
+target; its model treats the built-in prior as a shape whose scale the first
+measured step sets (a machine five times slower than the prior's must not read
+as a five-second fixed cost per step). Tuned on the scheduler simulator
+(workload.json, machines 20x faster to 5x slower than the prior, 15% step
+noise, seeds 0-4): ITL p99 within 1.9-2.7x p50 at 0.93-1.0x the throughput of
+"off" (docs/benchmarks.md, issue 34).
 
 The step time comes from ``StepTimeModel``: a linear model
 
@@ -285,8 +298,10 @@ class PrefillBudget:
         #: The budget given to the latest step with decodes (None before the first).
         self._last: int | None = None
         self._decode_steps = 0
-        #: measured / prior time of the latest decode-only steps (the machine's decode speed).
-        self._decode_scales: collections.deque[float] = collections.deque(maxlen=DECODE_SAMPLES)
+        #: (rows, attention pairs, seconds) of the latest decode-only steps measured.
+        self._decode_samples: collections.deque[tuple[int, int, float]] = collections.deque(
+            maxlen=DECODE_SAMPLES
+        )
         #: Attention pairs of the latest step's decodes, and the recent pairs per prompt token
         #: (a prompt token attends to its context: longer prompts cost more per token).
         self._decode_pairs = 0
@@ -316,12 +331,29 @@ class PrefillBudget:
         return self.multiple * self.decode_only_s(rows, pairs)
 
     def decode_only_s(self, rows: int, pairs: int) -> float:
-        """Predicted seconds of a step of ``rows`` decodes alone: the prior's shape at the
-        median scale of the latest decode-only steps measured, else the fitted model's."""
-        if self._decode_scales:
-            scale = statistics.median(self._decode_scales)
-            return scale * DEFAULT_COST_MODEL.step_cost(0, rows, pairs)
-        return self.model.predict(0, rows, pairs)
+        """Predicted seconds of a step of ``rows`` decodes alone attending to ``pairs`` tokens.
+
+        From the latest decode-only steps measured (``DECODE_SAMPLES``), each carried to
+        ``rows`` and ``pairs`` by a shape: the fitted model's and the prior's, the median over
+        the samples for each, and the smaller of the two (a shape that is wrong, e.g. a fit
+        that gave a fixed cost to the decode rows, must not inflate the target). Without a
+        measured decode-only step: the fitted model's prediction."""
+        samples = self._decode_samples
+        if not samples:
+            return self.model.predict(0, rows, pairs)
+        estimates = []
+        for shape in (self.model.predict, DEFAULT_COST_MODEL.step_cost):
+            at = shape(0, rows, pairs)
+            ratios = [at / base for base in (shape(0, r, p) for r, p, _ in samples) if base > 0]
+            if ratios:
+                estimates.append(
+                    statistics.median(t * k for (_, _, t), k in zip(samples, ratios, strict=False))
+                )
+        return min(estimates) if estimates else self.model.predict(0, rows, pairs)
+
+    def _per_prompt_token(self) -> float:
+        """Seconds per prompt token, with the attention pairs recent prompt tokens had."""
+        return self.model.coefficients[1] + self.model.per_pair * self._pairs_per_prompt_token
 
     def prefill_tokens(
         self, decode_rows: int, decode_pairs: int = 0, demand_rows: int | None = None
@@ -338,8 +370,8 @@ class PrefillBudget:
         self._decode_steps += 1
         if self.auto and PROBE_EVERY and self._decode_steps % PROBE_EVERY == 1:
             return 0
-        left = target - self.model.predict(0, decode_rows, decode_pairs)
-        per_token = self.model.coefficients[1] + self.model.per_pair * self._pairs_per_prompt_token
+        left = target - self.decode_only_s(decode_rows, decode_pairs)
+        per_token = self._per_prompt_token()
         if per_token <= 0.0:
             n = self.max_tokens
         else:
@@ -379,8 +411,7 @@ class PrefillBudget:
             return False
         self.model.observe(shape, seconds)
         if shape.prefill_tokens == 0 and shape.decode_rows > 0:
-            prior = DEFAULT_COST_MODEL.step_cost(0, shape.decode_rows, shape.attention_pairs)
-            self._decode_scales.append(seconds / prior)
+            self._decode_samples.append((shape.decode_rows, shape.attention_pairs, seconds))
         return True
 
 
