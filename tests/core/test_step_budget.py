@@ -18,6 +18,7 @@ from baton.sched.cost_model import DEFAULT
 from baton.sched.step_budget import (
     AUTO_MULTIPLE,
     PROBE_EVERY,
+    PROBE_STALE,
     PrefillBudget,
     StepShape,
     StepTimeModel,
@@ -427,11 +428,13 @@ def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_median():
     budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
     budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
     budget.observe(1, 5.0)
-    # the first step with decodes and every PROBE_EVERY-th after computes no prompt token
-    sizes = [budget.prefill_tokens(8, 800) for _ in range(2 * PROBE_EVERY + 1)]
-    probes = [i for i, n in enumerate(sizes) if n == 0]
-    assert probes == [0, PROBE_EVERY, 2 * PROBE_EVERY], sizes
+    # the first step with decodes computes no prompt token, then one every PROBE_STALE steps
+    # while the decodes stay as many, and every PROBE_EVERY while they grow
+    sizes = [budget.prefill_tokens(8, 800) for _ in range(PROBE_STALE + 1)]
+    assert [i for i, n in enumerate(sizes) if n == 0] == [0, PROBE_STALE], sizes
     assert min(n for n in sizes if n) >= 16  # the other steps still compute prompts
+    growing = [budget.prefill_tokens(8 + 2 * i, 800) for i in range(1, 2 * PROBE_EVERY + 1)]
+    assert [i for i, n in enumerate(growing) if n == 0] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
     # decodes alone measured at 8 rows: the target is AUTO_MULTIPLE x their median, carried to
     # the rows asked by the prior's shape and the model's (the smaller); one stretched probe
     # (a neighbour) does not move it

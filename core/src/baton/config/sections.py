@@ -175,8 +175,8 @@ class SchedulerSection(_Section):
     "auto" (the default): the target is 1.75x the time of a step of decodes alone, for the
     batch the decodes grow to (those running plus the requests waiting, up to max_num_seqs), so
     it follows the machine, the model and the load. That time is measured: the first step with
-    decodes and every 8th after computes no prompt token, and the median of the latest 5 such
-    steps, carried to other batch sizes by the step-time model's shape and the cost model's
+    decodes computes no prompt token, then one in 8 while the decodes grow or shrink by a
+    quarter and one in 32 anyway, and the median of the latest 5 such steps, carried to other batch sizes by the step-time model's shape and the cost model's
     (the smaller), sets it (before one is measured: the step-time model's prediction; before any
     step is measured: no target). A number: that many milliseconds. "off" (or None): prompt
     chunks fill max_num_batched_tokens. Needs

@@ -25,8 +25,9 @@ them would admit prompts so slowly that the batch never fills (the simulator:
 fitted: while every step carries a prompt chunk the fit cannot tell a step's
 fixed cost from a prompt token's (it gave the fixed cost to the decode rows, 4x
 too much, and extrapolated to a full batch the target reached 2-3x its right
-value), so the first step with decodes and every ``PROBE_EVERY``-th after
-computes no prompt token (a probe), and the median of the latest
+value), so the first step with decodes computes no prompt token (a probe),
+then one every ``PROBE_EVERY`` steps while the decode rows move by more than a
+quarter and every ``PROBE_STALE`` steps anyway, and the median of the latest
 ``DECODE_SAMPLES`` probes (one step stretched by a neighbour does not move it),
 carried to other batch sizes by the fitted model's shape and the cost model's
 (the smaller of the two), sets the target. Before a probe is measured the
@@ -96,6 +97,8 @@ AUTO_CLIP = 3.0
 #: ``"auto"``: every this many steps with decodes (while prompt chunks ride along) is a
 #: decode-only step, a direct measure of what the target is a multiple of (0: never).
 PROBE_EVERY = 8
+#: ``"auto"``: the most steps with decodes between probes however steady the decode rows.
+PROBE_STALE = 32
 #: ``"auto"``: the decode-only steps whose median sets the target's scale.
 DECODE_SAMPLES = 5
 
@@ -298,6 +301,8 @@ class PrefillBudget:
         #: The budget given to the latest step with decodes (None before the first).
         self._last: int | None = None
         self._decode_steps = 0
+        #: (step count with decodes, decode rows) of the latest probe.
+        self._last_probe: tuple[int, int] | None = None
         #: (rows, attention pairs, seconds) of the latest decode-only steps measured.
         self._decode_samples: collections.deque[tuple[int, int, float]] = collections.deque(
             maxlen=DECODE_SAMPLES
@@ -329,6 +334,20 @@ class PrefillBudget:
         rows = max(decode_rows, demand_rows or 0)
         pairs = decode_pairs * rows // decode_rows if decode_rows > 0 else decode_pairs
         return self.multiple * self.decode_only_s(rows, pairs)
+
+    def _probe_due(self, rows: int) -> bool:
+        """Whether this step with decodes should be a probe: the first, then at most every
+        ``PROBE_EVERY`` steps while the decode rows moved by a quarter since the last probe,
+        and every ``PROBE_STALE`` steps anyway (the machine's speed may change)."""
+        if not PROBE_EVERY:
+            return False
+        last = self._last_probe
+        if last is None:
+            return True
+        age = self._decode_steps - last[0]
+        if age >= PROBE_STALE:
+            return True
+        return age >= PROBE_EVERY and abs(rows - last[1]) * 4 > last[1]
 
     def decode_only_s(self, rows: int, pairs: int) -> float:
         """Predicted seconds of a step of ``rows`` decodes alone attending to ``pairs`` tokens.
@@ -368,7 +387,8 @@ class PrefillBudget:
         if target is None:
             return self.max_tokens
         self._decode_steps += 1
-        if self.auto and PROBE_EVERY and self._decode_steps % PROBE_EVERY == 1:
+        if self.auto and self._probe_due(decode_rows):
+            self._last_probe = (self._decode_steps, decode_rows)
             return 0
         left = target - self.decode_only_s(decode_rows, decode_pairs)
         per_token = self._per_prompt_token()
