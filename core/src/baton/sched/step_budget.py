@@ -36,8 +36,9 @@ target; its model treats the built-in prior as a shape whose scale the first
 measured step sets (a machine five times slower than the prior's must not read
 as a five-second fixed cost per step). Tuned on the scheduler simulator
 (workload.json, machines 20x faster to 5x slower than the prior, 15% step
-noise, seeds 0-4): ITL p99 within 1.9-2.7x p50 at 0.93-1.0x the throughput of
-"off" (docs/benchmarks.md, issue 34).
+noise, seeds 0-4): ITL p99 within 1.8-2.7x p50 at 0.935-1.0x the throughput
+of "off". The real engine on two CPU threads gave 1.24-1.31x at only 0.79-0.83x
+(docs/benchmarks.md, issue 34: its small chunks cost more than this model says).
 
 The step time comes from ``StepTimeModel``: a linear model
 
