@@ -111,6 +111,33 @@ def test_slo_policy_admits_by_deadline_and_demotes_hopeless_requests():
     assert keep.peek(3.0) is b
 
 
+def test_slo_policy_looks_ahead_by_the_measured_admission_to_first_token_time():
+    # requests admitted at 0.0 took 2 s to their first token (their prompts' steps): a waiting
+    # request due in 1 s can no longer make it and is demoted before its deadline passes
+    def run(settings):
+        p = SLOPolicy(settings=settings)
+        early = [slo_request(f"e{i}", ttft=60_000) for i in range(3)]
+        for r in early:
+            p.add(r)
+        for r in early:
+            assert p.peek(0.0) is r
+            p.pop(r)
+        for r in early:
+            r.first_token_time = 2.0
+        near = slo_request("near", arrival=9.0, ttft=2000)  # due at 11.0
+        far = slo_request("far", arrival=9.5, ttft=5000)  # due at 14.5
+        p.add(near)
+        p.add(far)
+        return p, p.peek(10.0)
+
+    p, head = run(None)
+    assert p.lag == pytest.approx(2.0)
+    assert head.request_id == "far"  # 10.0 + 2.0 > 11.0: near is lost, far can still make it
+    assert [r.request_id for r in p] == ["far", "near"]  # near is still admitted, after far
+    _, head = run(SLOSettings(lookahead=False))
+    assert head.request_id == "near"  # only a deadline already passed demotes
+
+
 def test_slo_policy_victim_is_hopeless_then_most_slack_then_least_recompute():
     p = SLOPolicy()
     reqs = [slo_request(f"r{i}", ttft=ttft) for i, ttft in enumerate([1000, 9000, 9000, 50])]

@@ -15,7 +15,14 @@ from baton.errors import ConfigError
 from baton.protocol import EngineCoreRequest, ModelInfo, SchedulerOutput
 from baton.sampling_params import SamplingParams
 from baton.sched.cost_model import DEFAULT
-from baton.sched.step_budget import PrefillBudget, StepShape, StepTimeModel
+from baton.sched.step_budget import (
+    AUTO_MULTIPLE,
+    PROBE_EVERY,
+    PROBE_STALE,
+    PrefillBudget,
+    StepShape,
+    StepTimeModel,
+)
 from baton.testing import FakeExecutor
 from baton.testing.sched_harness import SchedulerDriver
 
@@ -46,6 +53,9 @@ class TimedDriver(SchedulerDriver):
         self.decoding: set[str] = set()
         #: Per step: the decodes that were due (running, prompt done, unfinished) and scheduled.
         self.due: list[tuple[set[str], set[str]]] = []
+        #: Per step: the requests running or waiting when it was scheduled (the batch the
+        #: decodes grow to, before max_num_seqs).
+        self.demand: list[int] = []
 
     def step(self):
         due = {
@@ -53,6 +63,7 @@ class TimedDriver(SchedulerDriver):
             for r in self.scheduler.running
             if r.request_id in self.decoding and r.request_id in self.scheduler.requests
         }
+        self.demand.append(len(self.scheduler.running) + len(self.scheduler.policy))
         outs = super().step()
         so = self.scheduler_outputs[-1]
         self.due.append((due, set(so.num_scheduled_tokens)))
@@ -281,7 +292,7 @@ def test_auto_sets_no_target_until_a_step_is_measured_then_a_multiple_of_a_decod
     budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
     assert budget.observe(1, 2.0)
     decode_only = budget.model.predict(0, 8, 8 * 300)
-    assert budget.target(8, 8 * 300) == pytest.approx(2.0 * decode_only)
+    assert budget.target(8, 8 * 300) == pytest.approx(AUTO_MULTIPLE * decode_only)
     assert budget.prefill_tokens(0) == 2048  # a step with no decode is still not held
 
 
@@ -299,9 +310,10 @@ def test_step_time_model_learns_the_attention_cost():
 
 def test_auto_keeps_steps_near_a_multiple_of_the_decode_only_step_and_prompts_progress():
     # 48 prompts at once on a machine where a full 1024-token chunk takes ~1 s and a step of
-    # decodes alone 30-80 ms: with "auto" every step with decodes stays near 2x the
-    # decode-only time of its batch (once the first steps have taught it the machine), prompts
-    # still finish, and no decode waits; "off" lets full chunks ride with the decodes
+    # decodes alone 30-80 ms: with "auto" every step with decodes stays near AUTO_MULTIPLE x
+    # the decode-only time of the batch its decodes grow to (all 48: the waiting prompts
+    # join it), prompts still finish, and no decode waits; "off" lets full chunks ride with
+    # the decodes
     machine = linear(0.03, 0.001, 0.001)
 
     def run(target):
@@ -313,10 +325,14 @@ def test_auto_keeps_steps_near_a_multiple_of_the_decode_only_step_and_prompts_pr
         d.run()
         assert len(d.finished) == 48
         assert all(due <= scheduled for due, scheduled in d.due)
-        return [machine(p, dd) / machine(0, dd) for p, dd in d.shapes if dd and p]
+        return [
+            machine(p, dd) / machine(0, min(64, n))
+            for (p, dd), n in zip(d.shapes, d.demand, strict=True)
+            if dd and p
+        ]
 
     auto = run("auto")
-    assert auto and max(auto[3:]) < 3.0, auto
+    assert auto and max(auto[PROBE_EVERY:]) < 3.0, auto  # after the first probes
     assert max(run("off")) > 10
     assert len(auto) > 10  # prompts rode along many decode steps, in smaller chunks
 
@@ -383,10 +399,12 @@ def test_auto_takes_the_priors_proportions_at_the_first_measured_steps_scale():
     budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
     budget.scheduled(1, shape)
     budget.observe(1, 5 * budget.model.predict(2048, 0, 200_000))
-    # the next step, with 10 decodes, takes about two decode-only steps, not a full chunk
+    # the first step with decodes measures them alone (a probe, not observed here); the
+    # next, with 10 decodes, takes about AUTO_MULTIPLE decode-only steps, not a full chunk
+    assert budget.prefill_tokens(10, 10 * 200) == 0
     n = budget.prefill_tokens(10, 10 * 200)
     step = budget.model.predict(n, 10, 10 * 200 + int(n * budget._pairs_per_prompt_token))
-    assert step == pytest.approx(2.0 * budget.model.predict(0, 10, 10 * 200), rel=0.05)
+    assert step == pytest.approx(AUTO_MULTIPLE * budget.model.predict(0, 10, 10 * 200), rel=0.05)
     assert n < 200
 
 
@@ -399,3 +417,46 @@ def test_auto_bounds_what_one_stretched_step_teaches_the_model():
     budget.scheduled(3, StepShape(64, 8, 10_000))
     budget.observe(3, 1000 * before)  # a neighbour stalled the machine for one step
     assert budget.model.predict(64, 8, 10_000) < 3 * before
+
+
+def _probe(budget: PrefillBudget, step: int, rows: int, seconds: float) -> None:
+    budget.scheduled(step, StepShape(0, rows, rows * 100))
+    assert budget.observe(step, seconds)
+
+
+def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_median():
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
+    budget.observe(1, 5.0)
+    # the first step with decodes computes no prompt token, then one every PROBE_STALE steps
+    # while the decodes stay as many, and every PROBE_EVERY while they grow
+    sizes = [budget.prefill_tokens(8, 800) for _ in range(PROBE_STALE + 1)]
+    assert [i for i, n in enumerate(sizes) if n == 0] == [0, PROBE_STALE], sizes
+    assert min(n for n in sizes if n) >= 16  # the other steps still compute prompts
+    growing = [budget.prefill_tokens(8 + 2 * i, 800) for i in range(1, 2 * PROBE_EVERY + 1)]
+    assert [i for i, n in enumerate(growing) if n == 0] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    # decodes alone measured at 8 rows: the target is AUTO_MULTIPLE x their median, carried to
+    # the rows asked by the prior's shape and the model's (the smaller); one stretched probe
+    # (a neighbour) does not move it
+    for step, seconds in enumerate([0.2, 0.21, 0.19, 4.0, 0.2], start=10):
+        _probe(budget, step, 8, seconds)
+    assert budget.target(8, 800) == pytest.approx(AUTO_MULTIPLE * 0.2, rel=0.01)
+    prior = DEFAULT.step_cost(0, 32, 3200) / DEFAULT.step_cost(0, 8, 800)
+    assert budget.target(32, 3200) <= AUTO_MULTIPLE * 0.2 * prior * 1.01
+
+
+def test_auto_targets_the_batch_the_waiting_prompts_grow_the_decodes_to():
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
+    budget.observe(1, 5.0)
+    for step, rows in enumerate([4, 8, 16, 32, 8], start=10):
+        _probe(budget, step, rows, budget.model.predict(0, rows, rows * 100))
+    alone = budget.target(8, 800)
+    grown = budget.target(8, 800, demand_rows=48)
+    assert (
+        grown == pytest.approx(AUTO_MULTIPLE * budget.decode_only_s(48, 4800), rel=1e-6)
+        and grown > 1.5 * alone
+    )
+    assert budget.target(8, 800, demand_rows=4) == pytest.approx(alone)  # never below its own
+    budget.prefill_tokens(8, 800)  # the probe
+    assert budget.prefill_tokens(8, 800, demand_rows=48) > budget.prefill_tokens(8, 800)

@@ -172,9 +172,14 @@ class SchedulerSection(_Section):
     from the measured time of each step (a prior from the built-in cost model until steps are
     measured). Every running decode still gets its token each step; prompt chunks never go below
     one KV block (cache.block_size tokens) a step, and a step with no decode is not held to it.
-    "auto" (the default): the target is 2x the model's time for a step of the same decodes
-    alone (their rows and attention), from the first measured step on (before it: no target),
-    so it follows the machine, the model and the load. A number: that many milliseconds. "off" (or None): prompt chunks fill max_num_batched_tokens. Needs
+    "auto" (the default): the target is 1.75x the time of a step of decodes alone, for the
+    batch the decodes grow to (those running plus the requests waiting, up to max_num_seqs), so
+    it follows the machine, the model and the load. That time is measured: the first step with
+    decodes computes no prompt token, then one in 8 while the decodes grow or shrink by a
+    quarter and one in 32 anyway, and the median of the latest 5 such steps, carried to other batch sizes by the step-time model's shape and the cost model's
+    (the smaller), sets it (before one is measured: the step-time model's prediction; before any
+    step is measured: no target). A number: that many milliseconds. "off" (or None): prompt
+    chunks fill max_num_batched_tokens. Needs
     enable_chunked_prefill (off without it), and is off with a pipeline batch queue (overlapping
     batches have no step time to measure; a number set there logs a warning). "auto" is also
     off where the model computes in bfloat16 or float16 on CPU: those results depend on each

@@ -11,7 +11,7 @@ preempted (so several SchedulerOutputs can be in flight: the pipeline-parallel
 batch queue). Optional caps bound a prompt's chunk per step
 (``long_prefill_token_threshold``) and the prompts in progress at once
 (``max_num_partial_prefills``). With ``target_step_ms`` on ("auto", the
-default: twice a decode-only step's time; or a number) the prompt chunks of a
+default: 1.75x a measured decode-only step's time; or a number) the prompt chunks of a
 step, all together, are sized by ``PrefillBudget`` (``sched/step_budget.py``)
 so that the step takes about that long: the running decodes are counted first
 and always scheduled, and the engine feeds each step's measured time back

@@ -13,7 +13,12 @@ A request that can no longer meet its SLO (``baton.sched.slo.is_hopeless``: its
 TTFT deadline passed before its first token, or its tokens so far took longer
 than its TPOT allows over all of ``max_tokens``) is, with ``on_miss = "demote"``
 (the default), admitted only after every request that still can, in arrival
-order, and preempted first; with ``"keep"`` it keeps its place. Demoting stops
+order, and preempted first; with ``"keep"`` it keeps its place. With
+``lookahead`` (the default) a waiting request counts as lost already once
+admitting it now would give its first token after its deadline: by the median
+admission-to-first-token time of the latest admitted requests (their prompts
+take steps to compute; a request admitted just before its deadline misses it
+anyway, and takes the engine from one that could still make it). Demoting stops
 spending the engine on requests already lost, so that under overload the others
 still meet theirs; it still runs when the engine has room (nothing is dropped).
 
@@ -27,12 +32,14 @@ latest (the most slack); among equals the one with the fewest computed tokens
 
     [scheduler.slo]
     on_miss = "demote"   # or "keep"
+    lookahead = true     # or false: demote only once the deadline has passed
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import statistics
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -44,6 +51,10 @@ from baton.sched.slo import is_hopeless, ttft_deadline
 from baton.sched.victims import VictimCandidate
 
 INF = float("inf")
+#: ``lookahead``: admitted requests followed until their first token (the oldest dropped).
+ADMITTED_KEPT = 256
+#: ``lookahead``: the admission-to-first-token times whose median judges a waiting request.
+LAG_SAMPLES = 16
 
 
 class SLOSettings(BaseModel):
@@ -52,6 +63,11 @@ class SLOSettings(BaseModel):
     on_miss: Literal["demote", "keep"] = "demote"
     """A request that can no longer meet its SLO: "demote" admits it after every request that
     still can and preempts it first; "keep" leaves it in deadline order."""
+    lookahead: bool = True
+    """With "demote": a waiting request counts as lost once even admitting it now would give
+    its first token after its TTFT deadline, by the admission-to-first-token time measured on
+    recent requests (their prompts take steps to compute); false: only once its deadline has
+    passed."""
 
 
 def next_due(request: Request) -> float:
@@ -80,19 +96,45 @@ class SLOPolicy:
         self._seq = itertools.count()
         #: The latest clock reading seen (``peek``'s or ``choose_victim``'s).
         self.now = -INF
+        #: ``lookahead``: admitted requests waiting for their first token, with when they were
+        #: admitted, and the latest admission-to-first-token times measured (seconds).
+        self._lookahead = settings is None or settings.lookahead
+        self._admitted: deque[tuple[Request, float]] = deque(maxlen=ADMITTED_KEPT)
+        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
+        #: The admission-to-first-token time a waiting request is judged with (0: none yet).
+        self.lag = 0.0
 
     def add(self, request: Request) -> None:
         rid = request.request_id
         old = self._entries.get(rid)
         if old is not None:
             old[2] = None
-        if self.demote and is_hopeless(request, self.now):
+        if self.demote and self._lost(request, self.now):
             self._entries.pop(rid, None)
             self._demoted.append(request)
             return
         entry = [next_due(request), next(self._seq), request]
         self._entries[rid] = entry
         heapq.heappush(self._heap, entry)
+
+    def _lost(self, request: Request, now: float) -> bool:
+        """Whether ``request`` (waiting) can no longer meet its SLO if admitted at ``now``."""
+        if request.first_token_time is None and self.lag > 0.0:
+            return is_hopeless(request, now + self.lag)
+        return is_hopeless(request, now)
+
+    def _measure_lags(self) -> None:
+        """Admission-to-first-token times of the admitted requests whose first token is out."""
+        admitted = self._admitted
+        while admitted:
+            req, at = admitted[0]
+            if req.first_token_time is None and not req.is_finished:
+                break
+            admitted.popleft()
+            if req.first_token_time is not None:
+                self._lags.append(max(0.0, req.first_token_time - at))
+        if self._lags:
+            self.lag = statistics.median(self._lags)
 
     def _top(self, now: float) -> list[Any] | None:
         heap = self._heap
@@ -101,7 +143,7 @@ class SLOPolicy:
             req = top[2]
             if req is None:
                 heapq.heappop(heap)
-            elif self.demote and is_hopeless(req, now):
+            elif self.demote and self._lost(req, now):
                 heapq.heappop(heap)
                 del self._entries[req.request_id]
                 self._demoted.append(req)
@@ -111,6 +153,8 @@ class SLOPolicy:
 
     def peek(self, now: float) -> Request | None:
         self.now = max(self.now, now)
+        if self._lookahead and self.demote:
+            self._measure_lags()
         top = self._top(self.now)
         if top is not None:
             return top[2]
@@ -121,6 +165,8 @@ class SLOPolicy:
         if top is not None and top[2] is request:
             heapq.heappop(self._heap)
             del self._entries[request.request_id]
+            if self._lookahead and self.demote and request.first_token_time is None:
+                self._admitted.append((request, self.now))
         elif top is None and self._demoted and self._demoted[0] is request:
             self._demoted.popleft()
         else:

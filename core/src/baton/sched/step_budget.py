@@ -14,16 +14,31 @@ of a step, and a per-token cost fitted near zero must not let one huge chunk
 stall the decodes (the next measured step corrects it).
 
 The target is a number of milliseconds, or ``"auto"`` (the default): a
-multiple (``AUTO_MULTIPLE``) of what the model predicts for a step of the same
-decodes alone, so a step carrying prompt chunks takes about two decode steps'
-time on any machine, model and load, and prompts still get a decode step's
-time in every step (they are never starved). Before any step is measured
-``"auto"`` sets no target; its model treats the built-in prior as a shape whose
-scale the first measured step sets (a machine five times slower than the
-prior's must not read as a five-second fixed cost per step). Tuned on the
-scheduler simulator (workload.json, machines 20x faster to 5x slower than the
-prior, 15% step noise): 2x kept ITL p99 within ~2.3-3.5x p50 at 0.94-0.98x
-the throughput of "off"; 2.5x gave 0.98-1.0x at 3.2-4.4x.
+multiple (``AUTO_MULTIPLE``, 1.75) of the time of a step of decodes alone, for
+the batch the decodes grow to (``demand_rows``: the requests running and
+waiting, up to a batch's most requests), so a step carrying prompt chunks takes
+less than two decode steps' time on any machine, model and load, and prompts
+still get most of a decode step's time in every step (they are never starved).
+While prompts wait to join, the decodes running are few, and a target held to
+them would admit prompts so slowly that the batch never fills (the simulator:
+0.91-0.94x the throughput of "off"). That decode-only time is measured, not
+fitted: while every step carries a prompt chunk the fit cannot tell a step's
+fixed cost from a prompt token's (it gave the fixed cost to the decode rows, 4x
+too much, and extrapolated to a full batch the target reached 2-3x its right
+value), so the first step with decodes computes no prompt token (a probe),
+then one every ``PROBE_EVERY`` steps while the decode rows move by more than a
+quarter and every ``PROBE_STALE`` steps anyway, and the median of the latest
+``DECODE_SAMPLES`` probes (one step stretched by a neighbour does not move it),
+carried to other batch sizes by the fitted model's shape and the cost model's
+(the smaller of the two), sets the target. Before a probe is measured the
+fitted model predicts it; before any step is measured ``"auto"`` sets no
+target; its model treats the built-in prior as a shape whose scale the first
+measured step sets (a machine five times slower than the prior's must not read
+as a five-second fixed cost per step). Tuned on the scheduler simulator
+(workload.json, machines 20x faster to 5x slower than the prior, 15% step
+noise, seeds 0-4): ITL p99 within 1.8-2.7x p50 at 0.935-1.0x the throughput
+of "off". The real engine on two CPU threads gave 1.24-1.31x at only 0.79-0.83x
+(docs/benchmarks.md, issue 34: its small chunks cost more than this model says).
 
 The step time comes from ``StepTimeModel``: a linear model
 
@@ -42,8 +57,10 @@ with prompt chunks said).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import statistics
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -71,13 +88,20 @@ MIN_STEP_S = 1e-3
 #: Most the prompt budget grows from one step with decodes to the next.
 MAX_GROWTH = 2
 #: ``target_step_ms = "auto"``: the target is this multiple of a decode-only step's time.
-AUTO_MULTIPLE = 2.0
+AUTO_MULTIPLE = 1.75
 #: ``"auto"`` sets no target until this many steps have been measured.
 AUTO_MIN_STEPS = 1
 #: ``"auto"``: a measured time is taken at most this many times the model's prediction and at
 #: least its inverse (a step stretched by a neighbour or a page-fault storm moves the fit by a
 #: bounded amount; a lasting change is still followed, within a few steps).
 AUTO_CLIP = 3.0
+#: ``"auto"``: every this many steps with decodes (while prompt chunks ride along) is a
+#: decode-only step, a direct measure of what the target is a multiple of (0: never).
+PROBE_EVERY = 8
+#: ``"auto"``: the most steps with decodes between probes however steady the decode rows.
+PROBE_STALE = 32
+#: ``"auto"``: the decode-only steps whose median sets the target's scale.
+DECODE_SAMPLES = 5
 
 
 class StepShape(msgspec.Struct, frozen=True):
@@ -253,8 +277,11 @@ class PrefillBudget:
         min_tokens: int,
         max_tokens: int,
         model: StepTimeModel | None = None,
-        multiple: float = AUTO_MULTIPLE,
+        multiple: float | None = None,
     ) -> None:
+        """``multiple``: the ``"auto"`` target's multiple of a decode-only step (None:
+        ``AUTO_MULTIPLE``)."""
+        multiple = AUTO_MULTIPLE if multiple is None else multiple
         if target_s is not None and not (math.isfinite(target_s) and target_s > 0):
             raise ConfigError(
                 f"scheduler.target_step_ms: must be a positive number of milliseconds, "
@@ -274,6 +301,13 @@ class PrefillBudget:
         self.last_target_s: float | None = None
         #: The budget given to the latest step with decodes (None before the first).
         self._last: int | None = None
+        self._decode_steps = 0
+        #: (step count with decodes, decode rows) of the latest probe.
+        self._last_probe: tuple[int, int] | None = None
+        #: (rows, attention pairs, seconds) of the latest decode-only steps measured.
+        self._decode_samples: collections.deque[tuple[int, int, float]] = collections.deque(
+            maxlen=DECODE_SAMPLES
+        )
         #: Attention pairs of the latest step's decodes, and the recent pairs per prompt token
         #: (a prompt token attends to its context: longer prompts cost more per token).
         self._decode_pairs = 0
@@ -285,27 +319,80 @@ class PrefillBudget:
     def auto(self) -> bool:
         return self.target_s is None
 
-    def target(self, decode_rows: int, decode_pairs: int = 0) -> float | None:
+    def target(
+        self, decode_rows: int, decode_pairs: int = 0, demand_rows: int | None = None
+    ) -> float | None:
         """Seconds a step with ``decode_rows`` decodes attending to ``decode_pairs`` tokens in
-        all should take. None: no target yet (``"auto"`` before a step is measured)."""
+        all should take. None: no target yet (``"auto"`` before a step is measured).
+        ``demand_rows``: the decode batch the engine is headed to (every unfinished request
+        that fits in a batch, at least ``decode_rows``); ``"auto"`` targets a multiple of that
+        batch's decode-only step (its pairs scaled from the present decodes'), so while prompts
+        wait to join the decodes their chunks are not held to the few decodes running yet."""
         if self.target_s is not None:
             return self.target_s
         if self.model.num_observed < AUTO_MIN_STEPS:
             return None
-        return self.multiple * self.model.predict(0, decode_rows, decode_pairs)
+        rows = max(decode_rows, demand_rows or 0)
+        pairs = decode_pairs * rows // decode_rows if decode_rows > 0 else decode_pairs
+        return self.multiple * self.decode_only_s(rows, pairs)
 
-    def prefill_tokens(self, decode_rows: int, decode_pairs: int = 0) -> int:
+    def _probe_due(self, rows: int) -> bool:
+        """Whether this step with decodes should be a probe: the first, then at most every
+        ``PROBE_EVERY`` steps while the decode rows moved by a quarter since the last probe,
+        and every ``PROBE_STALE`` steps anyway (the machine's speed may change)."""
+        if not PROBE_EVERY:
+            return False
+        last = self._last_probe
+        if last is None:
+            return True
+        age = self._decode_steps - last[0]
+        if age >= PROBE_STALE:
+            return True
+        return age >= PROBE_EVERY and abs(rows - last[1]) * 4 > last[1]
+
+    def decode_only_s(self, rows: int, pairs: int) -> float:
+        """Predicted seconds of a step of ``rows`` decodes alone attending to ``pairs`` tokens.
+
+        From the latest decode-only steps measured (``DECODE_SAMPLES``), each carried to
+        ``rows`` and ``pairs`` by a shape: the fitted model's and the prior's, the median over
+        the samples for each, and the smaller of the two (a shape that is wrong, e.g. a fit
+        that gave a fixed cost to the decode rows, must not inflate the target). Without a
+        measured decode-only step: the fitted model's prediction."""
+        samples = self._decode_samples
+        if not samples:
+            return self.model.predict(0, rows, pairs)
+        estimates = []
+        for shape in (self.model.predict, DEFAULT_COST_MODEL.step_cost):
+            at = shape(0, rows, pairs)
+            ratios = [at / base for base in (shape(0, r, p) for r, p, _ in samples) if base > 0]
+            if ratios:
+                estimates.append(
+                    statistics.median(t * k for (_, _, t), k in zip(samples, ratios, strict=False))
+                )
+        return min(estimates) if estimates else self.model.predict(0, rows, pairs)
+
+    def _per_prompt_token(self) -> float:
+        """Seconds per prompt token, with the attention pairs recent prompt tokens had."""
+        return self.model.coefficients[1] + self.model.per_pair * self._pairs_per_prompt_token
+
+    def prefill_tokens(
+        self, decode_rows: int, decode_pairs: int = 0, demand_rows: int | None = None
+    ) -> int:
         """Most prompt tokens a step with ``decode_rows`` decodes (attending to ``decode_pairs``
         tokens in all) should compute; a step with no decode is not held to the target (no
-        request waits there for its next token)."""
+        request waits there for its next token). ``demand_rows``: see ``target``."""
         if decode_rows <= 0:
             return self.max_tokens
         self._decode_pairs = decode_pairs
-        target = self.last_target_s = self.target(decode_rows, decode_pairs)
+        target = self.last_target_s = self.target(decode_rows, decode_pairs, demand_rows)
         if target is None:
             return self.max_tokens
-        left = target - self.model.predict(0, decode_rows, decode_pairs)
-        per_token = self.model.coefficients[1] + self.model.per_pair * self._pairs_per_prompt_token
+        self._decode_steps += 1
+        if self.auto and self._probe_due(decode_rows):
+            self._last_probe = (self._decode_steps, decode_rows)
+            return 0
+        left = target - self.decode_only_s(decode_rows, decode_pairs)
+        per_token = self._per_prompt_token()
         if per_token <= 0.0:
             n = self.max_tokens
         else:
@@ -344,6 +431,8 @@ class PrefillBudget:
             )
             return False
         self.model.observe(shape, seconds)
+        if shape.prefill_tokens == 0 and shape.decode_rows > 0:
+            self._decode_samples.append((shape.decode_rows, shape.attention_pairs, seconds))
         return True
 
 
@@ -364,4 +453,6 @@ def prefill_cap(sched: Scheduler) -> int:
             decodes += 1
             pairs += req.num_tokens  # its new token attends to every token
     room = sched.max_num_batched_tokens - decodes
-    return max(0, min(sched.prefill_budget.prefill_tokens(decodes, pairs), room))
+    # the batch the decodes grow to once the prompts running and waiting are computed
+    demand = min(per_batch, len(sched.running) + len(sched.policy))
+    return max(0, min(sched.prefill_budget.prefill_tokens(decodes, pairs, demand), room))
