@@ -66,11 +66,13 @@ def run_case(
     kernels=False,
     head_dim=D,
     cache_dtype=torch.float32,
+    dtype=torch.float32,
 ):
     """``reqs``: list of (prefix_len, new_len). Returns max abs error over all requests.
 
     A narrower ``cache_dtype`` is checked against a float64 reference over the keys and
     values as the cache holds them (rounded), so only the computation's error counts.
+    ``dtype``: the queries', keys' and values' (the model's compute dtype), rounded to it.
     """
     D = head_dim
     g = torch.Generator().manual_seed(seed)
@@ -93,6 +95,7 @@ def run_case(
         k = torch.randn(kv_heads, p + n, D, generator=g)
         v = torch.randn(kv_heads, p + n, D, generator=g)
         q = torch.randn(heads, n, D, generator=g)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         kv[rid] = (q, k, v, p)
         for pos in range(p):  # the cached prefix, written by "an earlier step"
             block, offset = blocks[pos // block_size], pos % block_size
@@ -118,9 +121,9 @@ def run_case(
         )
     )
     total = sum(num.values())
-    query = torch.empty(1, heads, total, D)
-    key = torch.empty(1, kv_heads, total, D)
-    value = torch.empty(1, kv_heads, total, D)
+    query = torch.empty(1, heads, total, D, dtype=dtype)
+    key = torch.empty(1, kv_heads, total, D, dtype=dtype)
+    value = torch.empty(1, kv_heads, total, D, dtype=dtype)
     for rid, start in zip(inputs.flat_req_ids, inputs.query_start, strict=True):
         q, k, v, p = kv[rid]
         n = q.shape[1]
@@ -139,12 +142,12 @@ def run_case(
         sliding_window=window,
         baton_attn=inputs.attn,
     )
-    assert out.shape == (1, total, heads, D)
+    assert out.shape == (1, total, heads, D) and out.dtype == dtype
     err = 0.0
     for rid, start in zip(inputs.flat_req_ids, inputs.query_start, strict=True):
         q, k, v, p = kv[rid]
         n = q.shape[1]
-        if cache_dtype == torch.float32:
+        if cache_dtype == torch.float32 and dtype == torch.float32:
             want = reference(q, k, v, p, window, causal, scale)
         else:
             k, v = (x.to(cache_dtype).double() for x in (k, v))
@@ -285,6 +288,35 @@ def test_low_precision_kernel_sizes(cache_dtype, head_dim, block_size, window, k
         cache_dtype=cache_dtype,
     )
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (64, 16)])
+def test_16_bit_activations_match_rounded_reference(dtype, head_dim, block_size, kernels):
+    # A bfloat16/float16 model: its queries, keys and values, and a cache of its dtype. The
+    # kernels widen them to float32 (decode, cache writes); prefill is SDPA in the dtype itself.
+    reqs = [(300, 1), (161, 1), (15, 1), (0, 1), (40, 9), (0, 33)]
+    err = run_case(
+        reqs,
+        block_size,
+        9,
+        3,
+        head_dim=head_dim,
+        kernels=kernels,
+        num_blocks=200,
+        cache_dtype=dtype,
+        dtype=dtype,
+    )
+    assert err < 3e-2  # one rounding of outputs below ~4 in magnitude, plus SDPA's own
+
+
+def test_16_bit_decode_through_kernels_is_closer_than_torch(cpu_kernel_ops):
+    # the decode rows alone: float32 arithmetic over the widened values, one rounding at the end
+    reqs = [(300, 1), (161, 1), (15, 1), (17, 1), (2, 1)]
+    args = dict(num_blocks=80, head_dim=64, cache_dtype=torch.bfloat16, dtype=torch.bfloat16)
+    assert run_case(reqs, 16, 9, 3, kernels=True, **args) <= run_case(
+        reqs, 16, 9, 3, kernels=False, **args
+    )
 
 
 def _awkward_values(n: int) -> torch.Tensor:

@@ -26,9 +26,10 @@ finite (0 * NaN would poison the output).
 
 Two implementations of the cache writes and of decode:
 
-- ``meta.kernels`` (CPU, float32 activations, the C++ kernels built; ``baton.kernels``):
+- ``meta.kernels`` (CPU, the C++ kernels built; ``baton.kernels``):
   ``torch.ops.baton.paged_write`` and ``paged_decode``, which reads each
-  request's blocks in place, once;
+  request's blocks in place, once; they compute in float32, so bfloat16/float16
+  queries, keys and values are widened on the way in and outputs rounded back;
 - torch ops everywhere else (CUDA, other dtypes, no compiler): index_put writes;
   decode gathers whole blocks along the first dimension (one contiguous copy per
   block: 2.2x faster than gathering along an inner dimension) and attends block
@@ -133,7 +134,7 @@ class AttentionMetadata:
     #: Reused by every layer for its output (each layer's o_proj reads it before the next layer
     #: writes): a fresh multi-MB tensor per layer costs page faults on CPU. None: allocate.
     out: torch.Tensor | None = None
-    #: Cache writes and decode through baton's C++ CPU kernels (float32 activations on CPU only).
+    #: Cache writes and decode through baton's C++ CPU kernels (CPU; 16-bit activations widened).
     kernels: bool = False
     #: slot_mapping split into (block, offset), once per step for every layer's writes.
     slot_blocks: torch.Tensor | None = field(init=False, default=None)
@@ -188,20 +189,7 @@ def paged_attention(
 
     k_cache, v_cache = key_cache_view(cache), cache[1]
     if meta.kernels:
-        torch.ops.baton.paged_write(
-            key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
-        )
-        for g in meta.decode_groups:
-            torch.ops.baton.paged_decode(
-                query[0, :, g.start : g.start + g.n].transpose(0, 1),
-                k_cache,
-                v_cache,
-                g.blocks.view(g.n, -1),
-                g.ctx_lens,
-                window or 0,
-                scale,
-                out[0, g.start : g.start + g.n],
-            )
+        _kernel_write_and_decode(query, key, value, k_cache, v_cache, meta, window, scale, out)
     else:
         # index_put by (block, offset): [T, kv_heads, head_dim] (index_copy_ is ~30x slower on CPU);
         # .to() rounds to a narrower cache dtype to nearest even, as paged_write does
@@ -214,6 +202,43 @@ def paged_attention(
     for p in meta.prefills:
         _prefill(query, key, value, k_cache, v_cache, p, window, causal, scale, out)
     return out, None
+
+
+def _kernel_write_and_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The step's cache writes and decodes through the C++ kernels, which take float32: 16-bit
+    activations are widened (exact; the writes round back to the cache dtype to nearest even,
+    as .to() does) and each decode's float32 output is rounded into ``out``."""
+    wide = query.dtype is not torch.float32
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if wide:
+        k, v = k.float(), v.float()
+    torch.ops.baton.paged_write(k, v, k_cache, v_cache, meta.slot_mapping)
+    for g in meta.decode_groups:
+        q = query[0, :, g.start : g.start + g.n].transpose(0, 1)
+        o = out[0, g.start : g.start + g.n]
+        o32 = torch.empty(o.shape) if wide else o
+        torch.ops.baton.paged_decode(
+            q.float() if wide else q,
+            k_cache,
+            v_cache,
+            g.blocks.view(g.n, -1),
+            g.ctx_lens,
+            window or 0,
+            scale,
+            o32,
+        )
+        if wide:
+            o.copy_(o32)
 
 
 def key_cache_view(cache: torch.Tensor) -> torch.Tensor:

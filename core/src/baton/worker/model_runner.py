@@ -163,6 +163,8 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             vocab_size=self.model_info.vocab_size,
         )
         self.kernels = self._use_kernels()
+        #: paged attention through the C++ kernels: float32, and 16-bit activations converted
+        self.attention_kernels = self._use_attention_kernels()
         if self.device.type == "cpu":
             self._cpu_linears()
         self.fast_decode = self._fast_decode()
@@ -171,7 +173,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             self.input_batch,
             self.max_num_tokens,
             self.device,
-            kernels=self.kernels,
+            kernels=self.attention_kernels,
             token_tables=self.invariant,
         )
         self.sampler = Sampler(self.device, self.settings.model.seed)
@@ -215,6 +217,16 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return False
         return loader.load()
+
+    def _use_attention_kernels(self) -> bool:
+        """Whether cache writes and decode attention run through baton's C++ kernels: on CPU in
+        float32, bfloat16 or float16 (16-bit queries, keys and values are widened to float32
+        there, exactly), when they build."""
+        if self.kernels:
+            return True
+        if not self.cfg.executor.cpu_kernels or self.device.type != "cpu":
+            return False
+        return self.dtype in (torch.bfloat16, torch.float16) and loader.load()
 
     def _fast_decode(self) -> FastDecode | None:
         """The native layer stack for decode-only steps, when executor.fast_decode is on and it applies.
