@@ -59,6 +59,27 @@ def random_prompts(n: int, seed: int, longest: int = 400) -> list[list[int]]:
     return [[rng.randrange(3, 49000) for _ in range(rng.randint(3, longest))] for _ in range(n)]
 
 
+def needle_case(
+    n: int, order: str, budget: int, speculation: str | None, max_num_seqs: int
+) -> tuple[list[list[int]], int, dict[str, Any]]:
+    """A needle case's ``n`` other prompts (random or reversed), the needle's place among them
+    and the engine overrides (the budget, speculation without its adaptive switches)."""
+    others = random_prompts(n, seed=n)
+    if order == "reversed":
+        others.reverse()
+    at = random.Random(n).randint(0, n)
+    overrides: dict[str, Any] = {"max_num_batched_tokens": budget, "max_num_seqs": max_num_seqs}
+    if speculation:
+        overrides.update(
+            {
+                "speculative.method": speculation,
+                "speculative.disable_by_batch_size": None,
+                "speculative.adaptive": False,
+            }
+        )
+    return others, at, overrides
+
+
 def assert_same(got: list[Any], want: list[Any], case: str) -> None:
     for g, w, which in zip(got, want, ("greedy", "seeded"), strict=True):
         assert g.token_ids == w.token_ids, f"{case}: the {which} needle's tokens differ"
@@ -85,19 +106,7 @@ def alone(tiny: str) -> list[Any]:
     ],
 )
 def test_needle_is_bitwise_the_same_in_any_batch(tiny, alone, n, order, budget, speculation):
-    others = random_prompts(n, seed=n)
-    if order == "reversed":
-        others.reverse()
-    at = random.Random(n).randint(0, n)
-    overrides: dict[str, Any] = {"max_num_batched_tokens": budget, "max_num_seqs": 64}
-    if speculation:
-        overrides.update(
-            {
-                "speculative.method": speculation,
-                "speculative.disable_by_batch_size": None,
-                "speculative.adaptive": False,
-            }
-        )
+    others, at, overrides = needle_case(n, order, budget, speculation, max_num_seqs=64)
     got = needle_outputs(tiny, others, at, drafts=speculation is not None, **overrides)
     assert_same(got, alone, f"{n} others ({order}), budget {budget}, speculation {speculation}")
 

@@ -11,13 +11,17 @@ their sums): not asserted.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 
 from baton.testing.tiny_model import tiny_model
-from tests.e2e.test_batch_invariant import assert_same, needle_outputs, random_prompts
+from tests.e2e.test_batch_invariant import (
+    assert_same,
+    needle_case,
+    needle_outputs,
+    random_prompts,
+)
 
 #: tensor_parallel_size -> the tiny model's heads (3 ranks need heads divisible by 3)
 HEADS: dict[int, dict[str, int]] = {
@@ -54,19 +58,7 @@ def alone(model: str, tp: int) -> list[Any]:
     ],
 )
 def test_needle_is_bitwise_the_same_in_any_batch(model, tp, alone, n, order, budget, speculation):
-    others = random_prompts(n, seed=n)
-    if order == "reversed":
-        others.reverse()
-    at = random.Random(n).randint(0, n)
-    overrides: dict[str, Any] = {"max_num_batched_tokens": budget, "max_num_seqs": 32}
-    if speculation:
-        overrides.update(
-            {
-                "speculative.method": speculation,
-                "speculative.disable_by_batch_size": None,
-                "speculative.adaptive": False,
-            }
-        )
+    others, at, overrides = needle_case(n, order, budget, speculation, max_num_seqs=32)
     got = needle_outputs(
         model, others, at, drafts=speculation is not None, **overrides, **_engine(tp)
     )
