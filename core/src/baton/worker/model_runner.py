@@ -224,7 +224,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         there, exactly), when they build."""
         if self.kernels:
             return True
-        if not self.cfg.executor.cpu_kernels or self.device.type != "cpu":
+        if not self.settings.executor.cpu_kernels or self.device.type != "cpu":
             return False
         return self.dtype in (torch.bfloat16, torch.float16) and loader.load()
 
