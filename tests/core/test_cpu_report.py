@@ -79,17 +79,20 @@ def _paths(build: set[str], cpu: set[str], isa: str, amx: Grant) -> dict[str, re
 def test_kernel_paths_follow_the_build():
     none = Grant("amx", False, False, "the CPU does not advertise amx_tile")
     zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni", "avx512_bf16"}
-    build = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512vnni", "avx512bf16"}
+    build = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512vnni", "avx512bf16"}
     p = _paths(build, zen4, "native", none)
     assert p["linear_q"].path.startswith("AVX-512")
     assert p["linear_q8a"].path.startswith("AVX-512 VNNI")
     assert "avx512_vnni" in p["linear_q8a"].why
+    assert p["linear_q8p"].path.startswith("AVX-512 VNNI on repacked rows")
     assert p["bf16 linear (torch)"].path == "oneDNN AVX512-BF16 dot products"
     # the same CPU with BATON_KERNEL_ISA=avx2: AVX-512 left out, and the report says by what
     p = _paths({"avx2", "fma", "f16c"}, zen4, "avx2", none)
     assert p["linear_q"].path.startswith("AVX2")
     assert p["linear_q"].why == "avx512f left out by BATON_KERNEL_ISA=avx2"
     assert p["linear_q8a"].path.startswith("AVX2: vpmaddubsw")
+    assert p["linear_q8p"].path.startswith("not built")
+    assert p["linear_q8p"].why == "avx512_vnni left out by BATON_KERNEL_ISA=avx2"
     # generic build on an AVX2-only CPU
     p = _paths(set(), {"avx2", "fma", "f16c"}, "generic", none)
     assert p["linear_q"].path.startswith("portable")

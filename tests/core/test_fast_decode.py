@@ -85,6 +85,9 @@ def test_many_rows_give_the_tokens_of_the_modules(quantization, activations):
         )
         d = run_driver(runner, lens, max_tokens=5, block_size=3, budget=512, seed=7, grow=0)
         assert (runner.fast_decode is not None and runner.fast_decode.steps > 0) is fast
+        if fast and activations == "int8" and torch.ops.baton.q8p_kernel():
+            # AVX-512 VNNI: the linears run linear_q8p on their packed rows, inside the stack too
+            assert all(p.numel() for p in runner.fast_decode.packed)
         outputs.append([d.all[f"r{i}"].output for i in range(len(lens))])
     assert outputs[0] == outputs[1]
 
@@ -208,6 +211,8 @@ def _stack_call(
             shared,
             invariant,
             part,
+            fast.packed,
+            fast.head_packed if head[0] is not None else None,
         )
     finally:
         torch.set_num_threads(before)

@@ -48,7 +48,7 @@ struct Ops {
   c10::OperatorHandle linear_q_tiles = find_op("baton::linear_q_tiles");
   c10::OperatorHandle paged_write = find_op("baton::paged_write");
   c10::OperatorHandle paged_decode = find_op("baton::paged_decode");
-  std::optional<c10::OperatorHandle> linear_q8a;
+  std::optional<c10::OperatorHandle> linear_q8a, linear_q8p;
 };
 
 Ops& ops() {
@@ -60,6 +60,12 @@ const c10::OperatorHandle& q8a_op() {
   Ops& o = ops();
   if (!o.linear_q8a) o.linear_q8a = find_op("baton::linear_q8a");
   return *o.linear_q8a;
+}
+
+const c10::OperatorHandle& q8p_op() {
+  Ops& o = ops();
+  if (!o.linear_q8p) o.linear_q8p = find_op("baton::linear_q8p");
+  return *o.linear_q8p;
 }
 
 // y[:, n0:n1] += b[n0:n1] for y [M, N].
@@ -76,8 +82,10 @@ struct LinearArgs {
 // y = x @ W.T + b as the layer's module computes it for x's row count (QuantLinear.forward or
 // SmallBatchLinear.forward): the same op, so the same summation order. `buf`: the float path's
 // output, reused by the same linear of every layer (each is consumed before the next layer).
+// `packed` (defined: the linear's weights repacked by pack_q8p) runs decode-sized calls through
+// linear_q8p, as QuantLinear.forward does; more rows take w, ggml's rows.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a,
-                  const LinearArgs& la, at::Tensor& buf) {
+                  const LinearArgs& la, at::Tensor& buf, const at::Tensor& packed = at::Tensor()) {
   const int64_t M = x.size(0);
   const bool has_bias = b.defined() && b.numel() > 0;
   if (qtype < 0) {  // float32 weights [N, K]
@@ -88,6 +96,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     ops().linear_small.callBoxed(&stack);
     if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
+  }
+  if (packed.defined() && M <= la.quant_max_rows) {
+    std::vector<c10::IValue> stack{x, packed, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
+    q8p_op().callBoxed(&stack);
+    return stack[0].toTensor();
   }
   const bool plain = M <= la.quant_max_rows && !q8a;  // linear_q: one argument more (invariant)
   const c10::OperatorHandle& op =
@@ -160,15 +173,21 @@ struct Lin {
   int64_t row_bytes = 0, N = 0, K = 0, qtype = -1;
   const float* bias = nullptr;
   bool q8a = false;
+  bool packed = false;  // wq is pack_q8p's layout (linear_q8p), not ggml's rows
 };
 
-Lin make_lin(const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a, int64_t K) {
+// `packed` defined: w's rows repacked by pack_q8p, which the linear then reads (packed_rows).
+Lin make_lin(const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a, int64_t K, const at::Tensor& packed) {
   Lin l;
   l.N = w.size(0);
   l.K = K;
   l.qtype = qtype;
   l.q8a = q8a;
-  if (qtype < 0) {
+  if (packed.defined()) {
+    l.packed = true;
+    l.wq = packed.data_ptr<uint8_t>();
+    l.row_bytes = packed.size(1);
+  } else if (qtype < 0) {
     l.wf = w.data_ptr<float>();
   } else {
     l.wq = w.data_ptr<uint8_t>();
@@ -193,6 +212,8 @@ void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& pre
     for (int64_t t0 = n0; t0 < n1; t0 += tile)
       baton_rows::float_rows(x, M, l.K, l.wf, y, l.N, t0, std::min(n1, t0 + tile));
     if (l.bias) add_bias_cols(y, l.bias, M, l.N, n0, n1);
+  } else if (l.packed) {
+    baton_rows::packed_rows(l.qtype, x, M, l.K, gen, prep, l.wq, l.bias, y, l.N, n0, n1);
   } else {
     baton_rows::quant_rows(l.qtype, l.q8a, x, M, l.K, gen, prep, l.wq, l.row_bytes, l.bias, y, l.N, n0, n1,
                            invariant);
@@ -353,9 +374,10 @@ CacheType cache_type_of(const at::Tensor& c) {
 
 at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp, at::TensorList norms,
                       at::TensorList weights, at::TensorList biases, at::IntArrayRef qtypes, at::IntArrayRef q8a,
-                      at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                      const std::vector<at::Tensor>& packed, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                       const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t H, int64_t KVH, float eps,
-                      float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_bias,
+                      float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_packed,
+                      const at::Tensor& head_bias,
                       bool shared_context, bool invariant, int64_t part) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), M = hidden.size(0), Hd = hidden.size(1);
   const at::Tensor& v0 = v_caches[0];
@@ -398,7 +420,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
     for (int64_t i = 0; i < PER_LAYER; ++i) {
       const size_t j = l * PER_LAYER + i;
       const int64_t inputs = i == O ? H * D : (i == DOWN ? I : Hd);
-      lins[j] = make_lin(weights[j], biases[j], qtypes[j], q8a[j] != 0, inputs);
+      lins[j] = make_lin(weights[j], biases[j], qtypes[j], q8a[j] != 0, inputs, packed[j]);
     }
   for (int64_t l = 0; l < L; ++l) {
     Lin* lw = lins.data() + l * PER_LAYER;
@@ -420,7 +442,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
   Lin head_lin;
   at::Tensor logits;
   if (head != nullptr) {
-    head_lin = make_lin(*head, head_bias, head_qtype, head_q8a, Hd);
+    head_lin = make_lin(*head, head_bias, head_qtype, head_q8a, Hd, head_packed);
     logits = at::empty({M, head_lin.N}, hidden.options());
   }
   at::Tensor h = hidden.contiguous().clone();
@@ -492,7 +514,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                          int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t quant_max_rows,
                          int64_t float_max_rows, const std::optional<at::Tensor>& head, int64_t head_qtype,
                          int64_t head_q8a, const std::optional<at::Tensor>& head_bias, bool shared_context,
-                         bool invariant, int64_t part) {
+                         bool invariant, int64_t part, std::optional<at::TensorList> packed_opt,
+                         const std::optional<at::Tensor>& head_packed_in) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
@@ -504,6 +527,20 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   TORCH_CHECK(weights.size() == nl && biases.size() == nl && qtypes.size() == nl && q8a.size() == nl,
               "decode_layers: weights, biases, qtypes and q8a must hold ", PER_LAYER, " entries per layer (", nl,
               "), got ", weights.size(), ", ", biases.size(), ", ", qtypes.size(), ", ", q8a.size());
+  const at::TensorList packed_in = packed_opt.value_or(at::TensorList());
+  TORCH_CHECK(packed_in.empty() || packed_in.size() == nl, "decode_layers: packed must be empty or hold ", nl,
+              " entries (an empty tensor for a linear that is not packed), got ", packed_in.size());
+  // a linear's pack_q8p layout (undefined: none), used where its q8a flag is set
+  std::vector<at::Tensor> packed(nl);
+  for (size_t j = 0; j < packed_in.size(); ++j)
+    if (q8a[j] != 0 && packed_in[j].numel() > 0) {
+      TORCH_CHECK(baton_rows::packed_supported(qtypes[j]), "decode_layers: linear ", j, " is packed in qtype ",
+                  qtypes[j], ", which linear_q8p does not read here");
+      packed[j] = packed_in[j].contiguous();
+    }
+  const at::Tensor head_packed = head_packed_in.has_value() && head_q8a != 0 && head_packed_in->numel() > 0
+                                     ? head_packed_in->contiguous()
+                                     : at::Tensor();
   const int64_t M = hidden.size(0), Hd = hidden.size(1);
   const int64_t D = v_caches[0].size(3), H = num_heads, KVH = num_kv_heads;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -529,9 +566,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
               "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
               "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
   if (one)
-    return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, k_caches, v_caches, slots, block_table,
-                      ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr, head_qtype,
-                      head_q8a != 0, hb, shared_context, invariant, part);
+    return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, packed, k_caches, v_caches, slots,
+                      block_table, ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr,
+                      head_qtype, head_q8a != 0, head_packed, hb, shared_context, invariant, part);
 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
@@ -544,7 +581,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   for (int64_t l = 0; l < L; ++l) {
     const int64_t w0 = l * PER_LAYER;
     auto lin = [&](const at::Tensor& in, Linear i) {
-      return linear(in, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i]);
+      return linear(in, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i],
+                    packed[w0 + i]);
     };
     // attention block
     rms_norm(hp, norms[2 * l].data_ptr<float>(), xp, M, Hd, feps);
@@ -579,7 +617,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   rms_norm(hp, norms[2 * L].data_ptr<float>(), out.data_ptr<float>(), M, Hd, feps);
   if (!has_head) return out;
   at::Tensor head_buf;  // the float path's output buffer: returned as is (nothing else holds it)
-  return linear(out, *head, hb, head_qtype, head_q8a != 0, la, head_buf);
+  return linear(out, *head, hb, head_qtype, head_q8a != 0, la, head_buf, head_packed);
 }
 
 }  // namespace
@@ -590,7 +628,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
       "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
       "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False, "
-      "bool invariant=False, int part=-1) -> Tensor");
+      "bool invariant=False, int part=-1, Tensor[]? packed=None, Tensor? head_packed=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layers", decode_layers); }

@@ -121,6 +121,18 @@ def kernel_paths(
         q8 = KernelPath("linear_q8a", "AVX2: vpmaddubsw + vpmaddwd", why("avx512vnni"))
     else:
         q8 = KernelPath("linear_q8a", "portable: scalar int8 dot products", why("avx2"))
+    if "avx512vnni" in build and "avx512bw" in build:
+        q8p = KernelPath(
+            "linear_q8p",
+            "AVX-512 VNNI on repacked rows (Q4_0, Q4_1, Q8_0): 16 outputs per vpdpbusd",
+            why("avx512vnni") + "; int8 activations repack these formats at load",
+        )
+    else:
+        q8p = KernelPath(
+            "linear_q8p",
+            "not built: int8 activations read ggml's rows (linear_q8a)",
+            why("avx512vnni"),
+        )
     if "avx2" in build and "f16c" in build:
         attn = KernelPath("paged_decode", "AVX2 + F16C cache conversions", why("f16c"))
     else:
@@ -136,7 +148,7 @@ def kernel_paths(
         else why("amx_tile")
     )
     amx_path = KernelPath("amx tiles", "not used", amx_state)
-    return [float_q, q8, small, attn, tiles, amx_path, _bf16_path(cpu, amx)]
+    return [float_q, q8, q8p, small, attn, tiles, amx_path, _bf16_path(cpu, amx)]
 
 
 def _bf16_path(cpu: frozenset[str], amx: Grant) -> KernelPath:

@@ -20,7 +20,22 @@ struct QuantX {
   int64_t key = -1;
   std::vector<float> xsum, dx;
   std::vector<int8_t> xq;
+  std::vector<int32_t> isum;  // packed_rows: the integer sum of xq per 32 values
+  std::vector<uint8_t> xu;    // packed_rows, Q8_0: xq + 128
 };
+
+// x [M, K] as linear_q8a quantizes it: per 32 values xq = round(x / dx), dx = max |x| / 127 (K / 32
+// per row); xs (when not null): dx * sum(xq) per G values.
+void quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G);
+
+// Whether linear_q8p's kernel is built (AVX-512 VNNI) and reads qtype's packed layout (Q4_0, Q4_1,
+// Q8_0: packed_q8.cpp).
+bool packed_supported(int64_t qtype);
+
+// Rows [n0, n1) of y = xhat @ w^T (+ bias), w packed by pack_q8p (linear_q8p's code): x [M, K]
+// quantized into prep as linear_q8a quantizes it, kept while `gen` says x is the same.
+void packed_rows(int64_t qtype, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
+                 const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
 
 // Whether qtype (a ggml type id) is one of the quantized formats the kernels read.
 bool quant_supported(int64_t qtype);

@@ -11,8 +11,11 @@ runs torch's GEMM on it. Without the kernels the same math runs on torch ops
 
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
 (up to KERNEL_MAX_ROWS rows) quantize x to int8 per 32 values (``quantize_activations``)
-and use integer dot products (``linear_q8a``), as llama.cpp does; not exact. Prefill-sized
-calls keep float32 activations.
+and use integer dot products, as llama.cpp does; not exact. Prefill-sized calls keep float32
+activations. Where the kernels have AVX-512 VNNI and the format is Q4_0, Q4_1 or Q8_0, turning
+it on repacks the rows once (``packed``, kernels/packed_q8.cpp: 16 output rows per vector) for
+``linear_q8p``, ~2x faster than ``linear_q8a`` on ggml's rows; the same quantized x, so the same
+values up to float summation order.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from baton.quant.dequant import dequantize_torch
 from baton.quant.formats import QType, QuantizationError, check_raw
-from baton.quant.ops import dequantize_native, use_kernels
+from baton.quant.ops import dequantize_native, packs_for_int8, use_kernels
 from baton.quant.quantize import quantize
 
 
@@ -56,9 +59,11 @@ class QuantLinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.kernels = use_kernels(kernels)
-        #: Decode-sized calls quantize x to int8 per 32 values (see quantize_activations).
-        self.int8_activations = False
         self.register_buffer("raw", raw.contiguous())
+        #: ``raw`` repacked for linear_q8p while int8 activations are on (not a buffer: derived
+        #: from raw, never saved), else None.
+        self.packed: torch.Tensor | None = None
+        self._int8_activations = False
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     @classmethod
@@ -68,10 +73,29 @@ class QuantLinear(torch.nn.Module):
         return cls(raw, qtype, linear.in_features, linear.out_features, bias=linear.bias)
 
     @property
+    def int8_activations(self) -> bool:
+        """Whether decode-sized calls quantize x to int8 per 32 values (see quantize_activations).
+        Setting it on repacks the rows for linear_q8p where that kernel reads this format."""
+        return self._int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        self._int8_activations = bool(on)
+        self.packed = None
+        if (
+            on
+            and self.kernels
+            and self.raw.is_cpu
+            and packs_for_int8(self.qtype, self.out_features)
+        ):
+            self.packed = torch.ops.baton.pack_q8p(self.raw, self._qtype_id)
+
+    @property
     def weight_bytes(self) -> int:
-        """Bytes held: the quantized rows, plus the bias."""
+        """Bytes held: the quantized rows (and their packed copy), plus the bias."""
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return self.raw.numel() + bias
+        packed = 0 if self.packed is None else self.packed.numel()
+        return self.raw.numel() + packed + bias
 
     def extra_repr(self) -> str:
         return (
@@ -105,7 +129,9 @@ class QuantLinear(torch.nn.Module):
             bias = bias.float()  # the module was cast after it was built
         few = rows <= self.KERNEL_MAX_ROWS
         if self.kernels and rows and x2.is_cpu:
-            if few and self.int8_activations:
+            if few and self.packed is not None:
+                y = torch.ops.baton.linear_q8p(x2, self.packed, self._qtype_id, bias)
+            elif few and self.int8_activations:
                 y = torch.ops.baton.linear_q8a(x2, self.raw, self._qtype_id, bias)
             elif few:
                 y = torch.ops.baton.linear_q(x2, self.raw, self._qtype_id, bias)

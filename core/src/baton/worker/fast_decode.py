@@ -101,6 +101,8 @@ class FastDecode:
     biases: list[torch.Tensor]
     qtypes: list[int]
     q8a: list[int]
+    #: per linear, its rows repacked for linear_q8p (QuantLinear.packed), or an empty tensor
+    packed: list[torch.Tensor]
     num_heads: int
     num_kv_heads: int
     eps: float
@@ -110,6 +112,8 @@ class FastDecode:
     #: The LM head as decode_layers takes it (weight, qtype: -1 float32, int8-activation flag,
     #: bias or None, the most rows its module sends to the kernel), or None: the module runs it.
     head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None = None
+    #: the head's rows repacked for linear_q8p (QuantLinear.packed), or None
+    head_packed: torch.Tensor | None = None
     #: cos/sin [max positions, head_dim] computed once by ``rotary`` when its rope type does not
     #: depend on the sequence length; None: ``rotary`` runs every step.
     cos_table: torch.Tensor | None = None
@@ -204,6 +208,8 @@ class FastDecode:
                 return y
             full = self.tp.gather_last_dim(y)  # concatenation: each logit is one rank's sum
             return full[:, : self.vocab_size] if full is not None else y
+        if q8a and self.head_packed is not None and x.shape[0] <= self.head_args[4]:
+            return torch.ops.baton.linear_q8p(x, self.head_packed, qtype, bias)
         if q8a:
             return torch.ops.baton.linear_q8a(x, w, qtype, bias)
         return torch.ops.baton.linear_q(x, w, qtype, bias, True)
@@ -302,6 +308,8 @@ class FastDecode:
             shared_context,
             invariant,
             part,
+            self.packed,
+            self.head_packed if head[0] is not None else None,
         )
 
 
@@ -384,7 +392,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
 
     num_heads = cfg.num_attention_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-    norms, weights, biases, qtypes, q8a = [], [], [], [], []
+    norms, weights, biases, qtypes, q8a, packed = [], [], [], [], [], []
     after_sum: list[torch.Tensor | None] = []
     tps: list[ParallelContext] = []
     eps: float | None = None
@@ -411,7 +419,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
             if type(m).__name__ == ROW_PARALLEL:  # its bias is added after the ranks' sum
                 tps += [m.ctx] if all(m.ctx is not t for t in tps) else []
                 after_sum.append(m.bias.detach() if m.bias is not None else None)
-            _linear(m, f"layer {i} {name}", weights, biases, qtypes, q8a)
+            _linear(m, f"layer {i} {name}", weights, biases, qtypes, q8a, packed)
     eps = _norm(inner.norm, eps, norms, "final norm")
     assert eps is not None and scale is not None  # at least one layer
     tp = _one_group(tps, len(after_sum), 2 * len(layers), embed, head)
@@ -421,6 +429,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         after_sum=after_sum if tp is not None else [],
         vocab_size=getattr(head, "vocab_size", 0),
         head_args=_head_args(head),
+        head_packed=head.packed if type(head) is QuantLinear else None,
         embed=embed,
         rotary=inner.rotary_emb,
         head=head,
@@ -429,6 +438,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         biases=biases,
         qtypes=qtypes,
         q8a=q8a,
+        packed=packed,
         num_heads=num_heads // shards,
         num_kv_heads=num_kv_heads // shards,
         eps=eps,
@@ -518,9 +528,10 @@ def _linear(
     biases: list[torch.Tensor],
     qtypes: list[int],
     q8a: list[int],
+    packed: list[torch.Tensor],
 ) -> None:
     """Append one linear's weight, bias (empty: none; a RowParallelLinear's is added after the
-    ranks' sum), qtype (-1: float32) and int8-activation flag."""
+    ranks' sum), qtype (-1: float32), int8-activation flag and packed rows (empty: none)."""
     row_parallel = type(m).__name__ == ROW_PARALLEL
     bias = m.bias.detach() if m.bias is not None and not row_parallel else None
     if type(m) in (torch.nn.Linear, SmallBatchLinear) or row_parallel:
@@ -530,6 +541,7 @@ def _linear(
         weights.append(w)
         qtypes.append(-1)
         q8a.append(0)
+        packed.append(_NO_BIAS)
     elif type(m) is QuantLinear:
         if not m.kernels:
             raise Unsupported(f"{what} is a QuantLinear without kernels")
@@ -541,6 +553,7 @@ def _linear(
                 and hasattr(torch.ops.baton, "linear_q8a")
             )
         )
+        packed.append(m.packed if m.packed is not None else _NO_BIAS)
     else:
         raise Unsupported(f"{what} is a {type(m).__name__}")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

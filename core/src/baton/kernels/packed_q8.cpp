@@ -1,0 +1,351 @@
+// Int8-activation linears on weights repacked for VNNI dot products (linear_q8p), compiled by
+// baton.kernels.loader.
+//
+// linear_q8a (quant_gemm.cpp) reads ggml's row-major blocks: 32 weights of one output row at a
+// time, scales broadcast from scalars, then a horizontal sum per output. Here the weights are
+// repacked once, at load (pack_q8p), so that one vector holds 4 consecutive weights of each of 16
+// output rows: a broadcast of 4 activation bytes and one vpdpbusd advance 16 outputs by 4 products
+// each, no horizontal sums, and a block's scales for the 16 rows are one vector load. Per 512
+// weights of Q4_1 that is ~30 instructions against ~150 row-major (llama.cpp's AMX build decodes
+// one row the same way: ggml-cpu/amx/mmq.cpp, tinygemm_kernel_vnni).
+//
+// Activations are quantized exactly as linear_q8a quantizes them (quantize_x: per 32 values,
+// round(x / dx), dx = max |x| / 127), so y differs from linear_q8a's only in float summation
+// order.
+//
+// The packed layout, per tile of 16 output rows (rows 16t .. 16t + 15) and block b of 32 inputs,
+// tiles after one another and a tile's blocks in order ([N / 16, K / 32 * bytes] uint8):
+//   Q4_0: 4 x 64 quant bytes, then d (16 float32)                                    = 320 bytes
+//   Q4_1: 4 x 64 quant bytes, then d, then m (16 float32 each)                       = 384 bytes
+//     byte 4c + j of quant vector i (row c): low nibble = q[c][8i + j], high = q[c][8i + 4 + j]
+//   Q8_0: 8 x 64 quant bytes (byte 4c + j of vector i: w[c][4i + j]), d, then 128 * sum of the
+//     row's 32 weights (16 int32: x enters vpdpbusd as unsigned xq + 128)            = 640 bytes
+// A block of row c is then d_c * dx * (q . xq) (Q4_0: q - 8, the 8 taken out as 8 * sum(xq);
+// Q8_0: the correction column) + m_c * dx * sum(xq) (Q4_1).
+//
+// The kernel needs AVX-512 VNNI (vpdpbusd on zmm) and BW; elsewhere pack_q8p still works and
+// q8p_kernel() says False, and callers keep linear_q8a.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "row_kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define BATON_Q8P 1
+#endif
+
+namespace {
+
+constexpr int TN = 16;  // output rows per tile (one float32 vector of outputs)
+constexpr int QK = 32;  // weights per block (the formats' and the activations')
+
+struct P4_0 {
+  static constexpr int ID = 2, RAW = 18, BB = 320, QV = 4;
+  static constexpr bool NIBBLES = true, MIN = false, CORR = false;
+};
+struct P4_1 {
+  static constexpr int ID = 3, RAW = 20, BB = 384, QV = 4;
+  static constexpr bool NIBBLES = true, MIN = true, CORR = false;
+};
+struct P8_0 {
+  static constexpr int ID = 8, RAW = 34, BB = 640, QV = 8;
+  static constexpr bool NIBBLES = false, MIN = false, CORR = true;
+};
+
+template <class Fn>
+void dispatch_p(int64_t qtype, const char* op, Fn&& fn) {
+  switch (qtype) {
+    case P4_0::ID: fn.template operator()<P4_0>(); break;
+    case P4_1::ID: fn.template operator()<P4_1>(); break;
+    case P8_0::ID: fn.template operator()<P8_0>(); break;
+    default:
+      TORCH_CHECK(false, op, ": qtype ", qtype, " has no packed layout (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 have)");
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// Tile t's block b from ggml's rows (raw [N, K / 32 * RAW]) into out (P::BB bytes).
+template <class P>
+void pack_block(const uint8_t* raw, int64_t row_bytes, int64_t t, int64_t b, uint8_t* out) {
+  float d[TN], m[TN];
+  int32_t corr[TN];
+  for (int c = 0; c < TN; ++c) {
+    const uint8_t* blk = raw + (t * TN + c) * row_bytes + b * P::RAW;
+    uint8_t q[QK];  // the block's 32 weights: nibbles 0..15, or Q8_0's int8 bytes
+    if constexpr (P::NIBBLES) {
+      const uint8_t* qs = blk + (P::MIN ? 4 : 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = qs[i] & 15;
+        q[i + 16] = qs[i] >> 4;
+      }
+    } else {
+      std::memcpy(q, blk + 2, QK);
+    }
+    d[c] = f16(blk);
+    m[c] = P::MIN ? f16(blk + 2) : 0.0f;
+    int32_t s = 0;
+    for (int k = 0; k < QK; ++k) s += static_cast<int8_t>(q[k]);
+    corr[c] = 128 * s;
+    for (int i = 0; i < P::QV; ++i)
+      for (int j = 0; j < 4; ++j) {
+        uint8_t& o = out[i * 64 + 4 * c + j];
+        o = P::NIBBLES ? static_cast<uint8_t>(q[8 * i + j] | (q[8 * i + 4 + j] << 4)) : q[4 * i + j];
+      }
+  }
+  uint8_t* tail = out + P::QV * 64;
+  std::memcpy(tail, d, sizeof(d));
+  if constexpr (P::MIN) std::memcpy(tail + 64, m, sizeof(m));
+  if constexpr (P::CORR) std::memcpy(tail + 64, corr, sizeof(corr));
+}
+
+at::Tensor pack_q8p(const at::Tensor& raw, int64_t qtype) {
+  at::Tensor out;
+  dispatch_p(qtype, "pack_q8p", [&]<class P>() {
+    TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(),
+                "pack_q8p: raw must be a contiguous CPU uint8 tensor [N, row_bytes]");
+    const int64_t N = raw.size(0), row_bytes = raw.size(1), nb = row_bytes / P::RAW;
+    TORCH_CHECK(row_bytes % P::RAW == 0, "pack_q8p: ", row_bytes, " bytes per row is not a whole number of ",
+                P::RAW, "-byte blocks");
+    TORCH_CHECK(N % TN == 0, "pack_q8p: ", N, " output rows is not a multiple of ", TN,
+                ": keep this layer on linear_q8a");
+    out = at::empty({N / TN, nb * P::BB}, raw.options());
+    const uint8_t* rp = raw.data_ptr<uint8_t>();
+    uint8_t* op = out.data_ptr<uint8_t>();
+    at::parallel_for(0, N / TN, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t b = 0; b < nb; ++b) pack_block<P>(rp, row_bytes, t, b, op + (t * nb + b) * P::BB);
+    });
+  });
+  return out;
+}
+
+// The number of inputs K of a packed tensor in format P.
+template <class P>
+int64_t packed_k(const at::Tensor& packed) {
+  return packed.size(1) / P::BB * QK;
+}
+
+#if defined(BATON_Q8P)
+
+// The rows of x a kernel call reads, quantized (baton_rows::QuantX): xq int8 and, for Q8_0, xq +
+// 128 as unsigned bytes; dx and the integer sums of xq per block.
+struct XView {
+  const int8_t* xq;
+  const uint8_t* xu;
+  const float* dx;
+  const int32_t* isum;
+  int64_t K;
+};
+
+// y[m, 16 t + c] for rows m of x in [0, MR) and COLS tiles from tile t, written where
+// lo <= 16 t + c < hi (a thread's share need not start on a tile). Two partial sums per tile and
+// row (one vpdpbusd chain waits on its latency).
+template <class P, int MR, int COLS>
+inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, const float* bias, float* y, int64_t ys,
+                  int64_t lo, int64_t hi) {
+  __m512 acc[MR][COLS];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < COLS; ++c) acc[m][c] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < COLS; ++c) {
+      const uint8_t* blk = pw + ((t + c) * nb + b) * P::BB;
+      __m512i w[8];
+      if constexpr (P::NIBBLES) {
+        for (int i = 0; i < 4; ++i) {
+          const __m512i v = _mm512_loadu_si512(blk + 64 * i);
+          w[2 * i] = _mm512_and_si512(v, low);
+          w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(blk + 64 * i);
+      }
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + P::QV * 64));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t xb = m * x.K + b * QK;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i += 2) {
+          if constexpr (P::NIBBLES) {  // unsigned nibbles times signed xq
+            int32_t a0, a1;
+            std::memcpy(&a0, x.xq + xb + 4 * i, 4);
+            std::memcpy(&a1, x.xq + xb + 4 * i + 4, 4);
+            s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a0));
+            s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(a1));
+          } else {  // xq + 128 (unsigned) times signed weights
+            int32_t a0, a1;
+            std::memcpy(&a0, x.xu + xb + 4 * i, 4);
+            std::memcpy(&a1, x.xu + xb + 4 * i + 4, 4);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(a0), w[i]);
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(a1), w[i + 1]);
+          }
+        }
+        __m512i s = _mm512_add_epi32(s0, s1);
+        const int64_t u = m * (x.K / QK) + b;
+        if constexpr (P::ID == P4_0::ID) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * x.isum[u]));
+        if constexpr (P::CORR)
+          s = _mm512_sub_epi32(s, _mm512_loadu_si512(blk + P::QV * 64 + 64));
+        const float dx = x.dx[u];
+        acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m][c]);
+        if constexpr (P::MIN)
+          acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk + P::QV * 64 + 64)),
+                                      _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc[m][c]);
+      }
+    }
+  }
+  for (int c = 0; c < COLS; ++c) {
+    const int64_t n0 = (t + c) * TN;
+    const int64_t a = std::max<int64_t>(lo - n0, 0), e = std::min<int64_t>(hi - n0, TN);
+    const __mmask16 mask = static_cast<__mmask16>(((1u << e) - 1u) & ~((1u << a) - 1u));
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ys + n0, mask, _mm512_add_ps(acc[m][c], bv));
+  }
+}
+
+// Rows [0, MR) of x over tiles [t0, t1): four tiles at a time at one or two rows (the x
+// broadcasts shared), two at three or four rows (accumulators stay in registers).
+template <class P, int MR>
+void tile_range(const XView& x, const uint8_t* pw, int64_t nb, int64_t t0, int64_t t1, const float* bias, float* y,
+                int64_t ys, int64_t lo, int64_t hi) {
+  constexpr int COLS = MR <= 2 ? 4 : 2;
+  int64_t t = t0;
+  for (; t + COLS <= t1; t += COLS) tiles<P, MR, COLS>(x, pw, nb, t, bias, y, ys, lo, hi);
+  for (; t < t1; ++t) tiles<P, MR, 1>(x, pw, nb, t, bias, y, ys, lo, hi);
+}
+
+template <class P>
+void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
+                   int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  const int64_t t0 = n0 / TN, t1 = (n1 + TN - 1) / TN;
+  int64_t m = 0;
+  auto rows = [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    const XView xm{x.xq + m * x.K, x.xu ? x.xu + m * x.K : nullptr, x.dx + m * (x.K / QK), x.isum + m * (x.K / QK),
+                   x.K};
+    tile_range<P, MR>(xm, pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
+    m += MR;
+  };
+  for (; m + 4 <= M;) rows(std::integral_constant<int, 4>{});
+  switch (M - m) {
+    case 3: rows(std::integral_constant<int, 3>{}); break;
+    case 2: rows(std::integral_constant<int, 2>{}); break;
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// x [M, K] quantized into prep (kept while gen says x is the same).
+void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep, bool unsigned_x) {
+  const int64_t key = 3000 + (unsigned_x ? 1 : 0);
+  if (prep.gen == gen && prep.key == key) return;
+  const int64_t units = M * K / QK;
+  prep.xq.resize(M * K);
+  prep.dx.resize(units);
+  prep.isum.resize(units);
+  baton_rows::quantize_x(x, M, K, prep.xq.data(), prep.dx.data(), nullptr, QK);
+  for (int64_t u = 0; u < units; ++u) {
+    int32_t s = 0;
+    for (int j = 0; j < QK; ++j) s += prep.xq[u * QK + j];
+    prep.isum[u] = s;
+  }
+  if (unsigned_x) {
+    prep.xu.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) prep.xu[i] = static_cast<uint8_t>(prep.xq[i]) ^ 0x80u;
+  }
+  prep.gen = gen;
+  prep.key = key;
+}
+
+#endif  // BATON_Q8P
+
+bool q8p_kernel() {
+#if defined(BATON_Q8P)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = xhat @ w^T (+ bias): xhat as linear_q8a quantizes x, w packed by pack_q8p.
+at::Tensor linear_q8p(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q8p_kernel(), "linear_q8p: this build of the kernels has no AVX-512 VNNI (baton env says why)");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "linear_q8p: x must be a CPU float32 tensor [M, K]");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              "linear_q8p: packed must be pack_q8p's contiguous uint8 tensor");
+  const int64_t N = packed.size(0) * TN;
+  if (bias)
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                    bias->size(0) == N && bias->is_contiguous(),
+                "linear_q8p: bias must be a contiguous CPU float32 tensor [", N, "]");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+#if defined(BATON_Q8P)
+  dispatch_p(qtype, "linear_q8p", [&]<class P>() {
+    const int64_t K = packed_k<P>(packed), M = x.size(0);
+    TORCH_CHECK(x.size(1) == K && packed.size(1) % P::BB == 0, "linear_q8p: x has ", x.size(1),
+                " inputs, the packed weights ", K);
+    if (M == 0 || N == 0) return;
+    baton_rows::QuantX prep;  // x quantized once, read by every thread
+    prepare(x.data_ptr<float>(), M, K, 0, prep, P::CORR);
+    const XView xv{prep.xq.data(), P::CORR ? prep.xu.data() : nullptr, prep.dx.data(), prep.isum.data(), K};
+    const uint8_t* pw = packed.data_ptr<uint8_t>();
+    const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+    float* yp = out.data_ptr<float>();
+    // 4 tiles (64 rows) a task at least: a 192-row matrix still goes to both cores at one row of x
+    at::parallel_for(0, N / TN, 4, [&](int64_t t0, int64_t t1) {
+      packed_rows_p<P>(xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
+    });
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+bool baton_rows::packed_supported(int64_t qtype) {
+  return q8p_kernel() && (qtype == P4_0::ID || qtype == P4_1::ID || qtype == P8_0::ID);
+}
+
+void baton_rows::packed_rows(int64_t qtype, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
+                             const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
+#if defined(BATON_Q8P)
+  dispatch_p(qtype, "packed_rows", [&]<class P>() {
+    prepare(x, M, K, gen, prep, P::CORR);
+    const XView xv{prep.xq.data(), P::CORR ? prep.xu.data() : nullptr, prep.dx.data(), prep.isum.data(), K};
+    packed_rows_p<P>(xv, M, packed, K / QK, bias, y, N, n0, n1);
+  });
+#else
+  TORCH_CHECK(false, "packed_rows: this build of the kernels has no AVX-512 VNNI");
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(baton, m) {
+  m.def("pack_q8p(Tensor raw, int qtype) -> Tensor");
+  m.def("linear_q8p(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("q8p_kernel() -> bool", &q8p_kernel);
+}
+
+TORCH_LIBRARY_IMPL(baton, CPU, m) {
+  m.impl("pack_q8p", pack_q8p);
+  m.impl("linear_q8p", linear_q8p);
+}

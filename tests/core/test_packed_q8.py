@@ -1,0 +1,108 @@
+"""linear_q8p: int8 activations on weights repacked for AVX-512 VNNI (kernels/packed_q8.cpp).
+
+The packed kernel quantizes x exactly as linear_q8a does, so both give the same values up to
+float summation order; a row's result does not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.kernels import loader
+from baton.quant import QType, QuantLinear
+from baton.quant.ops import packs_for_int8
+
+pytestmark = pytest.mark.skipif(
+    not loader.load(), reason="baton's CPU kernels do not build here (no C++ compiler)"
+)
+
+
+def _vnni() -> bool:
+    return loader.load() and bool(torch.ops.baton.q8p_kernel())
+
+
+needs_vnni = pytest.mark.skipif(
+    not _vnni(), reason="the kernels are built without AVX-512 VNNI: linear_q8p is not compiled"
+)
+
+#: bytes per 32-weight block and the float16 header (d, or d and m) of each packable format
+FORMATS = {
+    QType.Q4_0: (18, [0.01]),
+    QType.Q4_1: (20, [0.01, -0.004]),
+    QType.Q8_0: (34, [0.003]),
+}
+
+
+def random_rows(n: int, k: int, qtype: QType, seed: int = 0) -> torch.Tensor:
+    """n rows of k weights in ``qtype``: random quants, a fixed header (any bytes are valid)."""
+    size, header = FORMATS[qtype]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * (k // 32), size), dtype=torch.uint8, generator=g)
+    raw[:, : 2 * len(header)] = torch.tensor(header).half().view(torch.uint8)
+    return raw.view(n, -1).contiguous()
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (192, 1536), (48, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+def test_packed_rows_agree_with_linear_q8a(qtype, n, k, rows):
+    w = random_rows(n, k, qtype)
+    packed = torch.ops.baton.pack_q8p(w, int(qtype))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(n)
+    want = torch.ops.baton.linear_q8a(x, w, int(qtype), bias)
+    got = torch.ops.baton.linear_q8p(x, packed, int(qtype), bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
+    w = random_rows(320, 576, qtype, seed=3)
+    packed = torch.ops.baton.pack_q8p(w, int(qtype))
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(5))
+    together = torch.ops.baton.linear_q8p(x, packed, int(qtype))
+    for i in range(11):
+        alone = torch.ops.baton.linear_q8p(x[i : i + 1], packed, int(qtype))
+        assert torch.equal(alone[0], together[i]), i
+
+
+def test_pack_refuses_what_it_cannot_lay_out():
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        torch.ops.baton.pack_q8p(random_rows(40, 64, QType.Q4_1), int(QType.Q4_1))
+    with pytest.raises(RuntimeError, match="has no packed layout"):
+        torch.ops.baton.pack_q8p(torch.zeros(16, 144, dtype=torch.uint8), int(QType.Q4_K))
+    assert not packs_for_int8(QType.Q4_K, 64)
+    assert not packs_for_int8(QType.Q4_1, 40)
+
+
+@needs_vnni
+def test_quant_linear_packs_while_int8_activations_are_on():
+    w = random_rows(64, 128, QType.Q4_1, seed=9)
+    lin = QuantLinear(w, QType.Q4_1, 128, 64, bias=torch.randn(64), kernels=True)
+    before = lin.weight_bytes
+    lin.int8_activations = True
+    assert lin.packed is not None and lin.weight_bytes == before + lin.packed.numel()
+    x = torch.randn(3, 128)
+    want = torch.ops.baton.linear_q8a(x, lin.raw, int(QType.Q4_1), lin.bias)
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-4)
+    assert "packed" not in lin.state_dict()  # derived from raw, never saved
+    lin.int8_activations = False
+    assert lin.packed is None and lin.weight_bytes == before
+    # prefill-sized calls keep float32 activations on ggml's rows
+    lin.int8_activations = True
+    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 128)
+    torch.testing.assert_close(
+        lin(big), torch.ops.baton.linear_q_tiles(big, lin.raw, int(QType.Q4_1), lin.bias)
+    )
+
+
+def test_no_packing_without_the_kernel(monkeypatch):
+    monkeypatch.setattr(torch.ops.baton, "q8p_kernel", lambda: False, raising=False)
+    lin = QuantLinear(random_rows(64, 128, QType.Q4_1), QType.Q4_1, 128, 64, kernels=True)
+    lin.int8_activations = True
+    assert lin.packed is None
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(lin(x), torch.ops.baton.linear_q8a(x, lin.raw, int(QType.Q4_1)))
