@@ -167,11 +167,34 @@ class StepTimeModel:
         self.clip = clip
         self._floor = [PRIOR_FLOOR * r for r in ridge]
         self.num_observed = 0
-        self.coefficients: tuple[float, float, float] = self._prior[:3]
-        self.per_pair: float = self._prior[3]
+        self._coef: tuple[float, ...] = self._prior
+        #: observed steps not fitted yet: the fit runs when a coefficient is read (a batch-1
+        #: decode reads none, and a fit per step was ~5% of its time on a 2-core Xeon)
+        self._stale = False
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """Seconds per step, per prompt token and per decode row, fitted to what was observed."""
+        coef = self._fitted()
+        return (coef[0], coef[1], coef[2])
+
+    @coefficients.setter
+    def coefficients(self, value: tuple[float, float, float]) -> None:
+        self._coef = (*value, self._fitted()[3])
+
+    @property
+    def per_pair(self) -> float:
+        """Seconds per attention pair (a token attending to one context token)."""
+        return self._fitted()[3]
+
+    def _fitted(self) -> tuple[float, ...]:
+        if self._stale:
+            self._coef = tuple(self._fit())
+            self._stale = False
+        return self._coef
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Add one measured step; refits the coefficients."""
+        """Add one measured step (the coefficients are refitted when next read)."""
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(
                 f"a step time must be a finite number of seconds >= 0, got {seconds!r}"
@@ -199,9 +222,7 @@ class StepTimeModel:
             for j in range(_N):
                 row[j] = lam * row[j] + w * x[i] * x[j]
         self.num_observed += 1
-        coef = self._fit()
-        self.coefficients = (coef[0], coef[1], coef[2])
-        self.per_pair = coef[3]
+        self._stale = True
 
     def _scale_prior(self, seconds: float, x: tuple[float, ...]) -> None:
         predicted = sum(p * f for p, f in zip(self._prior, x, strict=True))
@@ -213,8 +234,8 @@ class StepTimeModel:
         self._scale2 *= factor * factor
 
     def predict(self, prefill_tokens: int, decode_rows: int, attention_pairs: int = 0) -> float:
-        a, b, c = self.coefficients
-        return a + b * prefill_tokens + c * decode_rows + self.per_pair * attention_pairs
+        a, b, c, per_pair = self._fitted()
+        return a + b * prefill_tokens + c * decode_rows + per_pair * attention_pairs
 
     def _fit(self) -> list[float]:
         """Least squares (with the faded prior); a negative coefficient is held at 0 and the
@@ -442,7 +463,7 @@ def prefill_cap(sched: Scheduler) -> int:
     assert sched.prefill_budget is not None
     in_flight = sched._in_flight
     per_batch = sched.max_num_seqs_per_batch
-    decodes = pairs = 0
+    decodes = pairs = others = 0
     for req in sched.running:
         if (
             req.status == RequestStatus.RUNNING
@@ -452,7 +473,13 @@ def prefill_cap(sched: Scheduler) -> int:
         ):
             decodes += 1
             pairs += req.num_tokens  # its new token attends to every token
+        else:
+            others += 1
     room = sched.max_num_batched_tokens - decodes
+    if not others and not len(sched.policy):
+        # nothing but decodes: no prompt token to cap (and no probe to force: the step is a
+        # decode-only one anyway), so the budget's bookkeeping is left out
+        return room
     # the batch the decodes grow to once the prompts running and waiting are computed
     demand = min(per_batch, len(sched.running) + len(sched.policy))
     return max(0, min(sched.prefill_budget.prefill_tokens(decodes, pairs, demand), room))
