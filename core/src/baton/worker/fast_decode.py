@@ -208,7 +208,7 @@ class FastDecode:
                 return y
             full = self.tp.gather_last_dim(y)  # concatenation: each logit is one rank's sum
             return full[:, : self.vocab_size] if full is not None else y
-        if q8a and self.head_packed is not None and x.shape[0] <= self.head_args[4]:
+        if q8a and self.head_packed is not None:  # as decode_layers runs it, at any row count
             return torch.ops.baton.linear_q8p(x, self.head_packed, qtype, bias)
         if q8a:
             return torch.ops.baton.linear_q8a(x, w, qtype, bias)
