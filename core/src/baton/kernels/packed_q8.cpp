@@ -14,14 +14,17 @@
 // order.
 //
 // The packed layout, per tile of 16 output rows (rows 16t .. 16t + 15) and block b of 32 inputs,
-// tiles after one another and a tile's blocks in order ([N / 16, K / 32 * bytes] uint8):
-//   Q4_0: 4 x 64 quant bytes, then d (16 float32)                                    = 320 bytes
-//   Q4_1: 4 x 64 quant bytes, then d, then m (16 float32 each)                       = 384 bytes
+// tiles after one another and a tile's blocks in order ([N / 16, K / 32 * bytes] uint8); the
+// scales stay float16, so the packed rows are exactly as many bytes as ggml's (a decode step
+// streams them from memory):
+//   Q4_0: 4 x 64 quant bytes, then d (16 float16)                                    = 288 bytes
+//   Q4_1: 4 x 64 quant bytes, then d, then m (16 float16 each)                       = 320 bytes
 //     byte 4c + j of quant vector i (row c): low nibble = q[c][8i + j], high = q[c][8i + 4 + j]
-//   Q8_0: 8 x 64 quant bytes (byte 4c + j of vector i: w[c][4i + j]), d, then 128 * sum of the
-//     row's 32 weights (16 int32: x enters vpdpbusd as unsigned xq + 128)            = 640 bytes
-// A block of row c is then d_c * dx * (q . xq) (Q4_0: q - 8, the 8 taken out as 8 * sum(xq);
-// Q8_0: the correction column) + m_c * dx * sum(xq) (Q4_1).
+//   Q8_0: 8 x 64 quant bytes (byte 4c + j of vector i: w[c][4i + j] + 128, unsigned), then d
+//                                                                                    = 544 bytes
+// vpdpbusd multiplies these unsigned bytes by the signed xq; a block of row c is then
+// d_c * dx * (q . xq - z * sum(xq)) (z: 8 for Q4_0, 128 for Q8_0, the offset the unsigned
+// bytes carry) + m_c * dx * sum(xq) (Q4_1), the integer part exact.
 //
 // The kernel needs AVX-512 VNNI (vpdpbusd on zmm) and BW; elsewhere pack_q8p still works and
 // q8p_kernel() says False, and callers keep linear_q8a.
@@ -51,17 +54,18 @@ namespace {
 constexpr int TN = 16;  // output rows per tile (one float32 vector of outputs)
 constexpr int QK = 32;  // weights per block (the formats' and the activations')
 
+// Z: the offset of the unsigned bytes (q - Z are the format's integers, Q4_1's q need none).
 struct P4_0 {
-  static constexpr int ID = 2, RAW = 18, BB = 320, QV = 4;
-  static constexpr bool NIBBLES = true, MIN = false, CORR = false;
+  static constexpr int ID = 2, RAW = 18, BB = 288, QV = 4, Z = 8;
+  static constexpr bool NIBBLES = true, MIN = false;
 };
 struct P4_1 {
-  static constexpr int ID = 3, RAW = 20, BB = 384, QV = 4;
-  static constexpr bool NIBBLES = true, MIN = true, CORR = false;
+  static constexpr int ID = 3, RAW = 20, BB = 320, QV = 4, Z = 0;
+  static constexpr bool NIBBLES = true, MIN = true;
 };
 struct P8_0 {
-  static constexpr int ID = 8, RAW = 34, BB = 640, QV = 8;
-  static constexpr bool NIBBLES = false, MIN = false, CORR = true;
+  static constexpr int ID = 8, RAW = 34, BB = 544, QV = 8, Z = 128;
+  static constexpr bool NIBBLES = false, MIN = false;
 };
 
 template <class Fn>
@@ -75,20 +79,13 @@ void dispatch_p(int64_t qtype, const char* op, Fn&& fn) {
   }
 }
 
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-}
-
 // Tile t's block b from ggml's rows (raw [N, K / 32 * RAW]) into out (P::BB bytes).
 template <class P>
 void pack_block(const uint8_t* raw, int64_t row_bytes, int64_t t, int64_t b, uint8_t* out) {
-  float d[TN], m[TN];
-  int32_t corr[TN];
+  uint8_t* scales = out + P::QV * 64;  // d of the 16 rows (float16 as stored), then m (Q4_1)
   for (int c = 0; c < TN; ++c) {
     const uint8_t* blk = raw + (t * TN + c) * row_bytes + b * P::RAW;
-    uint8_t q[QK];  // the block's 32 weights: nibbles 0..15, or Q8_0's int8 bytes
+    uint8_t q[QK];  // the block's 32 weights as unsigned bytes: nibbles 0..15, or Q8_0's w + 128
     if constexpr (P::NIBBLES) {
       const uint8_t* qs = blk + (P::MIN ? 4 : 2);
       for (int i = 0; i < 16; ++i) {
@@ -96,23 +93,15 @@ void pack_block(const uint8_t* raw, int64_t row_bytes, int64_t t, int64_t b, uin
         q[i + 16] = qs[i] >> 4;
       }
     } else {
-      std::memcpy(q, blk + 2, QK);
+      for (int k = 0; k < QK; ++k) q[k] = blk[2 + k] ^ 0x80u;
     }
-    d[c] = f16(blk);
-    m[c] = P::MIN ? f16(blk + 2) : 0.0f;
-    int32_t s = 0;
-    for (int k = 0; k < QK; ++k) s += static_cast<int8_t>(q[k]);
-    corr[c] = 128 * s;
+    std::memcpy(scales + 2 * c, blk, 2);
+    if constexpr (P::MIN) std::memcpy(scales + 2 * TN + 2 * c, blk + 2, 2);
     for (int i = 0; i < P::QV; ++i)
-      for (int j = 0; j < 4; ++j) {
-        uint8_t& o = out[i * 64 + 4 * c + j];
-        o = P::NIBBLES ? static_cast<uint8_t>(q[8 * i + j] | (q[8 * i + 4 + j] << 4)) : q[4 * i + j];
-      }
+      for (int j = 0; j < 4; ++j)
+        out[i * 64 + 4 * c + j] =
+            P::NIBBLES ? static_cast<uint8_t>(q[8 * i + j] | (q[8 * i + 4 + j] << 4)) : q[4 * i + j];
   }
-  uint8_t* tail = out + P::QV * 64;
-  std::memcpy(tail, d, sizeof(d));
-  if constexpr (P::MIN) std::memcpy(tail + 64, m, sizeof(m));
-  if constexpr (P::CORR) std::memcpy(tail + 64, corr, sizeof(corr));
 }
 
 at::Tensor pack_q8p(const at::Tensor& raw, int64_t qtype) {
@@ -144,11 +133,10 @@ int64_t packed_k(const at::Tensor& packed) {
 
 #if defined(BATON_Q8P)
 
-// The rows of x a kernel call reads, quantized (baton_rows::QuantX): xq int8 and, for Q8_0, xq +
-// 128 as unsigned bytes; dx and the integer sums of xq per block.
+// The rows of x a kernel call reads, quantized (baton_rows::QuantX): xq int8, dx and the integer
+// sums of xq per block.
 struct XView {
   const int8_t* xq;
-  const uint8_t* xu;
   const float* dx;
   const int32_t* isum;
   int64_t K;
@@ -177,35 +165,28 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
       } else {
         for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(blk + 64 * i);
       }
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + P::QV * 64));
+      const uint8_t* scales = blk + P::QV * 64;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+      __m512 mn;
+      if constexpr (P::MIN)
+        mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * TN)));
       for (int m = 0; m < MR; ++m) {
         const int64_t xb = m * x.K + b * QK;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int i = 0; i < 8; i += 2) {
-          if constexpr (P::NIBBLES) {  // unsigned nibbles times signed xq
-            int32_t a0, a1;
-            std::memcpy(&a0, x.xq + xb + 4 * i, 4);
-            std::memcpy(&a1, x.xq + xb + 4 * i + 4, 4);
-            s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a0));
-            s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(a1));
-          } else {  // xq + 128 (unsigned) times signed weights
-            int32_t a0, a1;
-            std::memcpy(&a0, x.xu + xb + 4 * i, 4);
-            std::memcpy(&a1, x.xu + xb + 4 * i + 4, 4);
-            s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(a0), w[i]);
-            s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(a1), w[i + 1]);
-          }
+        for (int i = 0; i < 8; i += 2) {  // unsigned weight bytes times signed xq
+          int32_t a0, a1;
+          std::memcpy(&a0, x.xq + xb + 4 * i, 4);
+          std::memcpy(&a1, x.xq + xb + 4 * i + 4, 4);
+          s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a0));
+          s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(a1));
         }
         __m512i s = _mm512_add_epi32(s0, s1);
         const int64_t u = m * (x.K / QK) + b;
-        if constexpr (P::ID == P4_0::ID) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * x.isum[u]));
-        if constexpr (P::CORR)
-          s = _mm512_sub_epi32(s, _mm512_loadu_si512(blk + P::QV * 64 + 64));
+        if constexpr (P::Z != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(P::Z * x.isum[u]));
         const float dx = x.dx[u];
         acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m][c]);
         if constexpr (P::MIN)
-          acc[m][c] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk + P::QV * 64 + 64)),
-                                      _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc[m][c]);
+          acc[m][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc[m][c]);
       }
     }
   }
@@ -237,8 +218,7 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   int64_t m = 0;
   auto rows = [&](auto mr) {
     constexpr int MR = decltype(mr)::value;
-    const XView xm{x.xq + m * x.K, x.xu ? x.xu + m * x.K : nullptr, x.dx + m * (x.K / QK), x.isum + m * (x.K / QK),
-                   x.K};
+    const XView xm{x.xq + m * x.K, x.dx + m * (x.K / QK), x.isum + m * (x.K / QK), x.K};
     tile_range<P, MR>(xm, pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
     m += MR;
   };
@@ -252,8 +232,8 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
 }
 
 // x [M, K] quantized into prep (kept while gen says x is the same).
-void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep, bool unsigned_x) {
-  const int64_t key = 3000 + (unsigned_x ? 1 : 0);
+void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
+  const int64_t key = 3000;
   if (prep.gen == gen && prep.key == key) return;
   const int64_t units = M * K / QK;
   prep.xq.resize(M * K);
@@ -264,10 +244,6 @@ void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::Qua
     int32_t s = 0;
     for (int j = 0; j < QK; ++j) s += prep.xq[u * QK + j];
     prep.isum[u] = s;
-  }
-  if (unsigned_x) {
-    prep.xu.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) prep.xu[i] = static_cast<uint8_t>(prep.xq[i]) ^ 0x80u;
   }
   prep.gen = gen;
   prep.key = key;
@@ -306,8 +282,8 @@ at::Tensor linear_q8p(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
                 " inputs, the packed weights ", K);
     if (M == 0 || N == 0) return;
     baton_rows::QuantX prep;  // x quantized once, read by every thread
-    prepare(x.data_ptr<float>(), M, K, 0, prep, P::CORR);
-    const XView xv{prep.xq.data(), P::CORR ? prep.xu.data() : nullptr, prep.dx.data(), prep.isum.data(), K};
+    prepare(x.data_ptr<float>(), M, K, 0, prep);
+    const XView xv{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
     const uint8_t* pw = packed.data_ptr<uint8_t>();
     const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = out.data_ptr<float>();
@@ -330,8 +306,8 @@ void baton_rows::packed_rows(int64_t qtype, const float* x, int64_t M, int64_t K
                              const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
 #if defined(BATON_Q8P)
   dispatch_p(qtype, "packed_rows", [&]<class P>() {
-    prepare(x, M, K, gen, prep, P::CORR);
-    const XView xv{prep.xq.data(), P::CORR ? prep.xu.data() : nullptr, prep.dx.data(), prep.isum.data(), K};
+    prepare(x, M, K, gen, prep);
+    const XView xv{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
     packed_rows_p<P>(xv, M, packed, K / QK, bias, y, N, n0, n1);
   });
 #else

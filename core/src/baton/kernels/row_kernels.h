@@ -21,7 +21,6 @@ struct QuantX {
   std::vector<float> xsum, dx;
   std::vector<int8_t> xq;
   std::vector<int32_t> isum;  // packed_rows: the integer sum of xq per 32 values
-  std::vector<uint8_t> xu;    // packed_rows, Q8_0: xq + 128
 };
 
 // x [M, K] as linear_q8a quantizes it: per 32 values xq = round(x / dx), dx = max |x| / 127 (K / 32
