@@ -53,6 +53,9 @@ namespace {
 
 constexpr int TN = 16;  // output rows per tile (one float32 vector of outputs)
 constexpr int QK = 32;  // weights per block (the formats' and the activations')
+// Blocks ahead that tiles() prefetches (Xeon with AMX, 30 layers of Q4_1 at one row: 5.8 -> 4.3
+// ms on one thread, medians of 3 alternating runs; two threads are held by memory bandwidth).
+constexpr int PREFETCH = 8;
 
 // Z: the offset of the unsigned bytes (q - Z are the format's integers, Q4_1's q need none).
 struct P4_0 {
@@ -155,6 +158,8 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
   for (int64_t b = 0; b < nb; ++b) {
     for (int c = 0; c < COLS; ++c) {
       const uint8_t* blk = pw + ((t + c) * nb + b) * P::BB;
+      if (b + PREFETCH < nb)  // a tile's blocks are one stream, COLS streams at once
+        for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, 3);
       __m512i w[8];
       if constexpr (P::NIBBLES) {
         for (int i = 0; i < 4; ++i) {

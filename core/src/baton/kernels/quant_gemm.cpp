@@ -281,6 +281,12 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out,
   }
 }
 
+// How far ahead of the block being decoded the row kernels prefetch (a weight row is one stream
+// of blocks, and the rows of a thread's range follow one another in memory). On a Xeon with AMX
+// (a VM), 30 layers of Q4_1 at one row of x: linear_q 13.8 -> 10.7 ms on one thread, 10.3 -> 7.9
+// ms on two (medians of 3 alternating runs); the hardware prefetchers alone left it waiting.
+constexpr int64_t PREFETCH_BYTES = 1024;
+
 // One output of the float path from its accumulated vector: its lanes summed, then (formats with
 // offsets) the dot product of the weight row's K / G offsets with x's group sums, then the bias.
 template <class F>
@@ -323,6 +329,7 @@ inline void dot_row(const float* x, int64_t K, const float* xsum, float* offs, c
     for (int a = 0; a < A; ++a) acc[m][a] = vec{};
   auto block = [&](int64_t b, auto u) {
     const uint8_t* blk = row + b * F::BYTES;
+    __builtin_prefetch(blk + PREFETCH_BYTES, 0, 3);
     float d[NG], mn[NG];
     F::scales(blk, d, mn);
     if constexpr (F::MIN)
@@ -394,6 +401,7 @@ inline void dot_rows(const float* x, int64_t K, const float* xsum, float* offs, 
   for (int64_t b = 0; b < nb; ++b) {
     float d[NR][NG], mn[NR][NG];
     unroll<NR>([&](auto j) {
+      __builtin_prefetch(row + j * row_bytes + b * F::BYTES + PREFETCH_BYTES, 0, 3);
       F::scales(row + j * row_bytes + b * F::BYTES, d[j], mn[j]);
       if constexpr (F::MIN)
         for (int g = 0; g < NG; ++g) offs[j * groups + b * NG + g] = mn[j][g];
@@ -560,6 +568,7 @@ inline void dot_row_q8(const int8_t* xq, const float* dx, int64_t K, const float
   // formats) blocks alternate slots, so consecutive FMAs do not wait on each other.
   auto block = [&](int64_t b, auto slot) {
     const uint8_t* blk = row + b * F::BYTES;
+    __builtin_prefetch(blk + PREFETCH_BYTES, 0, 3);
     float d[NG], mn[NG];
     F::scales(blk, d, mn);
     if constexpr (F::MIN)
