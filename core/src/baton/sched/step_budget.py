@@ -104,6 +104,11 @@ PROBE_STALE = 32
 DECODE_SAMPLES = 5
 
 
+#: Observed steps after which ``StepTimeModel.observe`` refits before clipping a time (else the
+#: fit waits until a coefficient is read).
+REFIT_EVERY = 16
+
+
 class StepShape(msgspec.Struct, frozen=True):
     """What a scheduled step computes: prompt tokens, decode rows and attention pairs (each new
     token times the tokens it attends to, as ``baton.sched.cost_model.step_features``)."""
@@ -171,6 +176,7 @@ class StepTimeModel:
         #: observed steps not fitted yet: the fit runs when a coefficient is read (a batch-1
         #: decode reads none, and a fit per step was ~5% of its time on a 2-core Xeon)
         self._stale = False
+        self._unfitted = 0
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -191,6 +197,7 @@ class StepTimeModel:
         if self._stale:
             self._coef = tuple(self._fit())
             self._stale = False
+            self._unfitted = 0
         return self._coef
 
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -210,7 +217,12 @@ class StepTimeModel:
         if self.rescale_prior and self.num_observed == 0:
             self._scale_prior(seconds, x)
         elif self.clip is not None:
-            predicted = self.predict(shape.prefill_tokens, shape.decode_rows, shape.attention_pairs)
+            # against a fit at most REFIT_EVERY steps old: clipping needs only the scale, and a
+            # fit per step cost a batch-1 decode ~0.4 ms (py-spy, Xeon)
+            coef = self._fitted() if self._unfitted >= REFIT_EVERY else self._coef
+            a, b, c, per_pair = coef
+            x1, x2, x3 = x[1], x[2], x[3]
+            predicted = a + b * x1 + c * x2 + per_pair * x3
             if predicted > 0.0:
                 seconds = min(max(seconds, predicted / self.clip), predicted * self.clip)
         w = self._scale2 / max(seconds, MIN_STEP_S) ** 2
@@ -223,6 +235,7 @@ class StepTimeModel:
                 row[j] = lam * row[j] + w * x[i] * x[j]
         self.num_observed += 1
         self._stale = True
+        self._unfitted += 1
 
     def _scale_prior(self, seconds: float, x: tuple[float, ...]) -> None:
         predicted = sum(p * f for p, f in zip(self._prior, x, strict=True))
