@@ -13,7 +13,8 @@ Two figures, medians of ``--repeats`` runs, milliseconds:
 Implementations: ``f_linear`` (torch, fp32), ``linear_small`` (baton's fp32 small-batch
 kernel), ``Q4_1`` / ``Q8_0`` / ``Q4_K`` (K = 1536 only; QuantLinear through the fused kernel up to
 KERNEL_MAX_ROWS rows, else dequantize slices + GEMM), ``Q4_1_gemm`` (always the sliced
-GEMM path) and ``Q4_1_torch`` (no kernels). Prints one JSON line per row count.
+GEMM path), ``Q4_1_torch`` (no kernels), ``Q4_1_int8`` (int8 activations on ggml's rows:
+linear_q8a) and ``Q4_1_int8_packed`` (on repacked rows: linear_q8p, where it is built). Prints one JSON line per row count.
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def implementations(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], 
     q41_gemm = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=True)
     q41_gemm.KERNEL_MAX_ROWS = 0
     q41_torch = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=False)
+    # int8 activations: on ggml's rows (linear_q8a), and repacked (linear_q8p) where it is built
+    q41_q8a = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=True)
+    q41_q8a.int8_activations = True
+    q41_q8a.packed = None
+    q41_q8p = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=True)
+    q41_q8p.int8_activations = True
     impls = {
         "f_linear": lambda x: F.linear(x, weight),
         "linear_small": lambda x: linear_small(x, weight),
@@ -70,7 +77,10 @@ def implementations(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], 
         "Q8_0": q80,
         "Q4_1_gemm": q41_gemm,
         "Q4_1_torch": q41_torch,
+        "Q4_1_int8": q41_q8a,
     }
+    if q41_q8p.packed is not None:
+        impls["Q4_1_int8_packed"] = q41_q8p
     if k % 256 == 0:  # K-quants' blocks are 256 weights
         impls["Q4_K"] = q4_k_like(weight)
     return impls
