@@ -109,6 +109,12 @@ def test_kernel_paths_follow_the_build():
     assert _paths(build, spr, "native", granted)["bf16 linear (torch)"].path == (
         "oneDNN AMX-BF16 tiles"
     )
+    assert "AMX-INT8 tiles" not in p["linear_q8p"].path
+    assert p["linear_q8p"].why.endswith("tiles: amx_int8 left out: the OS refused tile data")
+    amx_build = build | {"amx_tile", "amx_int8", "amx_bf16"}
+    p = _paths(amx_build, spr, "native", granted)
+    assert p["linear_q8p"].path.endswith("AMX-INT8 tiles from 12 rows")
+    assert p["amx tiles"].path.startswith("linear_q8p: AMX-INT8")
 
 
 @pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler: the kernels cannot build")

@@ -6,6 +6,10 @@ float summation order; a row's result does not depend on the rows beside it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -106,3 +110,50 @@ def test_no_packing_without_the_kernel(monkeypatch):
     assert lin.packed is None
     x = torch.randn(2, 128)
     torch.testing.assert_close(lin(x), torch.ops.baton.linear_q8a(x, lin.raw, int(QType.Q4_1)))
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_tiles_and_the_vnni_loop_give_the_same_bits(qtype):
+    """From 12 rows an AMX build takes tiles (elsewhere the VNNI loop again): the integer sums are
+    exact both ways and the float steps the same, so each row matches the row computed alone."""
+    w = random_rows(96, 1536, qtype, seed=4)
+    packed = torch.ops.baton.pack_q8p(w, int(qtype))
+    x = torch.randn(37, 1536, generator=torch.Generator().manual_seed(6))
+    together = torch.ops.baton.linear_q8p(x, packed, int(qtype))
+    for i in (0, 11, 12, 16, 36):
+        alone = torch.ops.baton.linear_q8p(x[i : i + 1], packed, int(qtype))
+        assert torch.equal(alone[0], together[i]), (torch.ops.baton.q8p_path(), i)
+
+
+REFUSED = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+raw = torch.randint(0, 256, (64 * 18, 20), dtype=torch.uint8, generator=g)
+raw[:, :4] = torch.tensor([0.01, 0.001]).half().view(torch.uint8)
+packed = torch.ops.baton.pack_q8p(raw.view(64, -1).contiguous(), 3)
+y = torch.ops.baton.linear_q8p(torch.randn(16, 576, generator=g), packed, 3)
+print(torch.ops.baton.q8p_path(), float(y.abs().sum()))
+"""
+
+
+@needs_vnni
+def test_a_library_loaded_without_the_loader_asks_the_os_and_never_faults():
+    """The library built here, loaded by a bare process that never ran baton's AMX probe, with
+    AMX refused (BATON_NO_AMX, as a hypervisor that does not grant tile data): 16 rows, the tile
+    row count, run the VNNI loop, no SIGILL; with AMX allowed the library asks the OS itself."""
+    lib = str(loader.build())
+    outs = {}
+    for refused in (True, False):
+        env = {k: v for k, v in os.environ.items() if k != "BATON_NO_AMX"}
+        if refused:
+            env["BATON_NO_AMX"] = "1"
+        proc = subprocess.run(
+            [sys.executable, "-c", REFUSED, lib], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, (refused, proc.returncode, proc.stderr[-2000:])
+        outs[refused] = proc.stdout.split()
+    assert outs[True][0] == "vnni"
+    assert outs[False][0] == torch.ops.baton.q8p_path()
+    assert outs[True][1] == outs[False][1]  # the same bits either way

@@ -122,10 +122,14 @@ def kernel_paths(
     else:
         q8 = KernelPath("linear_q8a", "portable: scalar int8 dot products", why("avx2"))
     if "avx512vnni" in build and "avx512bw" in build:
+        tiles_too = "amx_int8" in build and amx.granted
         q8p = KernelPath(
             "linear_q8p",
-            "AVX-512 VNNI on repacked rows (Q4_0, Q4_1, Q8_0): 16 outputs per vpdpbusd",
-            why("avx512vnni") + "; int8 activations repack these formats at load",
+            "AVX-512 VNNI on repacked rows (Q4_0, Q4_1, Q8_0): 16 outputs per vpdpbusd"
+            + ("; AMX-INT8 tiles from 12 rows" if tiles_too else ""),
+            why("avx512vnni")
+            + "; int8 activations repack these formats at load"
+            + ("" if tiles_too else "; tiles: " + why("amx_int8")),
         )
     else:
         q8p = KernelPath(
@@ -142,12 +146,14 @@ def kernel_paths(
         f"dequantized tiles + torch GEMM ({torch.backends.cpu.get_cpu_capability()})",
         "many rows (prefill): a whole-matrix GEMM per tile beats per-row dot products",
     )
-    amx_state = (
-        "AMX granted; baton has no tile kernels yet (torch's oneDNN may use AMX for bfloat16)"
-        if amx.granted
-        else why("amx_tile")
-    )
-    amx_path = KernelPath("amx tiles", "not used", amx_state)
+    if amx.granted and "amx_int8" in build and "avx512vnni" in build:
+        amx_path = KernelPath(
+            "amx tiles",
+            "linear_q8p: AMX-INT8 TDPBSUD from 12 rows of x (int8 activations)",
+            amx.reason + "; bfloat16 linears take torch's oneDNN tiles",
+        )
+    else:
+        amx_path = KernelPath("amx tiles", "not used", why("amx_tile"))
     return [float_q, q8, q8p, small, attn, tiles, amx_path, _bf16_path(cpu, amx)]
 
 
