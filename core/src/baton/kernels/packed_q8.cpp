@@ -157,6 +157,39 @@ struct XView {
   int64_t K;
 };
 
+// A block's 16 scales d (and Q4_1's offsets mn) from its float16 tail.
+template <class P>
+inline void block_scales(const uint8_t* blk, __m512& d, __m512& mn) {
+  const uint8_t* scales = blk + P::QV * 64;
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+  if constexpr (P::MIN) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * TN)));
+}
+
+// Quant vector i of a Q4 block as bytes: 2i its low nibbles, 2i + 1 its high ones.
+inline __m512i nibbles(const uint8_t* blk, int j) {
+  const __m512i v = _mm512_loadu_si512(blk + 64 * (j / 2)), low = _mm512_set1_epi8(15);
+  return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+}
+
+// acc + one block of one row of x: its exact integer sums s (16 rows of the tile), unit u of x.
+template <class P>
+inline __m512 add_block(__m512 acc, __m512i s, __m512 d, __m512 mn, const XView& x, int64_t u) {
+  if constexpr (P::Z != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(P::Z * x.isum[u]));
+  const float dx = x.dx[u];
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+  if constexpr (P::MIN) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc);
+  return acc;
+}
+
+// y[m, n0 + c] = acc[m] + bias for rows m in [0, M), where lo <= n0 + c < hi.
+inline void store_tile(const __m512* acc, int64_t stride, int64_t M, const float* bias, float* y, int64_t ys,
+                       int64_t n0, int64_t lo, int64_t hi) {
+  const int64_t a = std::max<int64_t>(lo - n0, 0), e = std::min<int64_t>(hi - n0, TN);
+  const __mmask16 mask = static_cast<__mmask16>(((1u << e) - 1u) & ~((1u << a) - 1u));
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ys + n0, mask, _mm512_add_ps(acc[m * stride], bv));
+}
+
 // y[m, 16 t + c] for rows m of x in [0, MR) and COLS tiles from tile t, written where
 // lo <= 16 t + c < hi (a thread's share need not start on a tile). Two partial sums per tile and
 // row (one vpdpbusd chain waits on its latency).
@@ -166,27 +199,15 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
   __m512 acc[MR][COLS];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < COLS; ++c) acc[m][c] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     for (int c = 0; c < COLS; ++c) {
       const uint8_t* blk = pw + ((t + c) * nb + b) * P::BB;
       if (b + PREFETCH < nb)  // a tile's blocks are one stream, COLS streams at once
         for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, 3);
       __m512i w[8];
-      if constexpr (P::NIBBLES) {
-        for (int i = 0; i < 4; ++i) {
-          const __m512i v = _mm512_loadu_si512(blk + 64 * i);
-          w[2 * i] = _mm512_and_si512(v, low);
-          w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-      } else {
-        for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(blk + 64 * i);
-      }
-      const uint8_t* scales = blk + P::QV * 64;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-      __m512 mn;
-      if constexpr (P::MIN)
-        mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * TN)));
+      for (int i = 0; i < 8; ++i) w[i] = P::NIBBLES ? nibbles(blk, i) : _mm512_loadu_si512(blk + 64 * i);
+      __m512 d, mn;
+      block_scales<P>(blk, d, mn);
       for (int m = 0; m < MR; ++m) {
         const int64_t xb = m * x.K + b * QK;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -197,23 +218,11 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
           s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a0));
           s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(a1));
         }
-        __m512i s = _mm512_add_epi32(s0, s1);
-        const int64_t u = m * (x.K / QK) + b;
-        if constexpr (P::Z != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(P::Z * x.isum[u]));
-        const float dx = x.dx[u];
-        acc[m][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m][c]);
-        if constexpr (P::MIN)
-          acc[m][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc[m][c]);
+        acc[m][c] = add_block<P>(acc[m][c], _mm512_add_epi32(s0, s1), d, mn, x, m * (x.K / QK) + b);
       }
     }
   }
-  for (int c = 0; c < COLS; ++c) {
-    const int64_t n0 = (t + c) * TN;
-    const int64_t a = std::max<int64_t>(lo - n0, 0), e = std::min<int64_t>(hi - n0, TN);
-    const __mmask16 mask = static_cast<__mmask16>(((1u << e) - 1u) & ~((1u << a) - 1u));
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ys + n0, mask, _mm512_add_ps(acc[m][c], bv));
-  }
+  for (int c = 0; c < COLS; ++c) store_tile(&acc[0][c], COLS, MR, bias, y, ys, (t + c) * TN, lo, hi);
 }
 
 // Rows [0, MR) of x over tiles [t0, t1): four tiles at a time at one or two rows (the x
@@ -285,16 +294,11 @@ void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t 
   alignas(64) uint8_t wb[8][64];  // a Q4 block's nibbles as bytes
   __m512 acc[16];
   for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(15);
   const int64_t units = x.K / QK;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = pw + (t * nb + b) * P::BB;
     if constexpr (P::NIBBLES) {
-      for (int i = 0; i < 4; ++i) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * i);
-        _mm512_store_si512(wb[2 * i], _mm512_and_si512(v, low));
-        _mm512_store_si512(wb[2 * i + 1], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-      }
+      for (int i = 0; i < 8; ++i) _mm512_store_si512(wb[i], nibbles(blk, i));
       _tile_loadd(2, wb, 64);
     } else {
       _tile_loadd(2, blk, 64);
@@ -303,26 +307,11 @@ void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t 
     _tile_loadd(1, x.xq + b * QK, x.K);
     _tile_dpbsud(0, 1, 2);  // signed x by unsigned weight bytes
     _tile_stored(0, c, 64);
-    const uint8_t* scales = blk + P::QV * 64;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
-    __m512 mn;
-    if constexpr (P::MIN)
-      mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * TN)));
-    for (int64_t m = 0; m < M; ++m) {
-      __m512i s = _mm512_load_si512(c[m]);
-      const int64_t u = m * units + b;
-      if constexpr (P::Z != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(P::Z * x.isum[u]));
-      const float dx = x.dx[u];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
-      if constexpr (P::MIN)
-        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc[m]);
-    }
+    __m512 d, mn;
+    block_scales<P>(blk, d, mn);
+    for (int64_t m = 0; m < M; ++m) acc[m] = add_block<P>(acc[m], _mm512_load_si512(c[m]), d, mn, x, m * units + b);
   }
-  const int64_t n0 = t * TN;
-  const int64_t a = std::max<int64_t>(lo - n0, 0), e = std::min<int64_t>(hi - n0, TN);
-  const __mmask16 mask = static_cast<__mmask16>(((1u << e) - 1u) & ~((1u << a) - 1u));
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-  for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ys + n0, mask, _mm512_add_ps(acc[m], bv));
+  store_tile(acc, 1, M, bias, y, ys, t * TN, lo, hi);
 }
 #endif  // BATON_Q8P_AMX
 
