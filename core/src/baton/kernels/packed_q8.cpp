@@ -250,11 +250,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Rows [0, M) of x (M <= 16, the tiles configured for M) over tile t, as tiles() computes them: per block, one TDPBSUD of
-// x's M x 32 int8 bytes (tile 1) by the block's 8 x 64 weight bytes (tile 2: the packed layout
-// is AMX's B layout, 4 bytes of each of 16 rows per 64) into 16 int32 sums per row (tile 0),
-// then the same float steps per row as tiles(): the integer sums are exact either way, so a row
-// gets the same bits on tiles as on the VNNI loop (batch invariance holds across the switch).
 // Whether this process may run tile instructions: Linux grants tile data per process only after
 // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), and the first tile instruction without it is a
 // SIGILL. baton.kernels.loader asks before it loads the library, but a process that loads the
@@ -287,6 +282,12 @@ void amx_configure(int64_t M) {
   _tile_loadconfig(&cfg);
 }
 
+// Rows [0, M) of x (M <= 16, the tiles configured for M) over tile t, as tiles() computes them:
+// per block, one TDPBSUD of x's M x 32 int8 bytes (tile 1) by the block's 8 x 64 weight bytes
+// (tile 2: the packed layout is AMX's B layout, 4 bytes of each of 16 rows per 64) into 16 int32
+// sums per row (tile 0), then the same float steps per row as tiles(): the integer sums are exact
+// either way, so a row gets the same bits on tiles as on the VNNI loop (batch invariance holds
+// across the switch).
 template <class P>
 void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t t, const float* bias, float* y,
               int64_t ys, int64_t lo, int64_t hi) {
