@@ -378,7 +378,7 @@ bool q8p_kernel() {
 #endif
 }
 
-// "amx": 5 or more rows of x take the tiles here; "vnni": every row count takes the VNNI loop;
+// "amx": AMX_MIN_ROWS or more rows of x take the tiles here; "vnni": every row count takes the VNNI loop;
 // "": linear_q8p is not built.
 std::string q8p_path() {
 #if defined(BATON_Q8P_AMX)

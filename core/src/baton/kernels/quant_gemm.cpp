@@ -495,8 +495,11 @@ void linear_rows(const float* x, int64_t M, int64_t K, const float* xsum, const 
 
 constexpr int QX = 32;  // activations per int8 block
 
-// x [M, K] -> xq [M, K], dx [M, K / QX], and (xs, only when XS) dx * sum(xq) per G values [M, K / G].
-void quantize_int8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G) {
+}  // namespace
+
+// x [M, K] -> xq [M, K], dx [M, K / QX], and (xs, when not null) dx * sum(xq) per G values [M, K / G]
+// (row_kernels.h: packed_q8.cpp quantizes x with it too).
+void baton_rows::quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G) {
   const int64_t nb = K / QX;
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * QX;
@@ -514,6 +517,8 @@ void quantize_int8(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, 
       }
   }
 }
+
+namespace {
 
 #if defined(__AVX2__)
 // 32 weights [32u, 32u + 32) of a block as bytes: unsigned for formats with offsets, two's
@@ -758,7 +763,7 @@ at::Tensor linear_q8a(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
     if (M == 0 || N == 0) return;
     std::vector<int8_t> xq(M * K);
     std::vector<float> dx(M * K / QX), xsum(F::MIN ? M * K / F::G : 0);
-    quantize_int8(x.data_ptr<float>(), M, K, xq.data(), dx.data(), F::MIN ? xsum.data() : nullptr, F::G);
+    baton_rows::quantize_x(x.data_ptr<float>(), M, K, xq.data(), dx.data(), F::MIN ? xsum.data() : nullptr, F::G);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = out.data_ptr<float>();
@@ -845,7 +850,7 @@ void baton_rows::quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, 
         prep.xq.resize(M * K);
         prep.dx.resize(M * K / QX);
         prep.xsum.resize(F::MIN ? M * K / F::G : 0);
-        quantize_int8(x, M, K, prep.xq.data(), prep.dx.data(), F::MIN ? prep.xsum.data() : nullptr, F::G);
+        quantize_x(x, M, K, prep.xq.data(), prep.dx.data(), F::MIN ? prep.xsum.data() : nullptr, F::G);
       } else if constexpr (F::MIN) {
         group_sums<F>(x, M, K, prep.xsum);
       }
@@ -873,8 +878,4 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("linear_q_tiles", linear_q_tiles);
   m.impl("linear_q8a", linear_q8a);
   m.impl("dequantize_q", dequantize_q);
-}
-
-void baton_rows::quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G) {
-  quantize_int8(x, M, K, xq, dx, xs, G);
 }

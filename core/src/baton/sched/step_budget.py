@@ -71,6 +71,8 @@ from baton.sched.cost_model import DEFAULT as DEFAULT_COST_MODEL
 from baton.sched.cost_model import CostModel
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from baton.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -175,7 +177,6 @@ class StepTimeModel:
         self._coef: tuple[float, ...] = self._prior
         #: observed steps not fitted yet: the fit runs when a coefficient is read (a batch-1
         #: decode reads none, and a fit per step was ~5% of its time on a 2-core Xeon)
-        self._stale = False
         self._unfitted = 0
 
     @property
@@ -194,9 +195,8 @@ class StepTimeModel:
         return self._fitted()[3]
 
     def _fitted(self) -> tuple[float, ...]:
-        if self._stale:
+        if self._unfitted:
             self._coef = tuple(self._fit())
-            self._stale = False
             self._unfitted = 0
         return self._coef
 
@@ -220,9 +220,7 @@ class StepTimeModel:
             # against a fit at most REFIT_EVERY steps old: clipping needs only the scale, and a
             # fit per step cost a batch-1 decode ~0.4 ms (py-spy, Xeon)
             coef = self._fitted() if self._unfitted >= REFIT_EVERY else self._coef
-            a, b, c, per_pair = coef
-            x1, x2, x3 = x[1], x[2], x[3]
-            predicted = a + b * x1 + c * x2 + per_pair * x3
+            predicted = _dot(coef, x)
             if predicted > 0.0:
                 seconds = min(max(seconds, predicted / self.clip), predicted * self.clip)
         w = self._scale2 / max(seconds, MIN_STEP_S) ** 2
@@ -234,11 +232,10 @@ class StepTimeModel:
             for j in range(_N):
                 row[j] = lam * row[j] + w * x[i] * x[j]
         self.num_observed += 1
-        self._stale = True
         self._unfitted += 1
 
     def _scale_prior(self, seconds: float, x: tuple[float, ...]) -> None:
-        predicted = sum(p * f for p, f in zip(self._prior, x, strict=True))
+        predicted = _dot(self._prior, x)
         if predicted <= 0.0 or seconds <= 0.0:
             return
         factor = seconds / predicted
@@ -247,8 +244,8 @@ class StepTimeModel:
         self._scale2 *= factor * factor
 
     def predict(self, prefill_tokens: int, decode_rows: int, attention_pairs: int = 0) -> float:
-        a, b, c, per_pair = self._fitted()
-        return a + b * prefill_tokens + c * decode_rows + per_pair * attention_pairs
+        x = (1.0, float(prefill_tokens), float(decode_rows), float(attention_pairs))
+        return _dot(self._fitted(), x)
 
     def _fit(self) -> list[float]:
         """Least squares (with the faded prior); a negative coefficient is held at 0 and the
@@ -273,6 +270,11 @@ class StepTimeModel:
         for k, v in zip(idx, _solve_spd(a, rhs), strict=True):
             coef[k] = v
         return coef
+
+
+def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
+    """Seconds of a step with features ``x`` (1, prompt tokens, decode rows, attention pairs)."""
+    return sum(c * f for c, f in zip(coef, x, strict=True))
 
 
 def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:

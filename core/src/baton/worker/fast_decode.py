@@ -73,7 +73,8 @@ LINEARS = (
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
-_NO_BIAS = torch.empty(0)
+#: decode_layers' "none" in a list of tensors: no bias, no packed rows
+_NO_BIAS = _NOT_PACKED = torch.empty(0)
 #: baton.parallel.sharding's modules (by name: that package imports the runner, which imports this)
 ROW_PARALLEL, VOCAB_EMBEDDING, VOCAB_HEAD = (
     "RowParallelLinear",
@@ -541,7 +542,7 @@ def _linear(
         weights.append(w)
         qtypes.append(-1)
         q8a.append(0)
-        packed.append(_NO_BIAS)
+        packed.append(_NOT_PACKED)
     elif type(m) is QuantLinear:
         if not m.kernels:
             raise Unsupported(f"{what} is a QuantLinear without kernels")
@@ -553,7 +554,7 @@ def _linear(
                 and hasattr(torch.ops.baton, "linear_q8a")
             )
         )
-        packed.append(m.packed if m.packed is not None else _NO_BIAS)
+        packed.append(m.packed if m.packed is not None else _NOT_PACKED)
     else:
         raise Unsupported(f"{what} is a {type(m).__name__}")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
