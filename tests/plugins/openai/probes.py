@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+#: The prober's script, run by the interpreter of the tests.
+PROBER = Path(__file__).with_name("health_probe_main.py")
 
 
 class HealthProbe:
-    """GETs /health every ``interval`` seconds on a thread; ``worst`` is the slowest answer.
+    """GETs /health every ``interval`` seconds from a child process; ``worst`` is the slowest answer.
 
     A probe that fails (no answer, or not 200) is kept in ``failures``. Use as a context manager
-    around the hostile work; build payloads before entering (the server shares this process'
-    GIL, so the test's own heavy Python would be measured too).
+    around the hostile work. The prober is a process of its own, as a load balancer or a kubelet
+    is: a prober thread in the test process would wait for the GIL behind the test's senders and
+    an in-process server (a switch interval, 5 ms, per blocking call of its own), and measure that.
     """
 
     def __init__(self, url: str, interval: float = 0.02) -> None:
@@ -26,30 +31,26 @@ class HealthProbe:
         self.interval = interval
         self.latencies: list[float] = []
         self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    status = client.get(self.url).status_code
-                except httpx.HTTPError as e:
-                    self.failures.append(repr(e))
-                else:
-                    if status != 200:
-                        self.failures.append(f"status {status}")
-                self.latencies.append(time.monotonic() - t0)
-                self._stop.wait(self.interval)
+        self._proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> HealthProbe:
-        self._thread.start()
+        self._proc = subprocess.Popen(
+            [sys.executable, str(PROBER), self.url, str(self.interval)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        ready = self._proc.stdout.readline()
+        assert ready.strip() == "ready", f"the /health prober did not start: {ready!r}"
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(15)
+        assert self._proc is not None
+        out, _ = self._proc.communicate(timeout=30)  # closes stdin: the prober's stop
+        assert self._proc.returncode == 0, f"the /health prober exited {self._proc.returncode}"
+        result = json.loads(out.strip().splitlines()[-1])
+        self.latencies, self.failures = result["latencies"], result["failures"]
 
     @property
     def worst(self) -> float:

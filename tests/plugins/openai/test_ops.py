@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fastapi.routing
 import httpx
 import openai
 import pytest
@@ -21,6 +22,29 @@ def test_health_and_version(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     v = httpx.get(f"{server.url}/version").json()
     assert v["version"] == baton.__version__
+
+
+def test_routes_are_built_before_the_server_listens(model_dir, monkeypatch):
+    """FastAPI builds an included router's routes on the first request matched against them
+    (~85 ms of the event loop, which a /health probe waited for); build_routes has them built
+    before the server listens. (A FastAPI that renames the hook fails here: see build_routes.)"""
+    context = fastapi.routing._EffectiveRouteContext
+    built: list[str] = []
+    original = context.from_api_route
+
+    def counted(*args, **kwargs):
+        built.append(kwargs["original_route"].path)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(context, "from_api_route", counted)
+    with running_server(model_dir) as srv:
+        at_start = len(built)
+        for path in ("/health", "/v1/models", "/version", "/metrics"):
+            assert httpx.get(f"{srv.url}{path}", timeout=10).status_code == 200, path
+        r = httpx.post(f"{srv.url}/v1/completions", json={}, timeout=10)
+        assert r.status_code == 400
+    assert at_start > 10, built
+    assert built[at_start:] == [], "routes built while serving"
 
 
 def test_unknown_route_is_openai_shaped(server):

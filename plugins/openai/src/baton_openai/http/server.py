@@ -34,7 +34,7 @@ from baton.errors import ConfigError, InvalidRequestError
 from baton.lora.adapter import read_adapter_config
 from baton_openai.endpoints.lora import load_into_engine
 from baton_openai.http.address import bind_sockets, is_loopback
-from baton_openai.http.app import build_app
+from baton_openai.http.app import build_app, build_routes
 from baton_openai.http.connection import protocol_class
 from baton_openai.parsing.registry import ParserRegistry
 from baton_openai.templates.chat_template import load_chat_template
@@ -181,6 +181,7 @@ class OpenAIServer:
         app = None
         try:
             app = build_app(engine, self.config, parsers)
+            await build_routes(app)
             await self._load_loras(app.state.baton)
             # The model, torch and the app are ~500k objects that live as long as the server;
             # a full garbage collection walks them all (0.3 s here, the event loop stopped),
