@@ -13,6 +13,7 @@ import torch
 from baton.config import BatonConfig
 from baton.errors import ModelLoadError
 from baton.model import loader as model_loader
+from baton.model.gguf_tensors import gguf_source
 from baton.model.loader import (
     MARKER,
     check_architecture,
@@ -61,6 +62,54 @@ def test_a_crash_leaves_no_half_cache(tmp_path):
     calls: list = []
     convert_gguf_cached(gguf, dest, fake_convert(calls))
     assert len(calls) == 1 and (dest / MARKER).is_file()
+
+
+def test_the_same_bytes_at_another_path_keep_the_folder_and_point_it_there(tmp_path):
+    """The wheel installed again, or in another environment: no second conversion, and the
+    marker names the file now used (auto quantization reads its blocks from there)."""
+    first, second = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(b"gguf" * 1000)
+    os.utime(second, (1_000_000, 1_000_000))
+    calls: list = []
+    dest = tmp_path / "cache" / "m"
+    convert_gguf_cached(first, dest, fake_convert(calls))
+    assert convert_gguf_cached(second, dest, fake_convert(calls)) == dest
+    assert len(calls) == 1
+    assert gguf_source(dest) == second
+    first.unlink()  # the first environment is gone: the folder is still the second's
+    assert gguf_source(dest) == second
+
+
+def test_other_bytes_are_converted_again_and_replace_the_folder(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf" * 1000)
+    calls: list = []
+    dest = tmp_path / "cache" / "m"
+    convert_gguf_cached(gguf, dest, fake_convert(calls))
+    gguf.write_bytes(b"GGUF" * 1000)  # same size, other bytes
+    os.utime(gguf, (2_000_000, 2_000_000))
+    assert convert_gguf_cached(gguf, dest, fake_convert(calls)) == dest
+    assert len(calls) == 2 and gguf_source(dest) == gguf
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["m"]  # the old folder is gone
+
+
+def test_a_marker_without_a_fingerprint_is_converted_again(tmp_path):
+    """Folders of an older baton recorded no fingerprint: whether a file at another path holds
+    the same bytes is unknown, so it is converted again, once."""
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(b"gguf")
+    second.write_bytes(b"gguf")
+    calls: list = []
+    dest = tmp_path / "cache" / "m"
+    convert_gguf_cached(first, dest, fake_convert(calls))
+    marker = json.loads((dest / MARKER).read_text())
+    del marker["fingerprint"]
+    (dest / MARKER).write_text(json.dumps(marker))
+    convert_gguf_cached(second, dest, fake_convert(calls))
+    convert_gguf_cached(second, dest, fake_convert(calls))
+    assert len(calls) == 2 and gguf_source(dest) == second
 
 
 def test_an_incomplete_folder_is_reported(tmp_path):

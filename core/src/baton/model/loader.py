@@ -13,6 +13,8 @@ blocks again (``baton.model.quantization``).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -140,14 +142,21 @@ def model_folder(m: ModelSection) -> Path:
 def convert_gguf_cached(
     gguf: Path, dest: Path, convert: Callable[[Path, Path], None] | None = None
 ) -> Path:
-    """``dest`` holding ``gguf`` as a safetensors HF folder; converted only when absent.
+    """``dest`` holding ``gguf`` as a safetensors HF folder; converted when absent or made from
+    another file.
 
-    The conversion writes into a temporary sibling folder that is renamed to
-    ``dest`` only when complete; a concurrent conversion that finishes first wins.
+    A folder made from the same bytes at another path (the wheel installed again, or in another
+    environment) is kept and its marker pointed at ``gguf``, so ``model.quantization = "auto"``
+    reads the quantized blocks from there (it stays dequantized when the marker's file is gone or
+    changed). A folder made from other bytes is converted again and replaced. The conversion
+    writes into a temporary sibling folder that is renamed to ``dest`` only when complete; a
+    concurrent conversion that finishes first wins.
     """
     if (dest / MARKER).is_file():
-        return dest
-    if dest.exists():
+        if _points_at(dest, gguf):
+            return dest
+        log.info("%s was converted from another file than %s: converting again", dest, gguf)
+    elif dest.exists():
         raise ModelLoadError(
             f"{dest} exists but is not a complete baton conversion (no {MARKER}); delete it and retry"
         )
@@ -162,30 +171,91 @@ def convert_gguf_cached(
         log.info("converting %s to safetensors in %s (once; later loads take seconds)", gguf, dest)
         t0 = time.monotonic()
         convert(gguf, tmp)
-        st = gguf.stat()
-        (tmp / MARKER).write_text(
-            json.dumps(
-                {"source": str(gguf), "size": st.st_size, "mtime": int(st.st_mtime)}, indent=1
-            )
-        )
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not (dest / MARKER).is_file():
-                raise
-            log.info("another process converted %s first; using its copy", gguf.name)
-        else:
-            log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
+        (tmp / MARKER).write_text(json.dumps(_marker(gguf), indent=1))
+        _move_into_place(tmp, dest, gguf)
+        log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
+#: Bytes read from each end of a GGUF file for its fingerprint (its header and tensor table lie
+#: at the start; a file cut or appended to changes the end).
+FINGERPRINT_BYTES = 1 << 20
+
+
+def _fingerprint(path: Path) -> str:
+    """sha256 of a file's size and its first and last FINGERPRINT_BYTES: the same GGUF installed
+    at two paths has the same one (a full hash of a large model would cost seconds per load)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        h.update(f.read(FINGERPRINT_BYTES))
+    return h.hexdigest()
+
+
+def _marker(gguf: Path) -> dict[str, Any]:
+    """What MARKER records of the file a folder was converted from."""
+    st = gguf.stat()
+    return {
+        "source": str(gguf),
+        "size": st.st_size,
+        "mtime": int(st.st_mtime),
+        "fingerprint": _fingerprint(gguf),
+    }
+
+
+def _points_at(dest: Path, gguf: Path) -> bool:
+    """Whether ``dest`` holds ``gguf``'s conversion, its MARKER pointed at ``gguf`` when it was
+    made from the same bytes at another path or time; False when made from other bytes."""
+    marker = dest / MARKER
+    try:
+        info = json.loads(marker.read_text())
+        recorded = (Path(info["source"]), int(info["size"]), int(info["mtime"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(
+            f"{marker} is unreadable ({type(e).__name__}: {e}); delete {dest} to convert again"
+        ) from None
+    st = gguf.stat()
+    if recorded == (gguf, st.st_size, int(st.st_mtime)):
+        return True
+    # a marker without a fingerprint (older baton) cannot say whether the bytes are the same
+    if st.st_size != recorded[1] or info.get("fingerprint") != _fingerprint(gguf):
+        return False
+    scratch = dest / f".{MARKER}.{os.getpid()}"
+    scratch.write_text(json.dumps(_marker(gguf), indent=1))
+    os.replace(scratch, marker)  # atomic: a concurrent reader sees the old marker or the new one
+    log.info("%s holds %s's bytes (converted from %s): using it", dest, gguf, recorded[0])
+    return True
+
+
+def _move_into_place(tmp: Path, dest: Path, gguf: Path) -> None:
+    """Rename the finished ``tmp`` to ``dest``, first moving aside a folder made from other bytes."""
+    old: Path | None = None
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        with contextlib.suppress(FileNotFoundError):  # another process moved it first
+            os.rename(dest, old / dest.name)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not (dest / MARKER).is_file():
+            raise
+        log.info("another process converted %s first; using its copy", gguf.name)
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def _remove_stale_temps(dest: Path, max_age_s: float = 3600.0) -> None:
-    """Delete temp folders of crashed conversions (old enough not to be a running one)."""
+    """Delete the temp and moved-aside folders of crashed conversions (old enough not to be a
+    running one's)."""
     now = time.time()
-    for p in dest.parent.glob(f".{dest.name}.tmp-*"):
+    stale = [*dest.parent.glob(f".{dest.name}.tmp-*"), *dest.parent.glob(f".{dest.name}.old-*")]
+    for p in stale:
         try:
             if now - p.stat().st_mtime > max_age_s:
                 shutil.rmtree(p, ignore_errors=True)
