@@ -47,7 +47,12 @@ class HealthProbe:
 
     def __exit__(self, *exc: Any) -> None:
         assert self._proc is not None
-        out, _ = self._proc.communicate(timeout=30)  # closes stdin: the prober's stop
+        try:
+            out, _ = self._proc.communicate(timeout=30)  # closes stdin: the prober's stop
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+            raise
         assert self._proc.returncode == 0, f"the /health prober exited {self._proc.returncode}"
         result = json.loads(out.strip().splitlines()[-1])
         self.latencies, self.failures = result["latencies"], result["failures"]
