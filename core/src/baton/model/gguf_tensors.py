@@ -17,7 +17,6 @@ transformers saw, still quantized.
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import struct
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from baton.errors import ModelLoadError
-from baton.model.loader import MARKER
+from baton.model.loader import read_marker
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +54,18 @@ def gguf_source(folder: Path) -> Path | None:
     None too (with a warning) when the source file is gone or changed since: its
     tensors might no longer be the ones the folder holds.
     """
-    marker = folder / MARKER
-    if not marker.is_file():
+    marker = read_marker(folder)
+    if marker is None:
         return None
+    source = marker.source
     try:
-        info = json.loads(marker.read_text())
-        source = Path(info["source"])
-        size, mtime = int(info["size"]), int(info["mtime"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(
-            f"{marker} is unreadable ({type(e).__name__}: {e}); delete {folder} to convert again"
-        ) from None
-    try:
-        st = source.stat()
+        unchanged = marker.names(source)
     except OSError:
         log.warning(
             "%s was converted from %s, which is gone: its weights stay dequantized", folder, source
         )
         return None
-    if (st.st_size, int(st.st_mtime)) != (size, mtime):
+    if not unchanged:
         log.warning(
             "%s changed since it was converted into %s: its weights stay dequantized "
             "(delete the folder to convert it again)",

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,8 +153,9 @@ def convert_gguf_cached(
     writes into a temporary sibling folder that is renamed to ``dest`` only when complete; a
     concurrent conversion that finishes first wins.
     """
-    if (dest / MARKER).is_file():
-        if _points_at(dest, gguf):
+    recorded = read_marker(dest)
+    if recorded is not None:
+        if _holds(dest, recorded, gguf):
             return dest
         log.info("%s was converted from another file than %s: converting again", dest, gguf)
     elif dest.exists():
@@ -171,7 +173,7 @@ def convert_gguf_cached(
         log.info("converting %s to safetensors in %s (once; later loads take seconds)", gguf, dest)
         t0 = time.monotonic()
         convert(gguf, tmp)
-        (tmp / MARKER).write_text(json.dumps(_marker(gguf), indent=1))
+        write_marker(tmp, ConversionMarker.of(gguf))
         _move_into_place(tmp, dest, gguf)
         log.info("converted %s in %.1f s", gguf.name, time.monotonic() - t0)
     finally:
@@ -197,38 +199,64 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def _marker(gguf: Path) -> dict[str, Any]:
-    """What MARKER records of the file a folder was converted from."""
-    st = gguf.stat()
-    return {
-        "source": str(gguf),
-        "size": st.st_size,
-        "mtime": int(st.st_mtime),
-        "fingerprint": _fingerprint(gguf),
-    }
+@dataclass(frozen=True)
+class ConversionMarker:
+    """What MARKER records of the GGUF file a folder was converted from."""
+
+    source: Path
+    size: int
+    mtime: int
+    #: None in the folders of an older baton
+    fingerprint: str | None = None
+
+    @classmethod
+    def of(cls, gguf: Path) -> ConversionMarker:
+        st = gguf.stat()
+        return cls(gguf, st.st_size, int(st.st_mtime), _fingerprint(gguf))
+
+    def names(self, gguf: Path) -> bool:
+        """Whether this is ``gguf`` as it is now (path, size, mtime); OSError when it is gone."""
+        st = gguf.stat()
+        return (self.source, self.size, self.mtime) == (gguf, st.st_size, int(st.st_mtime))
 
 
-def _points_at(dest: Path, gguf: Path) -> bool:
-    """Whether ``dest`` holds ``gguf``'s conversion, its MARKER pointed at ``gguf`` when it was
-    made from the same bytes at another path or time; False when made from other bytes."""
-    marker = dest / MARKER
+def read_marker(folder: Path) -> ConversionMarker | None:
+    """``folder``'s MARKER; None when it has none, ModelLoadError when it is unreadable."""
+    path = folder / MARKER
+    if not path.is_file():
+        return None
     try:
-        info = json.loads(marker.read_text())
-        recorded = (Path(info["source"]), int(info["size"]), int(info["mtime"]))
+        info = json.loads(path.read_text())
+        return ConversionMarker(
+            Path(info["source"]), int(info["size"]), int(info["mtime"]), info.get("fingerprint")
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(
-            f"{marker} is unreadable ({type(e).__name__}: {e}); delete {dest} to convert again"
+            f"{path} is unreadable ({type(e).__name__}: {e}); delete {folder} to convert again"
         ) from None
-    st = gguf.stat()
-    if recorded == (gguf, st.st_size, int(st.st_mtime)):
+
+
+def write_marker(folder: Path, marker: ConversionMarker) -> None:
+    """Write ``folder``'s MARKER atomically: a concurrent reader sees the old one or the new one."""
+    scratch = folder / f".{MARKER}.{os.getpid()}"
+    info = {"source": str(marker.source), "size": marker.size, "mtime": marker.mtime}
+    if marker.fingerprint is not None:
+        info["fingerprint"] = marker.fingerprint
+    scratch.write_text(json.dumps(info, indent=1))
+    os.replace(scratch, folder / MARKER)
+
+
+def _holds(dest: Path, recorded: ConversionMarker, gguf: Path) -> bool:
+    """Whether ``dest`` (its MARKER ``recorded``) holds ``gguf``'s conversion; its MARKER is
+    pointed at ``gguf`` when it was made from the same bytes at another path or time."""
+    if recorded.names(gguf):
         return True
+    current = ConversionMarker.of(gguf)
     # a marker without a fingerprint (older baton) cannot say whether the bytes are the same
-    if st.st_size != recorded[1] or info.get("fingerprint") != _fingerprint(gguf):
+    if recorded.fingerprint is None or recorded.fingerprint != current.fingerprint:
         return False
-    scratch = dest / f".{MARKER}.{os.getpid()}"
-    scratch.write_text(json.dumps(_marker(gguf), indent=1))
-    os.replace(scratch, marker)  # atomic: a concurrent reader sees the old marker or the new one
-    log.info("%s holds %s's bytes (converted from %s): using it", dest, gguf, recorded[0])
+    write_marker(dest, current)
+    log.info("%s holds %s's bytes (converted from %s): using it", dest, gguf, recorded.source)
     return True
 
 

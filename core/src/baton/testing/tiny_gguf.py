@@ -15,14 +15,13 @@ those blocks are random bytes with small scales: the model is random anyway.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from baton.model.loader import MARKER
+from baton.model.loader import ConversionMarker, write_marker
 from baton.testing.tiny_model import make_tiny_model
 
 #: Dimensions that fit the K types' 256-weight blocks (every linear's in_features is 256 or 512).
@@ -119,10 +118,5 @@ def make_tiny_gguf(dest: Path, seed: int = 0) -> tuple[Path, Path]:
     for f in src.iterdir():
         if f.is_file() and not (out / f.name).exists():
             shutil.copy2(f, out / f.name)
-    st = (dest / "tiny.gguf").stat()
-    (out / MARKER).write_text(
-        json.dumps(
-            {"source": str(dest / "tiny.gguf"), "size": st.st_size, "mtime": int(st.st_mtime)}
-        )
-    )
+    write_marker(out, ConversionMarker.of(dest / "tiny.gguf"))
     return dest / "tiny.gguf", out
