@@ -32,6 +32,9 @@ CHROMIUM_FLAGS = (
     "--window-size=1280,860",
 )
 
+#: Seconds one WebDriver command may wait for the browser (selenium waits for ever by default).
+COMMAND_TIMEOUT = 60
+
 
 def missing_browser() -> str | None:
     """Why the browser tests cannot run here (None: they can)."""
@@ -64,6 +67,8 @@ def chromium() -> Iterator[Any]:
             options.add_argument(flag)
         service = Service(shutil.which("chromedriver"))
         driver = webdriver.Chrome(options=options, service=service)
+        # a page that hangs fails the command that waits on it, not the whole test's time
+        driver.command_executor.client_config.timeout = COMMAND_TIMEOUT
         try:
             yield driver
         finally:

@@ -52,6 +52,18 @@ def long_server() -> Iterator[ServerThread]:
         yield srv
 
 
+#: Counts, from the moment it runs, the writes to any message's ``.content`` and the animation
+#: frames the page gets (a page that keeps its main thread busy gets few).
+COUNT_WRITES_AND_FRAMES = """
+window.contentWrites = 0;
+window.frames_ = 0;
+(function tick() { window.frames_ += 1; requestAnimationFrame(tick); })();
+new MutationObserver((records) => {
+  for (const r of records) if (r.target.classList && r.target.classList.contains("content")) window.contentWrites += 1;
+}).observe(document.getElementById("messages"), { childList: true, subtree: true, characterData: true });
+"""
+
+
 def open_page(driver: Any, url: str) -> None:
     driver.get(url)
     driver.execute_script("localStorage.clear(); sessionStorage.clear();")
@@ -145,9 +157,11 @@ def test_stop_aborts_the_request_in_the_engine(browser, long_server):
     fill(browser, "extra", '{"ignore_eos": true}')
     fill(browser, "system-prompt", "You are a storyteller.")
     fill(browser, "prompt", "Tell me a very long story.")
+    browser.execute_script(COUNT_WRITES_AND_FRAMES)
     browser.find_element("id", "send").click()
-    # streamed: part of the answer is in the page while the request still runs
-    wait_until(browser, lambda d: len(text_of(d, f"{ANSWER} .content")) > 20, "streamed text")
+    # streamed: part of the answer is in the page while the request still runs (some thousand
+    # tokens: more than the frames the page draws meanwhile)
+    wait_until(browser, lambda d: len(text_of(d, f"{ANSWER} .content")) > 4000, "streamed text")
     assert browser.find_element("id", "stop-button").is_enabled()
     browser.find_element("id", "stop-button").click()
     wait_until(
@@ -155,6 +169,10 @@ def test_stop_aborts_the_request_in_the_engine(browser, long_server):
         lambda d: answer_done(d) == "stopped",
         "the answer to stop",
     )
+    # a fast stream is drawn once per frame, not once per token: per-token writes of the whole
+    # answer grew with it and kept the page from answering WebDriver (a 300 s hang in CI)
+    writes, frames = browser.execute_script("return [window.contentWrites, window.frames_];")
+    assert 0 < writes <= frames + 1, (writes, frames)
     assert "stopped" in text_of(browser, f"{ANSWER} .stats")
     assert len(text_of(browser, f"{ANSWER} .content")) > 20  # what came before the stop stays
     screenshot(browser, "playground")

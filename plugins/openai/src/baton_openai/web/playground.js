@@ -143,6 +143,44 @@ function describeAnswer(a) {
   return parts.join(" · ");
 }
 
+// Runs ``draw`` at most once per animation frame however often ``request`` is called: a fast
+// stream (a small model writes over a thousand tokens a second) would otherwise rewrite and lay
+// out the whole answer per token, which grows with the answer and keeps the page from responding.
+function frameRenderer(draw) {
+  let pending = false;
+  return {
+    request() {
+      if (pending) return;
+      pending = true;
+      requestAnimationFrame(() => {
+        if (!pending) return;
+        pending = false;
+        draw();
+      });
+    },
+    now() {
+      pending = false;
+      draw();
+    },
+  };
+}
+
+// The answer so far, as one write per element.
+function showAnswer(parts, answer) {
+  if (answer.error !== null) {
+    parts.box.classList.add("error");
+    parts.content.textContent = (answer.content ? answer.content + "\n\n" : "") + "Error: " + answer.error;
+  } else {
+    parts.content.textContent = answer.content;
+  }
+  if (answer.reasoning) {
+    parts.reasoning.textContent = answer.reasoning;
+    parts.reasoning.classList.remove("hidden");
+  }
+  parts.stats.textContent = describeAnswer(answer);
+  parts.box.scrollIntoView({ block: "end" });
+}
+
 async function send() {
   const text = $("prompt").value;
   if (!text.trim() || state.controller) return;
@@ -161,7 +199,8 @@ async function send() {
   saveConversation();
   const parts = addMessage("assistant", "");
   const answer = { content: "", reasoning: "", toolCalls: [], chunks: 0, usage: null,
-    ttft: null, decodeSeconds: 0, finishReason: null, stopped: false };
+    ttft: null, decodeSeconds: 0, finishReason: null, stopped: false, error: null };
+  const render = frameRenderer(() => showAnswer(parts, answer));
   state.controller = new AbortController();
   setBusy(true);
   const started = performance.now();
@@ -190,15 +229,8 @@ async function send() {
         answer.chunks += 1;
         answer.decodeSeconds = (performance.now() - firstAt) / 1000;
       }
-      if (delta.content) {
-        answer.content += delta.content;
-        parts.content.textContent = answer.content;
-      }
-      if (delta.reasoning_content) {
-        answer.reasoning += delta.reasoning_content;
-        parts.reasoning.textContent = answer.reasoning;
-        parts.reasoning.classList.remove("hidden");
-      }
+      if (delta.content) answer.content += delta.content;
+      if (delta.reasoning_content) answer.reasoning += delta.reasoning_content;
       for (const call of delta.tool_calls || []) {
         const slot = (answer.toolCalls[call.index] = answer.toolCalls[call.index] ||
           { id: call.id, type: "function", function: { name: "", arguments: "" } });
@@ -206,23 +238,21 @@ async function send() {
         if (call.function && call.function.arguments) slot.function.arguments += call.function.arguments;
       }
       if (choice.finish_reason) answer.finishReason = choice.finish_reason;
-      parts.stats.textContent = describeAnswer(answer);
-      parts.box.scrollIntoView({ block: "end" });
+      render.request();
     }
   } catch (e) {
     if (e.name === "AbortError") {
       answer.stopped = true;
     } else {
-      parts.box.classList.add("error");
-      parts.content.textContent = (answer.content ? answer.content + "\n\n" : "") + "Error: " + e.message;
+      answer.error = e.message;
     }
   } finally {
     state.controller = null;
     setBusy(false);
   }
+  render.now();
   parts.tools.replaceChildren();
   for (const call of answer.toolCalls) showToolCall(parts.tools, call);
-  parts.stats.textContent = describeAnswer(answer);
   parts.box.dataset.done = answer.stopped ? "stopped" : "finished";
   if (answer.content || answer.toolCalls.length) {
     const message = { role: "assistant", content: answer.content };
