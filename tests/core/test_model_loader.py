@@ -13,11 +13,10 @@ import torch
 from baton.config import BatonConfig
 from baton.errors import ModelLoadError
 from baton.model import loader as model_loader
+from baton.model.gguf_cache import MARKER, convert_gguf_cached
 from baton.model.gguf_tensors import gguf_source
 from baton.model.loader import (
-    MARKER,
     check_architecture,
-    convert_gguf_cached,
     load_tokenizer,
     model_cache_dir,
     resolve_model,

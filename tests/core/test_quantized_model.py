@@ -17,7 +17,7 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
-from baton.model.loader import MARKER
+from baton.model.gguf_cache import MARKER
 from baton.model.quantization import _why_dequantized
 from baton.model.weights import load_model
 from baton.protocol import KVCacheConfig

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from baton.errors import ModelLoadError
-from baton.model.loader import read_marker
+from baton.model.gguf_cache import read_marker
 
 log = logging.getLogger(__name__)
 

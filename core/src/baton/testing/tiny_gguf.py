@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from baton.model.loader import ConversionMarker, write_marker
+from baton.model.gguf_cache import ConversionMarker, write_marker
 from baton.testing.tiny_model import make_tiny_model
 
 #: Dimensions that fit the K types' 256-weight blocks (every linear's in_features is 256 or 512).
