@@ -13,10 +13,11 @@ import logging
 import pytest
 import torch
 
+from baton.errors import ExecutorError
 from baton.kernels import loader
 from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
-from baton.worker.fast_decode import build_fast_decode
+from baton.worker.fast_decode import BF16_WEIGHTS, build_fast_decode
 from baton.worker.model_runner import ModelRunner
 from baton.worker.worker import runner_settings
 
@@ -310,3 +311,78 @@ def test_draft_rows_attend_after_every_row_wrote_its_keys(cache_dtype, threads):
         alone, k2, v2 = _stack_call(fast, written, hidden, *args, shared=False)
     assert torch.equal(together, alone)
     assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k2 + v2, strict=True))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_a_bfloat16_model_runs_its_linears_as_bf16_gemms_in_the_stack(rows):
+    """A bfloat16 model's stack (oneDNN's bf16 GEMMs, everything else in float32) gives the
+    logits of the float32 stack on the same bfloat16-valued weights but for the rounding of each
+    linear's input and output to bfloat16: close, not equal, at any row count, biases and the
+    head included."""
+    path = tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)  # q/k/v biases, GQA
+    kwargs = {"block_size": 4, "budget": 64, "max_seqs": 64}
+    bf16 = make_runner(path, **kwargs, **{"model.dtype": "bfloat16"})
+    f32 = make_runner(path, **kwargs)
+    with torch.no_grad():
+        for p in f32.model.parameters():  # the same values as the bfloat16 model's weights
+            p.copy_(p.bfloat16().float())
+    fast, ref = bf16.fast_decode, f32.fast_decode
+    assert fast is not None and ref is not None and fast.head_args is not None
+    assert set(fast.qtypes) == {BF16_WEIGHTS} and fast.head_args[1] == BF16_WEIGHTS
+    assert all(b.numel() == 0 or b.dtype == torch.float32 for b in fast.biases)
+    g = torch.Generator().manual_seed(rows)
+    caches = _random_caches(f32, torch.bfloat16, g)
+    table = torch.randperm(NUM_BLOCKS, generator=g)[: rows * 2].view(rows, 2)
+    lens = torch.randint(1, 9, (rows,), generator=g)
+    positions = lens - 1
+    slots = table.gather(1, (positions // 4)[:, None])[:, 0] * 4 + positions % 4
+    hidden = torch.randn((rows, fast.norms[0].numel()), generator=g)
+    args = (caches, hidden, positions, slots, table, lens)
+    with torch.inference_mode():
+        got, k_got, _ = _stack_call(fast, *args, fast.head_args[:4], 2)
+        want, k_want, _ = _stack_call(ref, *args, ref.head_args[:4], 2)
+        unfused, _, _ = _stack_call(fast, *args, (None, -1, 0, None), 2)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = float((got - want).abs().max())
+    assert 0 < err <= 0.03 * float(want.abs().max()), err
+    assert (got.argmax(1) == want.argmax(1)).float().mean() >= 0.9
+    # the cache holds the same keys but for that rounding; the head's module reads the stack's
+    # output in the model's dtype
+    assert all(
+        torch.allclose(a.float(), b.float(), atol=0.05) for a, b in zip(k_got, k_want, strict=True)
+    )
+    by_module = fast.head(unfused.to(torch.bfloat16)).float()
+    assert float((by_module - got).abs().max()) <= 0.03 * float(got.abs().max())
+
+
+def test_a_bfloat16_model_decodes_through_the_stack_the_same_every_run():
+    """Decode-only steps of a bfloat16 model run the stack; its greedy tokens repeat run to run
+    and mostly agree with transformers' bfloat16 modules (they round the residual stream too)."""
+    path = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    lens = tuple(2 + (5 * i) % 13 for i in range(12))
+    outputs = []
+    for fast in (True, True, False):
+        runner = make_runner(
+            path,
+            block_size=3,
+            budget=512,
+            max_seqs=len(lens),
+            fast_decode=fast,
+            **{"model.dtype": "bfloat16"},
+        )
+        d = run_driver(runner, lens, max_tokens=10, block_size=3, budget=512, seed=3, grow=0)
+        assert (runner.fast_decode is not None and runner.fast_decode.steps >= 9) is fast
+        outputs.append([d.all[f"r{i}"].output for i in range(len(lens))])
+    assert outputs[0] == outputs[1]
+    pairs = [(a, b) for x, y in zip(*outputs[::2], strict=True) for a, b in zip(x, y, strict=True)]
+    assert sum(a == b for a, b in pairs) >= 0.7 * len(pairs)
+
+
+def test_batch_invariant_refuses_bfloat16_weights():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.bfloat16)
+    assert loader.load()
+    assert build_fast_decode(model, torch.device("cpu"), True, 64) is not None
+    with pytest.raises(ExecutorError, match="bfloat16 weights"):
+        build_fast_decode(model, torch.device("cpu"), True, 64, invariant=True)

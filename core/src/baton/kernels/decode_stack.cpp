@@ -1,4 +1,5 @@
-// baton's decode layer stack (float32, CPU), compiled on first use by baton.kernels.loader.
+// baton's decode layer stack (CPU; float32 activations and residual stream, float32, bfloat16 or
+// GGUF-block weights), compiled on first use by baton.kernels.loader.
 //
 // decode_layers runs every decoder layer of a Llama-block model (RMSNorm, q/k/v projections,
 // rotary, paged K/V write, paged decode attention, o_proj + residual, RMSNorm, gate/up, SiLU * up,
@@ -36,6 +37,11 @@ namespace {
 
 // Linears per layer, in this order, in the weights / biases / qtypes / q8a lists.
 enum Linear : int64_t { Q, K, V, O, GATE, UP, DOWN, PER_LAYER };
+
+// qtypes: a GGUF block type (>= 0), float32 weights [N, K], or bfloat16 weights [N, K] (a
+// bfloat16 model: oneDNN's bf16 GEMM through at::linear, AMX where the CPU has it; the row
+// kernels do not read them, so a stack with any runs op by op).
+constexpr int64_t FLOAT32_WEIGHTS = -1, BF16_WEIGHTS = -2;
 
 c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -88,7 +94,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                   const LinearArgs& la, at::Tensor& buf, const at::Tensor& packed = at::Tensor()) {
   const int64_t M = x.size(0);
   const bool has_bias = b.defined() && b.numel() > 0;
-  if (qtype < 0) {  // float32 weights [N, K]
+  if (qtype == BF16_WEIGHTS) {  // bfloat16 in, float32 accumulators, bfloat16 out; the bias in float32
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "decode_layers: a linear of qtype ", BF16_WEIGHTS,
+                " needs bfloat16 weights, got ", w.scalar_type());
+    at::Tensor y = at::linear(x.to(at::kBFloat16), w).to(at::kFloat);
+    if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
+    return y;
+  }
+  if (qtype == FLOAT32_WEIGHTS) {  // float32 weights [N, K]
     if (M > la.float_max_rows) return at::linear(x, w, has_bias ? std::optional<at::Tensor>(b) : std::nullopt);
     if (!buf.defined() || buf.size(1) != w.size(0)) buf = at::empty({M, w.size(0)}, x.options());
     at::Tensor& y = buf;
@@ -356,10 +369,11 @@ bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, 
                      bool has_head, bool invariant) {
   if (!invariant && (M > la.quant_max_rows || M > la.float_max_rows)) return false;
   for (size_t i = 0; i < qtypes.size(); ++i) {
-    if (!weights[i].is_contiguous()) return false;
+    if (!weights[i].is_contiguous() || qtypes[i] == BF16_WEIGHTS) return false;
     if (qtypes[i] >= 0 && !baton_rows::quant_supported(qtypes[i])) return false;
   }
-  return !has_head || head_qtype < 0 || baton_rows::quant_supported(head_qtype);
+  if (!has_head || head_qtype == FLOAT32_WEIGHTS) return true;
+  return head_qtype >= 0 && baton_rows::quant_supported(head_qtype);
 }
 
 CacheType cache_type_of(const at::Tensor& c) {
@@ -564,7 +578,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   const bool one = one_region_fits(M, weights, qtypes, la, head_qtype, has_head, invariant);
   TORCH_CHECK(one || !invariant,
               "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
-              "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+              "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; not bfloat16)");
   if (one)
     return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, packed, k_caches, v_caches, slots,
                       block_table, ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr,

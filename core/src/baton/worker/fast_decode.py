@@ -11,13 +11,20 @@ up to the kernels' row limits in one parallel region), else the head with its mo
 
 It applies to models whose layers are exactly the Llama block: LlamaForCausalLM,
 Qwen2ForCausalLM (q/k/v biases) and MistralForCausalLM, without sliding windows,
-float32 on CPU with baton's kernels, linears that are nn.Linear /
+float32 or bfloat16 on CPU with baton's kernels, linears that are nn.Linear /
 SmallBatchLinear / QuantLinear, and no hooks on any module (other wrappers change
 the modules and are refused). baton's own LoRA layers (``lora/model.py``) wrap the
 linears after this path is built from their weights; the runner sends a step with
 any adapter through transformers' modules instead. ``build_fast_decode`` returns None,
 with a debug log of the reason, for anything else; transformers' code then runs
 every step, as it always does for prefill and mixed steps.
+
+A bfloat16 model's stack keeps its residual stream, norms, rotary and attention in float32 (its
+KV cache stays bfloat16) and runs each bfloat16 linear as oneDNN's bf16 GEMM (``at::linear``, AMX
+tiles where the CPU has them) on its input rounded to bfloat16: the modules' ~15 ops per layer
+from Python go, the GEMMs stay. It rounds less than transformers' bfloat16 modules (which round
+the residual stream after every layer), so its tokens are not theirs bit for bit; they are the
+same from run to run.
 
 Batch-invariant mode (``executor.batch_invariant``): every step, prefill chunks and mixed
 steps included, runs here (``invariant_logits``): each token is one row of ``decode_layers``
@@ -81,6 +88,11 @@ ROW_PARALLEL, VOCAB_EMBEDDING, VOCAB_HEAD = (
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
 )
+#: decode_layers' qtype of a plain linear, by its weights' dtype (the model's compute dtype)
+FLOAT32_WEIGHTS, BF16_WEIGHTS = -1, -2
+WEIGHT_QTYPES = {torch.float32: FLOAT32_WEIGHTS, torch.bfloat16: BF16_WEIGHTS}
+#: The rows up to which a head decode_layers runs with at::linear takes every step's rows.
+ANY_ROWS = 1 << 30
 #: rope types whose cos/sin depend on the position alone (not on the sequence length, as
 #: "dynamic" and "longrope" do): tabulated once at load.
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -110,7 +122,7 @@ class FastDecode:
     scale: float
     quant_max_rows: int
     float_max_rows: int
-    #: The LM head as decode_layers takes it (weight, qtype: -1 float32, int8-activation flag,
+    #: The LM head as decode_layers takes it (weight, qtype: -1 float32, -2 bfloat16, int8-activation flag,
     #: bias or None, the most rows its module sends to the kernel), or None: the module runs it.
     head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None = None
     #: the head's rows repacked for linear_q8p (QuantLinear.packed), or None
@@ -126,6 +138,9 @@ class FastDecode:
     after_sum: list[torch.Tensor | None] = field(default_factory=list)
     #: the vocabulary (a sharded head's last slice is padded)
     vocab_size: int = 0
+    #: the model's compute dtype: its embedding's output and its head's input (the stack itself
+    #: runs in float32)
+    dtype: torch.dtype = torch.float32
     #: decode-only steps run so far (tests and benchmarks check that the path is taken)
     steps: int = field(default=0, init=False)
     #: the K / V views of the step's caches, made once for the list the runner passes every step
@@ -162,7 +177,7 @@ class FastDecode:
             return hidden  # the logits: decode_layers ran the head too
         if inputs.logits_indices.numel() != g.n:
             hidden = hidden.index_select(0, inputs.logits_indices)
-        return self.head(hidden)
+        return self.head(hidden.to(self.dtype))
 
     def invariant_logits(
         self, inputs: StepInputs, want_hidden: bool = False
@@ -227,7 +242,7 @@ class FastDecode:
         """decode_layers over the step's tokens, one row each (``blocks`` [tokens, blocks] and
         ``ctx_lens`` [tokens]): the final normed hidden states, or the logits when ``fused_head``."""
         self._cache_views(inputs)
-        h = self.embed(inputs.input_ids)
+        h = self.embed(inputs.input_ids).float()  # no copy in a float32 model
         cos, sin = self._rotary(h, inputs.positions)
         head = (
             self.head_args[:4] if fused_head and self.head_args is not None else (None, -1, 0, None)
@@ -260,7 +275,7 @@ class FastDecode:
             return self.cos_table.index_select(0, positions), self.sin_table.index_select(
                 0, positions
             )
-        cos, sin = (t[0].contiguous() for t in self.rotary(h[None], positions[None]))
+        cos, sin = (t[0].float().contiguous() for t in self.rotary(h[None], positions[None]))
         return cos, sin
 
     def _cache_views(self, inputs: StepInputs) -> None:
@@ -352,6 +367,10 @@ def _check_invariant(fast: FastDecode, static_rope: bool) -> None:
             f"rope_type {getattr(fast.rotary, 'rope_type', None)!r} depends on the sequence "
             f"length (only {', '.join(sorted(STATIC_ROPE_TYPES))} are tabulated per position)"
         )
+    if BF16_WEIGHTS in fast.qtypes or (
+        fast.head_args is not None and fast.head_args[1] == BF16_WEIGHTS
+    ):
+        raise Unsupported("bfloat16 weights (the row kernels sum float32 or GGUF-block weights)")
     if fast.head_args is None:
         raise Unsupported(f"the LM head {type(fast.head).__name__} is not one of baton's kernels")
     if not hasattr(torch.ops.baton, "linear_small"):
@@ -366,7 +385,8 @@ def _rotary_tables(
     with torch.inference_mode():
         x = embed(torch.zeros(1, 1, dtype=torch.long))
         cos, sin = rotary(x, torch.arange(n)[None])
-    return cos[0].contiguous(), sin[0].contiguous()
+    # in a bfloat16 model: the bfloat16 values its modules use, widened exactly
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
 def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastDecode:
@@ -390,6 +410,10 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
     embed, head = inner.embed_tokens, model.get_output_embeddings()
     if type(embed).__name__ not in ("Embedding", "QuantEmbedding", VOCAB_EMBEDDING):
         raise Unsupported(f"embedding {type(embed).__name__}")
+
+    dtype = inner.norm.weight.dtype
+    if dtype not in WEIGHT_QTYPES:
+        raise Unsupported(f"dtype {dtype} (float32 or bfloat16)")
 
     num_heads = cfg.num_attention_heads
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -429,6 +453,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         tp=tp,
         after_sum=after_sum if tp is not None else [],
         vocab_size=getattr(head, "vocab_size", 0),
+        dtype=dtype,
         head_args=_head_args(head),
         head_packed=head.packed if type(head) is QuantLinear else None,
         embed=embed,
@@ -455,8 +480,9 @@ def _head_args(
     """The LM head for decode_layers when its module would run one of baton's kernels at a few
     rows (the same kernel, so the same logits), else None."""
     bias = head.bias.detach() if getattr(head, "bias", None) is not None else None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype not in WEIGHT_QTYPES or not bias.is_contiguous()):
         return None
+    bias = bias.float() if bias is not None else None
     if type(head) is QuantLinear and head.kernels:
         q8a = int(bool(head.int8_activations) and hasattr(torch.ops.baton, "linear_q8a"))
         return head.raw, int(head.qtype), q8a, bias, QuantLinear.KERNEL_MAX_ROWS
@@ -465,10 +491,12 @@ def _head_args(
         head.weight_t = w.t()  # the module's view of the one copy
         return w, -1, 0, bias, HEAD_KERNEL_MAX_ROWS
     if type(head) in (CpuLMHead, SmallBatchLinear):
-        if type(head) is CpuLMHead and not head.kernels:
-            return None
         w = head.weight.detach()
-        if w.dtype != torch.float32 or not w.is_contiguous():
+        if not w.is_contiguous():
+            return None
+        if w.dtype == torch.bfloat16:  # at::linear, as the stack's other bfloat16 linears
+            return w, BF16_WEIGHTS, 0, bias, ANY_ROWS
+        if (type(head) is CpuLMHead and not head.kernels) or w.dtype != torch.float32:
             return None
         rows = HEAD_KERNEL_MAX_ROWS if type(head) is CpuLMHead else KERNEL_MAX_ROWS
         return w, -1, 0, bias, rows
@@ -513,8 +541,9 @@ def _norm(norm: torch.nn.Module, eps: float | None, out: list[torch.Tensor], wha
     if name not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"):
         raise Unsupported(f"{what} norm {name}")
     w = norm.weight.detach()
-    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+    if w.dtype not in WEIGHT_QTYPES or w.device.type != "cpu" or not w.is_contiguous():
         raise Unsupported(f"{what} norm weight {w.dtype} on {w.device}")
+    w = w.float()  # the stack norms in float32 (a bfloat16 weight widened exactly)
     e = float(norm.variance_epsilon)
     if eps is not None and e != eps:
         raise Unsupported(f"{what} norm eps {e} != {eps}")
@@ -532,15 +561,16 @@ def _linear(
     packed: list[torch.Tensor],
 ) -> None:
     """Append one linear's weight, bias (empty: none; a RowParallelLinear's is added after the
-    ranks' sum), qtype (-1: float32), int8-activation flag and packed rows (empty: none)."""
+    ranks' sum), qtype (-1: float32, -2: bfloat16), int8-activation flag and packed rows
+    (empty: none)."""
     row_parallel = type(m).__name__ == ROW_PARALLEL
     bias = m.bias.detach() if m.bias is not None and not row_parallel else None
     if type(m) in (torch.nn.Linear, SmallBatchLinear) or row_parallel:
         w = m.weight.detach()
-        if w.dtype != torch.float32 or not w.is_contiguous():
+        if w.dtype not in WEIGHT_QTYPES or not w.is_contiguous():
             raise Unsupported(f"{what} weight {w.dtype}, contiguous={w.is_contiguous()}")
         weights.append(w)
-        qtypes.append(-1)
+        qtypes.append(WEIGHT_QTYPES[w.dtype])
         q8a.append(0)
         packed.append(_NOT_PACKED)
     elif type(m) is QuantLinear:
@@ -557,6 +587,6 @@ def _linear(
         packed.append(m.packed if m.packed is not None else _NOT_PACKED)
     else:
         raise Unsupported(f"{what} is a {type(m).__name__}")
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype not in WEIGHT_QTYPES or not bias.is_contiguous()):
         raise Unsupported(f"{what} bias {bias.dtype}")
-    biases.append(bias if bias is not None else _NO_BIAS)
+    biases.append(bias.float() if bias is not None else _NO_BIAS)

@@ -255,8 +255,13 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
                 )
             log.debug("fast decode off: %s", why)
             return None
+        # a bfloat16 model's stack needs the attention kernels only (oneDNN runs its linears)
         fast = build_fast_decode(
-            self.model, self.device, self.kernels, self.max_model_len, invariant=self.invariant
+            self.model,
+            self.device,
+            self.attention_kernels,
+            self.max_model_len,
+            invariant=self.invariant,
         )
         if fast is not None and self.invariant:
             log.info("batch-invariant: every step runs the native layer stack (batch_invariant)")
