@@ -22,16 +22,27 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
 #include "row_kernels.h"
+
+// bfloat16 linears on AMX tiles through oneDNN's brgemm micro-kernel (at::native::cpublas, as
+// torch's own CPU flash attention uses it): built only where the OS grants AMX (the loader adds
+// -mno-amx-* elsewhere), used only where oneDNN packs bf16 for it at run time.
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define BATON_BF16_TILES 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -42,6 +53,45 @@ enum Linear : int64_t { Q, K, V, O, GATE, UP, DOWN, PER_LAYER };
 // bfloat16 model: oneDNN's bf16 GEMM through at::linear, AMX where the CPU has it; the row
 // kernels do not read them, so a stack with any runs op by op).
 constexpr int64_t FLOAT32_WEIGHTS = -1, BF16_WEIGHTS = -2;
+// Output columns per packed block of bfloat16 weights (pack_bf16_tiles): [K / 2, 64, 2], oneDNN's
+// VNNI layout, one brgemm call per block.
+constexpr int64_t BF16_BLOCK = 64;
+
+bool bf16_tiles() {
+#ifdef BATON_BF16_TILES
+  return at::native::cpublas::could_pack(at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bfloat16 -> [ceil(N / 64), K * 64]: each block of 64 output rows transposed and packed
+// for brgemm (the last block padded with zero rows).
+at::Tensor pack_bf16_tiles(const at::Tensor& w) {
+  TORCH_CHECK(bf16_tiles(), "pack_bf16_tiles: this build or CPU has no bfloat16 AMX tiles (bf16_tiles())");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "pack_bf16_tiles: weights must be bfloat16 [N, K] with K even, got ", w.scalar_type(), " ",
+              w.sizes());
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + BF16_BLOCK - 1) / BF16_BLOCK;
+  at::Tensor out = at::empty({blocks, K * BF16_BLOCK}, w.options());
+#ifdef BATON_BF16_TILES
+  at::Tensor wc = w.contiguous();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t rows = std::min(BF16_BLOCK, N - b * BF16_BLOCK);
+    at::Tensor blk = at::zeros({K, BF16_BLOCK}, w.options());  // [K, 64]: brgemm's B, row-major
+    blk.narrow(1, 0, rows).copy_(wc.narrow(0, b * BF16_BLOCK, rows).t());
+    at::native::cpublas::pack(K, BF16_BLOCK, BF16_BLOCK, BF16_BLOCK, at::kBFloat16, at::kBFloat16, blk.data_ptr(),
+                              out[b].data_ptr());
+  }
+#endif
+  return out;
+}
+
+// x [M, K] float32 rounded to bfloat16 (nearest even), the A of a brgemm, made once per input.
+struct Bf16X {
+  std::vector<at::BFloat16> data;
+  uint64_t gen = ~uint64_t{0};
+};
 
 c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -97,7 +147,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   if (qtype == BF16_WEIGHTS) {  // bfloat16 in, float32 accumulators, bfloat16 out; the bias in float32
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "decode_layers: a linear of qtype ", BF16_WEIGHTS,
                 " needs bfloat16 weights, got ", w.scalar_type());
-    at::Tensor y = at::linear(x.to(at::kBFloat16), w).to(at::kFloat);
+    at::Tensor y = at::linear(x.to(at::kBFloat16), w).to(at::kFloat);  // x.to: no copy when x is bfloat16
     if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
   }
@@ -187,6 +237,7 @@ struct Lin {
   const float* bias = nullptr;
   bool q8a = false;
   bool packed = false;  // wq is pack_q8p's layout (linear_q8p), not ggml's rows
+  const at::BFloat16* wb = nullptr;  // bfloat16 weights in pack_bf16_tiles' blocks
 };
 
 // `packed` defined: w's rows repacked by pack_q8p, which the linear then reads (packed_rows).
@@ -196,7 +247,9 @@ Lin make_lin(const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a, 
   l.K = K;
   l.qtype = qtype;
   l.q8a = q8a;
-  if (packed.defined()) {
+  if (packed.defined() && qtype == BF16_WEIGHTS) {
+    l.wb = packed.data_ptr<at::BFloat16>();
+  } else if (packed.defined()) {
     l.packed = true;
     l.wq = packed.data_ptr<uint8_t>();
     l.row_bytes = packed.size(1);
@@ -217,10 +270,31 @@ constexpr int64_t INVARIANT_TILE_BYTES = 131072;
 // Rows [n0, n1) of y = x @ W^T + b, as the operator for this linear computes them. invariant: the
 // quantized rows' batch-invariant sums, and float weights in tiles of rows (the same sums: a tile
 // only changes which weight rows run together, never how one output is summed).
-void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& prep, float* y, int64_t n0, int64_t n1,
-              bool invariant) {
+void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& prep, Bf16X& xb, float* y, int64_t n0,
+              int64_t n1, bool invariant) {
   if (n0 >= n1) return;
-  if (l.qtype < 0) {
+  if (l.wb != nullptr) {
+#ifdef BATON_BF16_TILES
+    const int64_t K = l.K;
+    if (xb.gen != gen) {  // x as bfloat16, once per input (every linear reading it shares it)
+      xb.data.resize(M * K);
+      int64_t i = 0;
+      for (; i + 16 <= M * K; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data.data() + i),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+      for (; i < M * K; ++i) xb.data[i] = at::BFloat16(x[i]);
+      xb.gen = gen;
+    }
+    // columns [n0, n1) exactly, block by block (a block entered mid-way starts at its column)
+    for (int64_t c = n0; c < n1;) {
+      const int64_t b = c / BF16_BLOCK, o = c % BF16_BLOCK, w = std::min(BF16_BLOCK - o, n1 - c);
+      at::native::cpublas::brgemm(M, w, K, K, BF16_BLOCK, l.N, false, xb.data.data(),
+                                  l.wb + b * K * BF16_BLOCK + 2 * o, y + c, true);
+      c += w;
+    }
+    if (l.bias) add_bias_cols(y, l.bias, M, l.N, n0, n1);
+#endif
+  } else if (l.qtype < 0) {
     const int64_t tile = invariant ? std::max<int64_t>(8, INVARIANT_TILE_BYTES / (4 * l.K) / 8 * 8) : n1 - n0;
     for (int64_t t0 = n0; t0 < n1; t0 += tile)
       baton_rows::float_rows(x, M, l.K, l.wf, y, l.N, t0, std::min(n1, t0 + tile));
@@ -266,6 +340,9 @@ struct Stack {
   // (p odd), its o_proj / down_proj output written to `out` without the residual add (a tensor-
   // parallel rank's partial sum, added across ranks by the caller); 2L: only the final norm.
   int64_t part;
+  // a thread's share of a linear's outputs starts on a multiple of this: 8, or BF16_BLOCK where
+  // bfloat16 tiles run (whole packed blocks per thread)
+  int64_t align;
 };
 
 void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
@@ -275,6 +352,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
   std::vector<float> x(M * Hd);  // this thread's normed input (each thread norms for itself)
   std::vector<float> scores, qbuf;
   QuantX prep;
+  Bf16X xb;
   uint64_t gen = 0;
   const Lin* lins = s.lins->data();
   auto barrier = [nt]() {
@@ -285,8 +363,8 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
   const bool partial = s.part >= 0 && s.part < 2 * s.L;
   // the o_proj / down_proj output: added into the residual stream, or (one part) the result
   auto residual = [&](const Lin& lin, const float* in) {
-    const auto [a, b] = share(Hd, nt, tid, 8);
-    lin_rows(lin, in, M, ++gen, prep, partial ? s.out : s.tmp, a, b, s.invariant);
+    const auto [a, b] = share(Hd, nt, tid, s.align);
+    lin_rows(lin, in, M, ++gen, prep, xb, partial ? s.out : s.tmp, a, b, s.invariant);
     if (!partial)
       for (int64_t m = 0; m < M; ++m) add_into(s.h + m * Hd + a, s.tmp + m * Hd + a, b - a);
   };
@@ -298,12 +376,12 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
       ++gen;
       {
         const int64_t nq = lw[Q].N, nk = lw[K].N;
-        const auto [a, b] = share(nq + nk + lw[V].N, nt, tid, 8);
+        const auto [a, b] = share(nq + nk + lw[V].N, nt, tid, s.align);
         const int64_t off[3] = {0, nq, nq + nk};
         float* dst[3] = {s.q, s.k, s.v};
         for (int i = 0; i < 3; ++i) {
           const Lin& li = lw[Q + i];
-          lin_rows(li, x.data(), M, gen, prep, dst[i], std::max<int64_t>(a - off[i], 0),
+          lin_rows(li, x.data(), M, gen, prep, xb, dst[i], std::max<int64_t>(a - off[i], 0),
                    std::min<int64_t>(b - off[i], li.N), s.invariant);
         }
       }
@@ -345,9 +423,9 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     rms_norm(s.h, (*s.norms)[2 * l + 1], x.data(), M, Hd, s.eps);
     ++gen;
     {
-      const auto [a, b] = share(I, nt, tid, 8);
-      lin_rows(lw[GATE], x.data(), M, gen, prep, s.gate, a, b, s.invariant);
-      lin_rows(lw[UP], x.data(), M, gen, prep, s.up, a, b, s.invariant);
+      const auto [a, b] = share(I, nt, tid, s.align);
+      lin_rows(lw[GATE], x.data(), M, gen, prep, xb, s.gate, a, b, s.invariant);
+      lin_rows(lw[UP], x.data(), M, gen, prep, xb, s.up, a, b, s.invariant);
       for (int64_t m = 0; m < M; ++m) silu_mul(s.gate + m * I + a, s.up + m * I + a, b - a);
     }
     barrier();
@@ -358,22 +436,30 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
   rms_norm(s.h, (*s.norms)[2 * s.L], x.data(), M, Hd, s.eps);
   if (s.out != nullptr && tid == 0) std::memcpy(s.out, x.data(), M * Hd * sizeof(float));
   if (s.head != nullptr) {
-    const auto [a, b] = share(s.head->N, nt, tid, 8);
-    lin_rows(*s.head, x.data(), M, ++gen, prep, s.logits, a, b, s.invariant);
+    const auto [a, b] = share(s.head->N, nt, tid, s.align);
+    lin_rows(*s.head, x.data(), M, ++gen, prep, xb, s.logits, a, b, s.invariant);
   }
+#ifdef BATON_BF16_TILES
+  if (xb.gen != ~uint64_t{0}) at::native::cpublas::brgemm_release(true);  // this thread's AMX tile state
+#endif
 }
 
 // Whether every linear of the stack (and the head) takes its decode-sized kernel at M rows (any M
 // when `invariant`: batch-invariant mode runs every step here).
-bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, const LinearArgs& la, int64_t head_qtype,
-                     bool has_head, bool invariant) {
-  if (!invariant && (M > la.quant_max_rows || M > la.float_max_rows)) return false;
-  for (size_t i = 0; i < qtypes.size(); ++i) {
-    if (!weights[i].is_contiguous() || qtypes[i] == BF16_WEIGHTS) return false;
-    if (qtypes[i] >= 0 && !baton_rows::quant_supported(qtypes[i])) return false;
-  }
-  if (!has_head || head_qtype == FLOAT32_WEIGHTS) return true;
-  return head_qtype >= 0 && baton_rows::quant_supported(head_qtype);
+// bfloat16 linears fit with packed tiles (pack_bf16_tiles), at any row count but not batch-invariant.
+bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, const std::vector<at::Tensor>& packed,
+                     const LinearArgs& la, int64_t head_qtype, bool has_head, const at::Tensor& head_packed,
+                     bool invariant) {
+  bool row_limited = false;  // a float32 or quantized linear: its kernel has a row limit
+  auto fits = [&](int64_t qtype, bool tiles) {
+    if (qtype == BF16_WEIGHTS) return tiles && !invariant;
+    row_limited = true;
+    return qtype == FLOAT32_WEIGHTS || (qtype >= 0 && baton_rows::quant_supported(qtype));
+  };
+  for (size_t i = 0; i < qtypes.size(); ++i)
+    if (!weights[i].is_contiguous() || !fits(qtypes[i], packed[i].defined())) return false;
+  if (has_head && !fits(head_qtype, head_packed.defined())) return false;
+  return invariant || !row_limited || (M <= la.quant_max_rows && M <= la.float_max_rows);
 }
 
 CacheType cache_type_of(const at::Tensor& c) {
@@ -392,7 +478,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
                       const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t H, int64_t KVH, float eps,
                       float scale, const at::Tensor* head, int64_t head_qtype, bool head_q8a, const at::Tensor& head_packed,
                       const at::Tensor& head_bias,
-                      bool shared_context, bool invariant, int64_t part) {
+                      bool shared_context, bool invariant, int64_t part, int64_t align) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), M = hidden.size(0), Hd = hidden.size(1);
   const at::Tensor& v0 = v_caches[0];
   const int64_t D = v0.size(3), BS = v0.size(2), blocks = v0.size(0);
@@ -505,7 +591,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            head != nullptr ? logits.data_ptr<float>() : nullptr,
            shared_context,
            invariant,
-           part};
+           part,
+           align};
   at::internal::lazy_init_num_threads();
   const int64_t want = at::get_num_threads();
   if (want <= 1 || at::in_parallel_region()) {
@@ -546,15 +633,29 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
               " entries (an empty tensor for a linear that is not packed), got ", packed_in.size());
   // a linear's pack_q8p layout (undefined: none), used where its q8a flag is set
   std::vector<at::Tensor> packed(nl);
+  bool tiles = false;  // any linear on bfloat16 tiles
+  auto check_tiles = [&](const at::Tensor& p, const at::Tensor& w, const char* what) {
+    TORCH_CHECK(bf16_tiles() && p.scalar_type() == at::kBFloat16 && p.dim() == 2 && w.dim() == 2 &&
+                    p.size(0) == (w.size(0) + BF16_BLOCK - 1) / BF16_BLOCK && p.size(1) == w.size(1) * BF16_BLOCK,
+                "decode_layers: ", what, ": packed bfloat16 weights must be pack_bf16_tiles(weight) of this "
+                "build (bf16_tiles() is ", bf16_tiles(), ")");
+    tiles = true;
+    return p.contiguous();
+  };
   for (size_t j = 0; j < packed_in.size(); ++j)
-    if (q8a[j] != 0 && packed_in[j].numel() > 0) {
+    if (qtypes[j] == BF16_WEIGHTS && packed_in[j].numel() > 0) {
+      packed[j] = check_tiles(packed_in[j], weights[j], "a linear");
+    } else if (q8a[j] != 0 && packed_in[j].numel() > 0) {
       TORCH_CHECK(baton_rows::packed_supported(qtypes[j]), "decode_layers: linear ", j, " is packed in qtype ",
                   qtypes[j], ", which linear_q8p does not read here");
       packed[j] = packed_in[j].contiguous();
     }
-  const at::Tensor head_packed = head_packed_in.has_value() && head_q8a != 0 && head_packed_in->numel() > 0
-                                     ? head_packed_in->contiguous()
-                                     : at::Tensor();
+  const bool head_given = head.has_value() && head->defined() && head_packed_in.has_value() &&
+                          head_packed_in->numel() > 0;
+  const at::Tensor head_packed = !head_given ? at::Tensor()
+                                 : head_qtype == BF16_WEIGHTS ? check_tiles(*head_packed_in, *head, "the head")
+                                 : head_q8a != 0              ? head_packed_in->contiguous()
+                                                              : at::Tensor();
   const int64_t M = hidden.size(0), Hd = hidden.size(1);
   const int64_t D = v_caches[0].size(3), H = num_heads, KVH = num_kv_heads;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -575,14 +676,15 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                 "decode_layers: head must be [vocab, hidden] float32 or [vocab, row_bytes] uint8 quantized rows");
   TORCH_CHECK(part < 0 || (invariant && !has_head && part <= 2 * L), "decode_layers: part ", part,
               " needs invariant=True, no head and a part in [0, ", 2 * L, "]");
-  const bool one = one_region_fits(M, weights, qtypes, la, head_qtype, has_head, invariant);
+  const bool one = one_region_fits(M, weights, qtypes, packed, la, head_qtype, has_head, head_packed, invariant);
   TORCH_CHECK(one || !invariant,
               "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
               "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; not bfloat16)");
   if (one)
     return one_region(hidden, cp, sp, norms, weights, biases, qtypes, q8a, packed, k_caches, v_caches, slots,
                       block_table, ctx_lens, H, KVH, feps, static_cast<float>(scale), has_head ? &*head : nullptr,
-                      head_qtype, head_q8a != 0, head_packed, hb, shared_context, invariant, part);
+                      head_qtype, head_q8a != 0, head_packed, hb, shared_context, invariant, part,
+                      tiles ? BF16_BLOCK : 8);
 
   at::Tensor h = hidden.contiguous().clone();  // the residual stream
   at::Tensor x = at::empty_like(h);            // normed input of the attention / MLP
@@ -592,15 +694,31 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   float* xp = x.data_ptr<float>();
   at::Tensor bufs[PER_LAYER];
 
+  // elementwise steps over rows on every thread (each row's result is the same whatever the split)
+  auto norm_rows = [&](const at::Tensor& w) {
+    const float* wp = w.data_ptr<float>();
+    at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+      rms_norm(hp + m0 * Hd, wp, xp + m0 * Hd, m1 - m0, Hd, feps);
+    });
+  };
+  // x in bfloat16 once for the linears of a block that all read it (bfloat16 weights), else x
+  auto input_for = [&](int64_t w0, std::initializer_list<Linear> group) {
+    for (Linear i : group)
+      if (qtypes[w0 + i] == BF16_WEIGHTS) return x.to(at::kBFloat16);
+    return x;
+  };
   for (int64_t l = 0; l < L; ++l) {
     const int64_t w0 = l * PER_LAYER;
     auto lin = [&](const at::Tensor& in, Linear i) {
-      return linear(in, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i],
+      // a bfloat16 input (input_for) feeds bfloat16 weights; float32 weights take x itself
+      const at::Tensor& arg = in.scalar_type() == at::kBFloat16 && qtypes[w0 + i] != BF16_WEIGHTS ? x : in;
+      return linear(arg, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i],
                     packed[w0 + i]);
     };
     // attention block
-    rms_norm(hp, norms[2 * l].data_ptr<float>(), xp, M, Hd, feps);
-    at::Tensor q = lin(x, Q), k = lin(x, K), v = lin(x, V);
+    norm_rows(norms[2 * l]);
+    const at::Tensor xa = input_for(w0, {Q, K, V});
+    at::Tensor q = lin(xa, Q), k = lin(xa, K), v = lin(xa, V);
     TORCH_CHECK(q.size(1) == H * D && k.size(1) == KVH * D && v.size(1) == KVH * D,
                 "decode_layers: layer ", l, ": q/k/v widths ", q.size(1), "/", k.size(1), "/", v.size(1),
                 " do not match ", H, " heads and ", KVH, " KV heads of ", D);
@@ -620,10 +738,19 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
     at::Tensor o = lin(attn2, O);
     add_into(hp, o.data_ptr<float>(), M * Hd);
     // MLP block
-    rms_norm(hp, norms[2 * l + 1].data_ptr<float>(), xp, M, Hd, feps);
-    at::Tensor g = lin(x, GATE), u = lin(x, UP);
-    TORCH_CHECK(g.sizes() == u.sizes(), "decode_layers: layer ", l, ": gate and up widths differ");
-    silu_mul(g.data_ptr<float>(), u.data_ptr<float>(), g.numel());
+    norm_rows(norms[2 * l + 1]);
+    const at::Tensor xm = input_for(w0, {GATE, UP});
+    at::Tensor g = lin(xm, GATE), u = lin(xm, UP);
+    TORCH_CHECK(g.sizes() == u.sizes() && g.is_contiguous() && u.is_contiguous(), "decode_layers: layer ", l,
+                ": gate and up widths differ");
+    {
+      float* gp = g.data_ptr<float>();
+      const float* up = u.data_ptr<float>();
+      const int64_t width = g.size(1);
+      at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) {
+        silu_mul(gp + m0 * width, up + m0 * width, (m1 - m0) * width);
+      });
+    }
     at::Tensor d = lin(g, DOWN);
     add_into(hp, d.data_ptr<float>(), M * Hd);
   }
@@ -643,6 +770,11 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
       "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False, "
       "bool invariant=False, int part=-1, Tensor[]? packed=None, Tensor? head_packed=None) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(baton, m) {
+  m.def("bf16_tiles() -> bool", &bf16_tiles);
+  m.def("pack_bf16_tiles(Tensor weight) -> Tensor", &pack_bf16_tiles);
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) { m.impl("decode_layers", decode_layers); }

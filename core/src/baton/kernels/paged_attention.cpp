@@ -90,6 +90,16 @@ inline uint16_t f32_to_f16(float f) {
 template <Kind K>
 inline void to_f32(const elem_t<K>* __restrict src, float* __restrict dst, int64_t n) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  // 16 at a time: a tile's conversion is half of a bfloat16 decode's instructions at 8
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    if constexpr (K == Kind::F16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+    else
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
 #ifdef BATON_CVT_AVX2
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));

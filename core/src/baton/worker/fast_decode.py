@@ -455,7 +455,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         vocab_size=getattr(head, "vocab_size", 0),
         dtype=dtype,
         head_args=_head_args(head),
-        head_packed=head.packed if type(head) is QuantLinear else None,
+        head_packed=_head_packed(head),
         embed=embed,
         rotary=inner.rotary_emb,
         head=head,
@@ -500,6 +500,28 @@ def _head_args(
             return None
         rows = HEAD_KERNEL_MAX_ROWS if type(head) is CpuLMHead else KERNEL_MAX_ROWS
         return w, -1, 0, bias, rows
+    return None
+
+
+def bf16_tiles(w: torch.Tensor) -> torch.Tensor:
+    """``w`` packed for AMX tiles (``pack_bf16_tiles``: decode_layers then runs the whole stack in
+    one parallel region at any row count), or an empty tensor where this CPU or build has none
+    (the linear runs through at::linear, op by op)."""
+    if not hasattr(torch.ops.baton, "bf16_tiles") or not torch.ops.baton.bf16_tiles():
+        return _NOT_PACKED
+    if w.shape[1] % 2:
+        return _NOT_PACKED
+    return torch.ops.baton.pack_bf16_tiles(w)
+
+
+def _head_packed(head: torch.nn.Module) -> torch.Tensor | None:
+    """The LM head's packed rows as decode_layers takes them, or None."""
+    if type(head) is QuantLinear:
+        return head.packed
+    w = getattr(head, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2:
+        tiles = bf16_tiles(w.detach())
+        return tiles if tiles.numel() else None
     return None
 
 
@@ -572,7 +594,7 @@ def _linear(
         weights.append(w)
         qtypes.append(WEIGHT_QTYPES[w.dtype])
         q8a.append(0)
-        packed.append(_NOT_PACKED)
+        packed.append(bf16_tiles(w) if w.dtype == torch.bfloat16 else _NOT_PACKED)
     elif type(m) is QuantLinear:
         if not m.kernels:
             raise Unsupported(f"{what} is a QuantLinear without kernels")
