@@ -111,10 +111,16 @@ def test_kernel_paths_follow_the_build():
     )
     assert "AMX-INT8 tiles" not in p["linear_q8p"].path
     assert p["linear_q8p"].why.endswith("tiles: amx_int8 left out: the OS refused tile data")
+    assert p["bf16 decode stack"].path == "at::linear per linear, op by op"
+    assert p["bf16 decode stack"].why == "no AMX tiles: the OS refused tile data"
     amx_build = build | {"amx_tile", "amx_int8", "amx_bf16"}
     p = _paths(amx_build, spr, "native", granted)
     assert p["linear_q8p"].path.endswith("AMX-INT8 tiles from 12 rows")
     assert p["amx tiles"].path.startswith("linear_q8p: AMX-INT8")
+    assert p["bf16 decode stack"].path.startswith("oneDNN brgemm on AMX-BF16 tiles")
+    # granted, but a build without the bf16 instructions (BATON_KERNEL_ISA=avx2): op by op
+    p = _paths(build - {"avx512bf16"} | {"amx_bf16"}, spr, "avx2", granted)
+    assert p["bf16 decode stack"].why == "the kernels were built without amx_bf16 / avx512bf16"
 
 
 @pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler: the kernels cannot build")

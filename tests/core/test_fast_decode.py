@@ -8,6 +8,7 @@ quantized linears; and the fast path refused where it does not apply.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -313,13 +314,32 @@ def test_draft_rows_attend_after_every_row_wrote_its_keys(cache_dtype, threads):
     assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k2 + v2, strict=True))
 
 
+#: widths that are not multiples of the tiles' 64-column blocks (q, k and v 80 each, MLP 100): with
+#: two threads the fused q/k/v share splits k at its column 48, inside a packed block
+ODD_WIDTHS = {
+    "hidden_size": 80,
+    "num_attention_heads": 5,
+    "num_key_value_heads": 5,
+    "intermediate_size": 100,
+}
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "op-by-op"])
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2}), ("llama", ODD_WIDTHS)],
+    ids=["qwen2-biases-gqa", "llama-odd-widths"],
+)
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_a_bfloat16_model_runs_its_linears_as_bf16_gemms_in_the_stack(rows):
-    """A bfloat16 model's stack (oneDNN's bf16 GEMMs, everything else in float32) gives the
-    logits of the float32 stack on the same bfloat16-valued weights but for the rounding of each
-    linear's input and output to bfloat16: close, not equal, at any row count, biases and the
-    head included."""
-    path = tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)  # q/k/v biases, GQA
+def test_a_bfloat16_model_runs_its_linears_as_bf16_gemms_in_the_stack(rows, arch, overrides, tiles):
+    """A bfloat16 model's stack (its linears as bf16 GEMMs: oneDNN's brgemm on AMX tiles in one
+    parallel region where this CPU has them, else at::linear op by op; everything else in
+    float32) gives the logits of the float32 stack on the same bfloat16-valued weights but for
+    the rounding of each linear's input to bfloat16: close, not equal, at any row count, biases
+    and the head included; one thread and two give the same bits."""
+    if tiles and not torch.ops.baton.bf16_tiles():
+        pytest.skip("no bfloat16 AMX tiles here (AMX not granted or oneDNN does not pack bf16)")
+    path = tiny_model(arch, **overrides)
     kwargs = {"block_size": 4, "budget": 64, "max_seqs": 64}
     bf16 = make_runner(path, **kwargs, **{"model.dtype": "bfloat16"})
     f32 = make_runner(path, **kwargs)
@@ -330,6 +350,11 @@ def test_a_bfloat16_model_runs_its_linears_as_bf16_gemms_in_the_stack(rows):
     assert fast is not None and ref is not None and fast.head_args is not None
     assert set(fast.qtypes) == {BF16_WEIGHTS} and fast.head_args[1] == BF16_WEIGHTS
     assert all(b.numel() == 0 or b.dtype == torch.float32 for b in fast.biases)
+    assert all(p.numel() > 0 for p in fast.packed) == bool(torch.ops.baton.bf16_tiles())
+    if not tiles:  # the path of a CPU without tiles
+        fast = dataclasses.replace(
+            fast, packed=[torch.empty(0)] * len(fast.packed), head_packed=None
+        )
     g = torch.Generator().manual_seed(rows)
     caches = _random_caches(f32, torch.bfloat16, g)
     table = torch.randperm(NUM_BLOCKS, generator=g)[: rows * 2].view(rows, 2)
@@ -340,9 +365,12 @@ def test_a_bfloat16_model_runs_its_linears_as_bf16_gemms_in_the_stack(rows):
     args = (caches, hidden, positions, slots, table, lens)
     with torch.inference_mode():
         got, k_got, _ = _stack_call(fast, *args, fast.head_args[:4], 2)
+        one, _, _ = _stack_call(fast, *args, fast.head_args[:4], 1)
         want, k_want, _ = _stack_call(ref, *args, ref.head_args[:4], 2)
         unfused, _, _ = _stack_call(fast, *args, (None, -1, 0, None), 2)
     assert got.dtype == torch.float32 and got.shape == want.shape
+    if tiles:  # each output column is one brgemm call's, whichever thread makes it
+        assert torch.equal(got, one)
     err = float((got - want).abs().max())
     assert 0 < err <= 0.03 * float(want.abs().max()), err
     assert (got.argmax(1) == want.argmax(1)).float().mean() >= 0.9

@@ -150,11 +150,33 @@ def kernel_paths(
         amx_path = KernelPath(
             "amx tiles",
             "linear_q8p: AMX-INT8 TDPBSUD from 12 rows of x (int8 activations)",
-            amx.reason + "; bfloat16 linears take torch's oneDNN tiles",
+            amx.reason + "; bfloat16 linears take oneDNN's tiles (bf16 linear rows)",
         )
     else:
         amx_path = KernelPath("amx tiles", "not used", why("amx_tile"))
-    return [float_q, q8, q8p, small, attn, tiles, amx_path, _bf16_path(cpu, amx)]
+    return [float_q, q8, q8p, small, attn, tiles, amx_path, *_bf16_paths(build, cpu, amx)]
+
+
+def _bf16_paths(build: frozenset[str], cpu: frozenset[str], amx: Grant) -> list[KernelPath]:
+    """What ``model.dtype = bfloat16`` linears run on: torch's (oneDNN) in transformers' modules,
+    and in fast decode's native stack."""
+    if amx.granted and {"amx_bf16", "avx512bf16"} <= build:
+        stack = KernelPath(
+            "bf16 decode stack",
+            "oneDNN brgemm on AMX-BF16 tiles, weights packed at load, one parallel region",
+            amx.reason + " (where oneDNN packs bf16: torch.ops.baton.bf16_tiles())",
+        )
+    else:
+        stack = KernelPath(
+            "bf16 decode stack", "at::linear per linear, op by op", why_no_tiles(build, amx)
+        )
+    return [_bf16_path(cpu, amx), stack]
+
+
+def why_no_tiles(build: frozenset[str], amx: Grant) -> str:
+    if not amx.granted:
+        return f"no AMX tiles: {amx.reason}"
+    return "the kernels were built without amx_bf16 / avx512bf16"
 
 
 def _bf16_path(cpu: frozenset[str], amx: Grant) -> KernelPath:
