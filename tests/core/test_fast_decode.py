@@ -75,23 +75,26 @@ def test_many_rows_give_the_tokens_of_the_modules(quantization, activations):
     lens = tuple(2 + (5 * i) % 13 for i in range(34))
     if activations != "none":  # linear_q8a only up to QuantLinear.KERNEL_MAX_ROWS: fewer requests
         lens = lens[:12]
+    settings = {"model.quantization": quantization, "model.activation_quantization": activations}
     outputs = []
     for fast in (True, False):
-        runner = make_runner(
-            path,
-            block_size=3,
-            budget=512,
-            max_seqs=len(lens),
-            fast_decode=fast,
-            **{"model.quantization": quantization, "model.activation_quantization": activations},
-        )
-        d = run_driver(runner, lens, max_tokens=5, block_size=3, budget=512, seed=7, grow=0)
+        runner, out = decode_many(path, lens, fast, max_tokens=5, seed=7, **settings)
         assert (runner.fast_decode is not None and runner.fast_decode.steps > 0) is fast
         if fast and activations == "int8" and torch.ops.baton.q8p_kernel():
             # AVX-512 VNNI: the linears run linear_q8p on their packed rows, inside the stack too
             assert all(p.numel() for p in runner.fast_decode.packed)
-        outputs.append([d.all[f"r{i}"].output for i in range(len(lens))])
+        outputs.append(out)
     assert outputs[0] == outputs[1]
+
+
+def decode_many(path, lens, fast, max_tokens, seed, **settings):
+    """A runner (blocks of 3, every request at once) and the greedy tokens of requests of prompt
+    lengths ``lens``, ``max_tokens`` each."""
+    runner = make_runner(
+        path, block_size=3, budget=512, max_seqs=len(lens), fast_decode=fast, **settings
+    )
+    d = run_driver(runner, lens, max_tokens, block_size=3, budget=512, seed=seed, grow=0)
+    return runner, [d.all[f"r{i}"].output for i in range(len(lens))]
 
 
 @pytest.mark.parametrize(
@@ -390,17 +393,9 @@ def test_a_bfloat16_model_decodes_through_the_stack_the_same_every_run():
     lens = tuple(2 + (5 * i) % 13 for i in range(12))
     outputs = []
     for fast in (True, True, False):
-        runner = make_runner(
-            path,
-            block_size=3,
-            budget=512,
-            max_seqs=len(lens),
-            fast_decode=fast,
-            **{"model.dtype": "bfloat16"},
-        )
-        d = run_driver(runner, lens, max_tokens=10, block_size=3, budget=512, seed=3, grow=0)
+        runner, out = decode_many(path, lens, fast, 10, seed=3, **{"model.dtype": "bfloat16"})
         assert (runner.fast_decode is not None and runner.fast_decode.steps >= 9) is fast
-        outputs.append([d.all[f"r{i}"].output for i in range(len(lens))])
+        outputs.append(out)
     assert outputs[0] == outputs[1]
     pairs = [(a, b) for x, y in zip(*outputs[::2], strict=True) for a, b in zip(x, y, strict=True)]
     assert sum(a == b for a, b in pairs) >= 0.7 * len(pairs)
