@@ -30,7 +30,6 @@
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -50,8 +49,8 @@ namespace {
 enum Linear : int64_t { Q, K, V, O, GATE, UP, DOWN, PER_LAYER };
 
 // qtypes: a GGUF block type (>= 0), float32 weights [N, K], or bfloat16 weights [N, K] (a
-// bfloat16 model: oneDNN's bf16 GEMM through at::linear, AMX where the CPU has it; the row
-// kernels do not read them, so a stack with any runs op by op).
+// bfloat16 model: oneDNN's brgemm on AMX tiles in the one region where they come packed
+// (pack_bf16_tiles), else at::linear op by op; the row kernels do not read them).
 constexpr int64_t FLOAT32_WEIGHTS = -1, BF16_WEIGHTS = -2;
 // Output columns per packed block of bfloat16 weights (pack_bf16_tiles): [K / 2, 64, 2], oneDNN's
 // VNNI layout, one brgemm call per block.
@@ -701,24 +700,22 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
       rms_norm(hp + m0 * Hd, wp, xp + m0 * Hd, m1 - m0, Hd, feps);
     });
   };
-  // x in bfloat16 once for the linears of a block that all read it (bfloat16 weights), else x
-  auto input_for = [&](int64_t w0, std::initializer_list<Linear> group) {
-    for (Linear i : group)
-      if (qtypes[w0 + i] == BF16_WEIGHTS) return x.to(at::kBFloat16);
-    return x;
-  };
+  at::Tensor xb;  // x in bfloat16, made once per norm when a bfloat16 linear reads it
   for (int64_t l = 0; l < L; ++l) {
     const int64_t w0 = l * PER_LAYER;
     auto lin = [&](const at::Tensor& in, Linear i) {
-      // a bfloat16 input (input_for) feeds bfloat16 weights; float32 weights take x itself
-      const at::Tensor& arg = in.scalar_type() == at::kBFloat16 && qtypes[w0 + i] != BF16_WEIGHTS ? x : in;
-      return linear(arg, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i],
+      return linear(in, weights[w0 + i], biases[w0 + i], qtypes[w0 + i], q8a[w0 + i] != 0, la, bufs[i],
                     packed[w0 + i]);
+    };
+    auto lin_x = [&](Linear i) {  // a linear of the normed x
+      if (qtypes[w0 + i] != BF16_WEIGHTS) return lin(x, i);
+      if (!xb.defined()) xb = x.to(at::kBFloat16);
+      return lin(xb, i);
     };
     // attention block
     norm_rows(norms[2 * l]);
-    const at::Tensor xa = input_for(w0, {Q, K, V});
-    at::Tensor q = lin(xa, Q), k = lin(xa, K), v = lin(xa, V);
+    xb.reset();
+    at::Tensor q = lin_x(Q), k = lin_x(K), v = lin_x(V);
     TORCH_CHECK(q.size(1) == H * D && k.size(1) == KVH * D && v.size(1) == KVH * D,
                 "decode_layers: layer ", l, ": q/k/v widths ", q.size(1), "/", k.size(1), "/", v.size(1),
                 " do not match ", H, " heads and ", KVH, " KV heads of ", D);
@@ -739,10 +736,10 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
     add_into(hp, o.data_ptr<float>(), M * Hd);
     // MLP block
     norm_rows(norms[2 * l + 1]);
-    const at::Tensor xm = input_for(w0, {GATE, UP});
-    at::Tensor g = lin(xm, GATE), u = lin(xm, UP);
+    xb.reset();
+    at::Tensor g = lin_x(GATE), u = lin_x(UP);
     TORCH_CHECK(g.sizes() == u.sizes() && g.is_contiguous() && u.is_contiguous(), "decode_layers: layer ", l,
-                ": gate and up widths differ");
+                ": gate and up outputs must be contiguous and of one width, got ", g.sizes(), " and ", u.sizes());
     {
       float* gp = g.data_ptr<float>();
       const float* up = u.data_ptr<float>();

@@ -20,9 +20,9 @@ with a debug log of the reason, for anything else; transformers' code then runs
 every step, as it always does for prefill and mixed steps.
 
 A bfloat16 model's stack keeps its residual stream, norms, rotary and attention in float32 (its
-KV cache stays bfloat16) and runs each bfloat16 linear as oneDNN's bf16 GEMM (``at::linear``, AMX
-tiles where the CPU has them) on its input rounded to bfloat16: the modules' ~15 ops per layer
-from Python go, the GEMMs stay. It rounds less than transformers' bfloat16 modules (which round
+KV cache stays bfloat16) and runs each bfloat16 linear as a bf16 GEMM on its input rounded to
+bfloat16: where AMX is granted on weights packed at load (``bf16_tiles``: oneDNN's brgemm, the
+whole stack in the one parallel region at any row count), else ``at::linear`` op by op. It rounds less than transformers' bfloat16 modules (which round
 the residual stream after every layer), so its tokens are not theirs bit for bit; they are the
 same from run to run.
 
@@ -91,7 +91,7 @@ ROW_PARALLEL, VOCAB_EMBEDDING, VOCAB_HEAD = (
 #: decode_layers' qtype of a plain linear, by its weights' dtype (the model's compute dtype)
 FLOAT32_WEIGHTS, BF16_WEIGHTS = -1, -2
 WEIGHT_QTYPES = {torch.float32: FLOAT32_WEIGHTS, torch.bfloat16: BF16_WEIGHTS}
-#: The rows up to which a head decode_layers runs with at::linear takes every step's rows.
+#: A bfloat16 head's row limit: decode_layers runs it at any row count.
 ANY_ROWS = 1 << 30
 #: rope types whose cos/sin depend on the position alone (not on the sequence length, as
 #: "dynamic" and "longrope" do): tabulated once at load.
@@ -448,14 +448,15 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
     eps = _norm(inner.norm, eps, norms, "final norm")
     assert eps is not None and scale is not None  # at least one layer
     tp = _one_group(tps, len(after_sum), 2 * len(layers), embed, head)
+    head_args = _head_args(head)
     shards = tp.tp_size if tp is not None else 1
     return FastDecode(
         tp=tp,
         after_sum=after_sum if tp is not None else [],
         vocab_size=getattr(head, "vocab_size", 0),
         dtype=dtype,
-        head_args=_head_args(head),
-        head_packed=_head_packed(head),
+        head_args=head_args,
+        head_packed=_head_packed(head, head_args),
         embed=embed,
         rotary=inner.rotary_emb,
         head=head,
@@ -514,13 +515,15 @@ def bf16_tiles(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.baton.pack_bf16_tiles(w)
 
 
-def _head_packed(head: torch.nn.Module) -> torch.Tensor | None:
-    """The LM head's packed rows as decode_layers takes them, or None."""
+def _head_packed(
+    head: torch.nn.Module, head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None
+) -> torch.Tensor | None:
+    """The LM head's packed rows as decode_layers takes them (``head_args``: as _head_args gave
+    them), or None."""
     if type(head) is QuantLinear:
         return head.packed
-    w = getattr(head, "weight", None)
-    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2:
-        tiles = bf16_tiles(w.detach())
+    if head_args is not None and head_args[1] == BF16_WEIGHTS:
+        tiles = bf16_tiles(head_args[0])
         return tiles if tiles.numel() else None
     return None
 
