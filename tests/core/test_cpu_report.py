@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from baton.kernels import loader, os_grant, report
+from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.kernels.os_grant import Grant, probe_amx
 
 AMX = frozenset({"avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16"})
@@ -74,6 +75,24 @@ def test_refused_amx_is_compiled_out(monkeypatch):
 def _paths(build: set[str], cpu: set[str], isa: str, amx: Grant) -> dict[str, report.KernelPath]:
     paths = report.kernel_paths(frozenset(build), frozenset(cpu), isa, amx)
     return {p.kernel: p for p in paths}
+
+
+def test_linear_qp_line_says_whether_exact_linears_read_packed_rows(monkeypatch):
+    none = Grant("amx", False, False, "the CPU does not advertise amx_tile")
+    build = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512vnni"}
+    cpu = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"}
+    monkeypatch.delenv(PACKED_EXACT_ENV, raising=False)
+
+    def qp(on: bool, b: set[str] = build) -> report.KernelPath:
+        paths = report.kernel_paths(frozenset(b), frozenset(cpu), "native", none, on)
+        return {p.kernel: p for p in paths}["linear_qp"]
+
+    assert qp(True).path.startswith("exact decode-sized linears on the repacked rows")
+    assert qp(True).why == "an Intel CPU (the default there)"
+    assert qp(False).path.startswith("not used") and qp(False).why.startswith("not an Intel CPU")
+    monkeypatch.setenv(PACKED_EXACT_ENV, "0")
+    assert qp(False).why == f"{PACKED_EXACT_ENV}=0"
+    assert qp(True, {"avx2", "fma", "f16c"}).path.startswith("not built")
 
 
 def test_kernel_paths_follow_the_build():

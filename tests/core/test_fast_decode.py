@@ -16,6 +16,7 @@ import torch
 
 from baton.errors import ExecutorError
 from baton.kernels import loader
+from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
 from baton.worker.fast_decode import BF16_WEIGHTS, build_fast_decode
@@ -25,6 +26,11 @@ from baton.worker.worker import runner_settings
 from .test_model_runner import NUM_BLOCKS, assert_greedy_parity, hf_greedy, make_runner, prompts
 
 pytestmark = pytest.mark.usefixtures("cpu_kernel_ops")
+
+
+def q8p_built() -> bool:
+    """Whether the kernels have linear_q8p / linear_qp (AVX-512 VNNI)."""
+    return bool(torch.ops.baton.q8p_kernel())
 
 
 def run_driver(runner, lens, max_tokens, block_size=4, budget=24, seed=1, grow=1) -> Driver:
@@ -225,21 +231,25 @@ def _stack_call(
 
 
 @pytest.mark.parametrize(
-    ("quantization", "activations", "cache_dtype"),
+    ("quantization", "activations", "cache_dtype", "packed_exact"),
     [
-        ("none", "none", torch.float32),
-        ("int4", "none", torch.float32),
-        ("int8", "int8", torch.bfloat16),
-        ("none", "none", torch.float16),
+        ("none", "none", torch.float32, ""),
+        ("int4", "none", torch.float32, "0"),
+        ("int4", "none", torch.float32, "1"),
+        ("int8", "int8", torch.bfloat16, ""),
+        ("none", "none", torch.float16, ""),
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_one_parallel_region_is_split_independent_and_runs_the_head(
-    quantization, activations, cache_dtype, rows
+    quantization, activations, cache_dtype, packed_exact, rows, monkeypatch
 ):
     """Up to the kernels' row limits decode_layers runs in one parallel region, split over the
     threads by rows and (request, kv head) pairs: one thread and two give the same bits, the
-    head run inside gives the logits of the head module, and the cache gets the same writes."""
+    head run inside gives the logits of the head module, and the cache gets the same writes.
+    packed_exact: exact linears on ggml's rows (linear_q) or packed ones (linear_qp)."""
+    if packed_exact:
+        monkeypatch.setenv(PACKED_EXACT_ENV, packed_exact)
     path = tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)  # q/k/v biases, GQA
     runner = make_runner(
         path,
@@ -254,6 +264,8 @@ def test_one_parallel_region_is_split_independent_and_runs_the_head(
     )
     fast = runner.fast_decode
     assert fast is not None and fast.cos_table is not None and fast.head_args is not None
+    if packed_exact:  # the tiny model's widths fill the packed tiles
+        assert all(bool(p.numel()) for p in fast.packed) == (packed_exact == "1" and q8p_built())
     g = torch.Generator().manual_seed(rows)
     hd = fast.norms[0].numel()
     blocks_per = 5

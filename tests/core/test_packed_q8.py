@@ -1,7 +1,8 @@
-"""linear_q8p: int8 activations on weights repacked for AVX-512 VNNI (kernels/packed_q8.cpp).
+"""linear_q8p and linear_qp: weights repacked for AVX-512 VNNI (kernels/packed_q8.cpp).
 
-The packed kernel quantizes x exactly as linear_q8a does, so both give the same values up to
-float summation order; a row's result does not depend on the rows beside it.
+linear_q8p quantizes x exactly as linear_q8a does, so both give the same values up to float
+summation order. linear_qp (exact) splits x into three int8 pieces: as accurate as linear_q's
+float32 sums. Either way a row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import sys
 import pytest
 import torch
 
-from baton.kernels import loader
+from baton.errors import ConfigError
+from baton.kernels import cpu_features, loader
+from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact, packed_exact_default
 from baton.quant import QType, QuantLinear
-from baton.quant.ops import packs_for_int8
+from baton.quant.ops import packs_rows
 
 pytestmark = pytest.mark.skipif(
     not loader.load(), reason="baton's CPU kernels do not build here (no C++ compiler)"
@@ -78,12 +81,13 @@ def test_pack_refuses_what_it_cannot_lay_out():
         torch.ops.baton.pack_q8p(random_rows(40, 64, QType.Q4_1), int(QType.Q4_1))
     with pytest.raises(RuntimeError, match="has no packed layout"):
         torch.ops.baton.pack_q8p(torch.zeros(16, 144, dtype=torch.uint8), int(QType.Q4_K))
-    assert not packs_for_int8(QType.Q4_K, 64)
-    assert not packs_for_int8(QType.Q4_1, 40)
+    assert not packs_rows(QType.Q4_K, 64)
+    assert not packs_rows(QType.Q4_1, 40)
 
 
 @needs_vnni
-def test_quant_linear_packs_while_int8_activations_are_on():
+def test_quant_linear_packs_while_int8_activations_are_on(monkeypatch):
+    monkeypatch.setenv(PACKED_EXACT_ENV, "0")  # exact calls on ggml's rows: packed only for int8
     w = random_rows(64, 128, QType.Q4_1, seed=9)
     lin = QuantLinear(w, QType.Q4_1, 128, 64, bias=torch.randn(64), kernels=True)
     before = lin.weight_bytes
@@ -101,6 +105,109 @@ def test_quant_linear_packs_while_int8_activations_are_on():
     torch.testing.assert_close(
         lin(big), torch.ops.baton.linear_q_tiles(big, lin.raw, int(QType.Q4_1), lin.bias)
     )
+
+
+def _relative_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    """max |y - x @ w.T| / (|x| @ |w|.T), the reference in float64."""
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    return float(((y.double() - ref).abs() / scale.clamp_min(1e-300)).max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 5, 16])
+def test_linear_qp_is_as_accurate_as_the_float_kernel(qtype, rows):
+    """x in three int8 pieces: within float32 rounding of x @ dequantize(w).T, as linear_q is
+    (an int8 x, linear_q8p, is ~1e-3 off; two pieces would be ~1e-5). The pieces resolve each
+    value to 2^-24 of its block's largest: a value far below its block's largest keeps fewer
+    bits than a float32 would (the bound below), as in any block floating point."""
+    w = random_rows(192, 1536, qtype, seed=rows)
+    wd = torch.empty(192, 1536)
+    torch.ops.baton.dequantize_q(w, int(qtype), wd)
+    packed = torch.ops.baton.pack_q8p(w, int(qtype))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1536, generator=g) * torch.randn(rows, 1536, generator=g).exp()
+    x[0, :32] = 0.0  # a block of zeros: no scale to divide by
+    exact = _relative_error(torch.ops.baton.linear_qp(x, packed, int(qtype)), x, wd)
+    floats = _relative_error(torch.ops.baton.linear_q(x, w, int(qtype)), x, wd)
+    int8 = _relative_error(torch.ops.baton.linear_q8p(x, packed, int(qtype)), x, wd)
+    assert exact < 1e-6 and floats < 1e-6 and int8 > 1e-4, (exact, floats, int8)
+    bias = torch.randn(192, generator=g)
+    with_bias = torch.ops.baton.linear_qp(x, packed, int(qtype), bias)
+    assert torch.equal(with_bias, torch.ops.baton.linear_qp(x, packed, int(qtype)) + bias)
+    # one value 10^7 times its block's others: their error is bounded by the block's largest
+    x[-1, 32:64] = torch.tensor([-1e4] + [1e-3] * 31)
+    err = (
+        torch.ops.baton.linear_qp(x, packed, int(qtype)).double() - x.double() @ wd.double().T
+    ).abs()
+    blocks = x.double().abs().view(rows, -1, 32).amax(-1)  # [rows, K / 32]
+    bound = blocks @ wd.double().abs().view(192, -1, 32).sum(-1).T * 2.0**-23  # [rows, 192]
+    bound += (x.double().abs() @ wd.double().abs().T) * 1e-6  # the float steps after the sums
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_linear_qp_rows_do_not_depend_on_the_rows_beside_them_or_the_threads(qtype):
+    w = random_rows(320, 576, qtype, seed=3)
+    packed = torch.ops.baton.pack_q8p(w, int(qtype))
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(5))
+    together = torch.ops.baton.linear_qp(x, packed, int(qtype))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = torch.ops.baton.linear_qp(x, packed, int(qtype))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
+    for i in (0, 1, 4, 11, 12, 16, 36):
+        alone = torch.ops.baton.linear_qp(x[i : i + 1], packed, int(qtype))
+        assert torch.equal(alone[0], together[i]), i
+
+
+@needs_vnni
+def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
+    monkeypatch.setenv(PACKED_EXACT_ENV, "1")
+    w = random_rows(64, 128, QType.Q4_1, seed=9)
+    lin = QuantLinear(w, QType.Q4_1, 128, 64, bias=torch.randn(64), kernels=True)
+    assert lin.packed is not None and lin.weight_bytes == w.numel() + lin.packed.numel() + 64 * 4
+    packed = lin.packed
+    x = torch.randn(3, 128)
+    assert torch.equal(lin(x), torch.ops.baton.linear_qp(x, packed, int(QType.Q4_1), lin.bias))
+    lin.int8_activations = True  # the same bytes serve linear_q8p: not packed again
+    assert lin.packed is packed
+    assert torch.equal(lin(x), torch.ops.baton.linear_q8p(x, packed, int(QType.Q4_1), lin.bias))
+    lin.int8_activations = False
+    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 128)  # prefill: ggml's rows as before
+    assert torch.equal(lin(big), torch.ops.baton.linear_q_tiles(big, w, int(QType.Q4_1), lin.bias))
+    monkeypatch.setenv(PACKED_EXACT_ENV, "0")
+    off = QuantLinear(w, QType.Q4_1, 128, 64, bias=lin.bias, kernels=True)
+    assert off.packed is None
+    assert torch.equal(off(x), torch.ops.baton.linear_q(x, w, int(QType.Q4_1), lin.bias))
+
+
+def test_packed_exact_follows_the_variable_then_the_cpu(monkeypatch):
+    monkeypatch.setenv(PACKED_EXACT_ENV, "2")
+    with pytest.raises(ConfigError, match=f"{PACKED_EXACT_ENV}='2'"):
+        packed_exact()
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv(PACKED_EXACT_ENV, value)
+        assert packed_exact() is want
+    monkeypatch.delenv(PACKED_EXACT_ENV)
+    assert packed_exact() is packed_exact_default()
+    for vendor, want in (("GenuineIntel", True), ("AuthenticAMD", False), ("", False)):
+        feats = cpu_features.features_from("x86_64", frozenset({"avx512_vnni"}), vendor)
+        monkeypatch.setattr("baton.kernels.exact_packing.cpu_features", lambda f=feats: f)
+        assert packed_exact_default() is want, vendor
+
+
+def test_vendor_comes_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2\n")
+    assert cpu_features.read_vendor(info) == "GenuineIntel"
+    assert cpu_features.read_flags(info) == frozenset({"fpu", "avx2"})
+    assert cpu_features.read_vendor(tmp_path / "missing") == ""
 
 
 def test_no_packing_without_the_kernel(monkeypatch):

@@ -17,11 +17,13 @@ import torch
 
 from baton.config import BatonConfig
 from baton.errors import ConfigError
+from baton.kernels.exact_packing import packed_exact
 from baton.model.gguf_cache import MARKER
 from baton.model.quantization import _why_dequantized
 from baton.model.weights import load_model
 from baton.protocol import KVCacheConfig
 from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
+from baton.quant.ops import packs_rows
 from baton.testing.tiny_gguf import F16_TENSOR, make_tiny_gguf
 from baton.testing.tiny_model import tiny_model
 from baton.worker.model_runner import ModelRunner
@@ -159,8 +161,9 @@ def test_auto_keeps_every_quantized_tensor_of_a_gguf(tiny_gguf):
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(emb, QuantEmbedding) and isinstance(head, QuantLinear)
     assert head.qtype == QType.Q8_0 and head.raw.data_ptr() == emb.source.raw.data_ptr()
-    raw_bytes = sum(m.raw.numel() for m in quant.values() if isinstance(m, QuantLinear))
-    assert sum(m.weight_bytes for m in quant.values() if isinstance(m, QuantLinear)) == raw_bytes
+    lins = [m for m in quant.values() if isinstance(m, QuantLinear)]
+    raw_bytes = sum(m.raw.numel() for m in lins)
+    assert sum(m.weight_bytes for m in lins) == raw_bytes + _packed_bytes(lins)
 
 
 def test_auto_layers_compute_what_the_converted_weights_do(tiny_gguf):
@@ -243,7 +246,8 @@ def test_int8_int4_quantize_every_linear_and_the_tied_embedding(mode, qtype):
     block_bytes = {QType.Q8_0: 34, QType.Q4_1: 20}[qtype]
     weights = sum(ref.get_submodule(n).weight.numel() for n in linears)  # lm_head is the embedding
     unique = {id(m): m for m in quant.values() if isinstance(m, QuantLinear)}
-    assert sum(m.weight_bytes for m in unique.values()) == weights // 32 * block_bytes
+    packed = _packed_bytes(list(unique.values()))
+    assert sum(m.weight_bytes for m in unique.values()) == weights // 32 * block_bytes + packed
     # each layer computes x @ dequantize(quantize(W)).T
     g = torch.Generator().manual_seed(0)
     for name in linears:
@@ -288,3 +292,12 @@ def test_the_runner_keeps_quantized_layers_and_head(tiny_gguf, cpu_kernels):
         )
     kept = runner.model.get_submodule("model.layers.2.mlp.down_proj")
     assert type(kept).__name__ == ("SmallBatchLinear" if runner.kernels else "Linear")
+
+
+def _packed_bytes(lins: list[QuantLinear]) -> int:
+    """The bytes of the layers' packed copies (QuantLinear.packed: linear_qp's rows), checking
+    that exactly the layers packed_exact packs have one, as many bytes as their GGUF rows."""
+    for m in lins:
+        assert (m.packed is not None) == (packed_exact() and packs_rows(m.qtype, m.out_features))
+        assert m.packed is None or m.packed.numel() == m.raw.numel()
+    return sum(m.packed.numel() for m in lins if m.packed is not None)

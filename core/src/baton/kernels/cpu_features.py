@@ -46,6 +46,8 @@ class CpuFeatures:
     flags: frozenset[str] = field(repr=False)
     bf16: bool
     fp16: bool
+    #: ``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), "" where unknown
+    vendor: str = ""
 
     def native(self, dtype: torch.dtype) -> bool:
         """Whether ``dtype`` arithmetic runs in hardware (float32 always does)."""
@@ -66,7 +68,7 @@ def _native_flags(arch: str) -> frozenset[str]:
     return frozenset().union(*NATIVE_FLAGS.get(arch, {}).values())
 
 
-def features_from(arch: str, flags: frozenset[str]) -> CpuFeatures:
+def features_from(arch: str, flags: frozenset[str], vendor: str = "") -> CpuFeatures:
     """The features an ``arch`` CPU with ``flags`` has (pure: what the tests feed)."""
     arch = _ARCH_ALIASES.get(arch.lower(), arch.lower())
     table = NATIVE_FLAGS.get(arch, {})
@@ -75,20 +77,32 @@ def features_from(arch: str, flags: frozenset[str]) -> CpuFeatures:
         flags=flags,
         bf16=bool(flags & table.get(torch.bfloat16, frozenset())),
         fp16=bool(flags & table.get(torch.float16, frozenset())),
+        vendor=vendor,
     )
 
 
 def read_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     """The first CPU's ``flags`` (x86) or ``Features`` (arm) from ``cpuinfo``; empty when unreadable."""
+    value = _first_field(cpuinfo, ("flags", "Features"))
+    return frozenset(value.split()) if value is not None else frozenset()
+
+
+def read_vendor(cpuinfo: Path = CPUINFO) -> str:
+    """The first CPU's ``vendor_id`` (x86) from ``cpuinfo``; "" when absent or unreadable."""
+    value = _first_field(cpuinfo, ("vendor_id",))
+    return value.strip() if value is not None else ""
+
+
+def _first_field(cpuinfo: Path, keys: tuple[str, ...]) -> str | None:
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if sep and key.strip() in keys:
+            return value
+    return None
 
 
 def _torch_flags() -> frozenset[str]:
@@ -113,7 +127,7 @@ def cpu_features() -> CpuFeatures:
     flags = read_flags()
     if not flags and _ARCH_ALIASES.get(arch.lower(), arch.lower()) == "x86_64":
         flags = _torch_flags()
-    return features_from(arch, flags)
+    return features_from(arch, flags, read_vendor())
 
 
 def native_compute(dtype: torch.dtype, device: torch.device) -> bool:

@@ -103,7 +103,7 @@ struct Ops {
   c10::OperatorHandle linear_q_tiles = find_op("baton::linear_q_tiles");
   c10::OperatorHandle paged_write = find_op("baton::paged_write");
   c10::OperatorHandle paged_decode = find_op("baton::paged_decode");
-  std::optional<c10::OperatorHandle> linear_q8a, linear_q8p;
+  std::optional<c10::OperatorHandle> linear_q8a, linear_q8p, linear_qp;
 };
 
 Ops& ops() {
@@ -117,10 +117,12 @@ const c10::OperatorHandle& q8a_op() {
   return *o.linear_q8a;
 }
 
-const c10::OperatorHandle& q8p_op() {
+// The linear over pack_q8p's rows: linear_q8p (int8 activations) or linear_qp (exact).
+const c10::OperatorHandle& packed_op(bool q8a) {
   Ops& o = ops();
-  if (!o.linear_q8p) o.linear_q8p = find_op("baton::linear_q8p");
-  return *o.linear_q8p;
+  std::optional<c10::OperatorHandle>& h = q8a ? o.linear_q8p : o.linear_qp;
+  if (!h) h = find_op(q8a ? "baton::linear_q8p" : "baton::linear_qp");
+  return *h;
 }
 
 // y[:, n0:n1] += b[n0:n1] for y [M, N].
@@ -138,7 +140,7 @@ struct LinearArgs {
 // SmallBatchLinear.forward): the same op, so the same summation order. `buf`: the float path's
 // output, reused by the same linear of every layer (each is consumed before the next layer).
 // `packed` (defined: the linear's weights repacked by pack_q8p) runs decode-sized calls through
-// linear_q8p, as QuantLinear.forward does; more rows take w, ggml's rows.
+// linear_q8p (q8a) or linear_qp, as QuantLinear.forward does; more rows take w, ggml's rows.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a,
                   const LinearArgs& la, at::Tensor& buf, const at::Tensor& packed = at::Tensor()) {
   const int64_t M = x.size(0);
@@ -161,7 +163,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   }
   if (packed.defined() && M <= la.quant_max_rows) {
     std::vector<c10::IValue> stack{x, packed, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
-    q8p_op().callBoxed(&stack);
+    packed_op(q8a).callBoxed(&stack);
     return stack[0].toTensor();
   }
   const bool plain = M <= la.quant_max_rows && !q8a;  // linear_q: one argument more (invariant)
@@ -235,7 +237,7 @@ struct Lin {
   int64_t row_bytes = 0, N = 0, K = 0, qtype = -1;
   const float* bias = nullptr;
   bool q8a = false;
-  bool packed = false;  // wq is pack_q8p's layout (linear_q8p), not ggml's rows
+  bool packed = false;  // wq is pack_q8p's layout (linear_q8p, or linear_qp without q8a), not ggml's rows
   const at::BFloat16* wb = nullptr;  // bfloat16 weights in pack_bf16_tiles' blocks
 };
 
@@ -299,7 +301,7 @@ void lin_rows(const Lin& l, const float* x, int64_t M, uint64_t gen, QuantX& pre
       baton_rows::float_rows(x, M, l.K, l.wf, y, l.N, t0, std::min(n1, t0 + tile));
     if (l.bias) add_bias_cols(y, l.bias, M, l.N, n0, n1);
   } else if (l.packed) {
-    baton_rows::packed_rows(l.qtype, x, M, l.K, gen, prep, l.wq, l.bias, y, l.N, n0, n1);
+    baton_rows::packed_rows(l.qtype, !l.q8a, x, M, l.K, gen, prep, l.wq, l.bias, y, l.N, n0, n1);
   } else {
     baton_rows::quant_rows(l.qtype, l.q8a, x, M, l.K, gen, prep, l.wq, l.row_bytes, l.bias, y, l.N, n0, n1,
                            invariant);
@@ -644,16 +646,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   for (size_t j = 0; j < packed_in.size(); ++j)
     if (qtypes[j] == BF16_WEIGHTS && packed_in[j].numel() > 0) {
       packed[j] = check_tiles(packed_in[j], weights[j], "a linear");
-    } else if (q8a[j] != 0 && packed_in[j].numel() > 0) {
+    } else if (qtypes[j] >= 0 && packed_in[j].numel() > 0) {  // pack_q8p's rows: linear_q8p, or linear_qp (exact)
       TORCH_CHECK(baton_rows::packed_supported(qtypes[j]), "decode_layers: linear ", j, " is packed in qtype ",
-                  qtypes[j], ", which linear_q8p does not read here");
+                  qtypes[j], ", which linear_q8p / linear_qp do not read here");
       packed[j] = packed_in[j].contiguous();
     }
   const bool head_given = head.has_value() && head->defined() && head_packed_in.has_value() &&
                           head_packed_in->numel() > 0;
   const at::Tensor head_packed = !head_given ? at::Tensor()
                                  : head_qtype == BF16_WEIGHTS ? check_tiles(*head_packed_in, *head, "the head")
-                                 : head_q8a != 0              ? head_packed_in->contiguous()
+                                 : head_qtype >= 0            ? head_packed_in->contiguous()
                                                               : at::Tensor();
   const int64_t M = hidden.size(0), Hd = hidden.size(1);
   const int64_t D = v_caches[0].size(3), H = num_heads, KVH = num_kv_heads;

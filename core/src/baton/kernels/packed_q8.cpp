@@ -150,11 +150,15 @@ int64_t packed_k(const at::Tensor& packed) {
 
 // The rows of x a kernel call reads, quantized (baton_rows::QuantX): xq int8, dx and the integer
 // sums of xq per block.
+// Exact (three pieces): xq holds three planes of the same shape (plane values apart), dx the units'
+// dx1 then (units later) their dx2, isum three planes of sums, xs each unit's float sum of x.
 struct XView {
   const int8_t* xq;
   const float* dx;
   const int32_t* isum;
   int64_t K;
+  int64_t plane = 0, units = 0;
+  const float* xs = nullptr;
 };
 
 // A block's 16 scales d (and Q4_1's offsets mn) from its float16 tail.
@@ -181,6 +185,26 @@ inline __m512 add_block(__m512 acc, __m512i s, __m512 d, __m512 mn, const XView&
   return acc;
 }
 
+// acc + one block of one row of x in three pieces (prepare_exact): s0, s1, s2 the exact integer sums
+// of the unsigned weight bytes by each piece. The pieces' sum 254 s0 + s1 stays an exact integer
+// (|.| < 2^24 for Q4 formats, so its float is exact too), then one rounding joins s2's term.
+template <class P>
+inline __m512 add_block_exact(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d, __m512 mn, const XView& x,
+                              int64_t u) {
+  if constexpr (P::Z != 0) {
+    const int64_t pu = x.units;
+    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(P::Z * x.isum[u]));
+    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(P::Z * x.isum[pu + u]));
+    s2 = _mm512_sub_epi32(s2, _mm512_set1_epi32(P::Z * x.isum[2 * pu + u]));
+  }
+  const __m512i t = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s0, 8), _mm512_slli_epi32(s0, 1)), s1);
+  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x.dx[u]),
+                                   _mm512_mul_ps(_mm512_cvtepi32_ps(s2), _mm512_set1_ps(x.dx[x.units + u])));
+  acc = _mm512_fmadd_ps(v, d, acc);
+  if constexpr (P::MIN) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xs[u]), acc);
+  return acc;
+}
+
 // y[m, n0 + c] = acc[m] + bias for rows m in [0, M), where lo <= n0 + c < hi.
 inline void store_tile(const __m512* acc, int64_t stride, int64_t M, const float* bias, float* y, int64_t ys,
                        int64_t n0, int64_t lo, int64_t hi) {
@@ -190,10 +214,24 @@ inline void store_tile(const __m512* acc, int64_t stride, int64_t M, const float
   for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ys + n0, mask, _mm512_add_ps(acc[m * stride], bv));
 }
 
+// The 16 rows' exact integer sums of a block's unsigned weight bytes w times the 32 signed bytes at
+// xq. Two partial sums (one vpdpbusd chain waits on its latency).
+inline __m512i piece_sum(const __m512i* w, const int8_t* xq) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int i = 0; i < 8; i += 2) {
+    int32_t a0, a1;
+    std::memcpy(&a0, xq + 4 * i, 4);
+    std::memcpy(&a1, xq + 4 * i + 4, 4);
+    s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a0));
+    s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(a1));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 // y[m, 16 t + c] for rows m of x in [0, MR) and COLS tiles from tile t, written where
-// lo <= 16 t + c < hi (a thread's share need not start on a tile). Two partial sums per tile and
-// row (one vpdpbusd chain waits on its latency).
-template <class P, int MR, int COLS>
+// lo <= 16 t + c < hi (a thread's share need not start on a tile). EX: x in three pieces
+// (prepare_exact), else quantized to int8.
+template <class P, int MR, int COLS, bool EX>
 inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, const float* bias, float* y, int64_t ys,
                   int64_t lo, int64_t hi) {
   __m512 acc[MR][COLS];
@@ -202,23 +240,21 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
   for (int64_t b = 0; b < nb; ++b) {
     for (int c = 0; c < COLS; ++c) {
       const uint8_t* blk = pw + ((t + c) * nb + b) * P::BB;
-      if (b + PREFETCH < nb)  // a tile's blocks are one stream, COLS streams at once
-        for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, 3);
+      // a tile's blocks are one stream, COLS streams at once; past a tile's end the next tile's
+      // blocks follow in memory, so the prefetch runs on into them (it never faults past the end)
+      for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, 3);
       __m512i w[8];
       for (int i = 0; i < 8; ++i) w[i] = P::NIBBLES ? nibbles(blk, i) : _mm512_loadu_si512(blk + 64 * i);
       __m512 d, mn;
       block_scales<P>(blk, d, mn);
       for (int m = 0; m < MR; ++m) {
-        const int64_t xb = m * x.K + b * QK;
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int i = 0; i < 8; i += 2) {  // unsigned weight bytes times signed xq
-          int32_t a0, a1;
-          std::memcpy(&a0, x.xq + xb + 4 * i, 4);
-          std::memcpy(&a1, x.xq + xb + 4 * i + 4, 4);
-          s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(a0));
-          s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(a1));
+        const int64_t xb = m * x.K + b * QK, u = m * (x.K / QK) + b;
+        if constexpr (EX) {
+          acc[m][c] = add_block_exact<P>(acc[m][c], piece_sum(w, x.xq + xb), piece_sum(w, x.xq + x.plane + xb),
+                                         piece_sum(w, x.xq + 2 * x.plane + xb), d, mn, x, u);
+        } else {
+          acc[m][c] = add_block<P>(acc[m][c], piece_sum(w, x.xq + xb), d, mn, x, u);
         }
-        acc[m][c] = add_block<P>(acc[m][c], _mm512_add_epi32(s0, s1), d, mn, x, m * (x.K / QK) + b);
       }
     }
   }
@@ -227,13 +263,13 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
 
 // Rows [0, MR) of x over tiles [t0, t1): four tiles at a time at one or two rows (the x
 // broadcasts shared), two at three or four rows (accumulators stay in registers).
-template <class P, int MR>
+template <class P, int MR, bool EX>
 void tile_range(const XView& x, const uint8_t* pw, int64_t nb, int64_t t0, int64_t t1, const float* bias, float* y,
                 int64_t ys, int64_t lo, int64_t hi) {
   constexpr int COLS = MR <= 2 ? 4 : 2;
   int64_t t = t0;
-  for (; t + COLS <= t1; t += COLS) tiles<P, MR, COLS>(x, pw, nb, t, bias, y, ys, lo, hi);
-  for (; t < t1; ++t) tiles<P, MR, 1>(x, pw, nb, t, bias, y, ys, lo, hi);
+  for (; t + COLS <= t1; t += COLS) tiles<P, MR, COLS, EX>(x, pw, nb, t, bias, y, ys, lo, hi);
+  for (; t < t1; ++t) tiles<P, MR, 1, EX>(x, pw, nb, t, bias, y, ys, lo, hi);
 }
 
 #if defined(BATON_Q8P_AMX)
@@ -279,6 +315,9 @@ void amx_configure(int64_t M) {
   cfg.colsb[1] = QK;  // A: M x 32 int8 (one block of x)
   cfg.rows[2] = QK / 4;
   cfg.colsb[2] = 64;  // B: 8 x (16 rows x 4 bytes)
+  // GCC does not see _tile_loadconfig read cfg: without this barrier it dropped the shape stores
+  // above as dead and reused cfg's stack slot (a SIGILL at the first tile load).
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -316,19 +355,23 @@ void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t 
 }
 #endif  // BATON_Q8P_AMX
 
-template <class P>
+// x's rows [m, M) as a view of their own (the pieces' planes stay where they are).
+inline XView rows_from(const XView& x, int64_t m) {
+  const int64_t u = m * (x.K / QK);
+  return XView{x.xq + m * x.K, x.dx + u, x.isum + u, x.K, x.plane, x.units, x.xs ? x.xs + u : nullptr};
+}
+
+template <class P, bool EX>
 void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
   if (n0 >= n1) return;
   const int64_t t0 = n0 / TN, t1 = (n1 + TN - 1) / TN;
 #if defined(BATON_Q8P_AMX)
-  if (M >= AMX_MIN_ROWS && amx_usable()) {
-    const int64_t units = x.K / QK;
+  if (!EX && M >= AMX_MIN_ROWS && amx_usable()) {
     for (int64_t m = 0; m < M; m += 16) {
       const int64_t rows = std::min<int64_t>(16, M - m);
-      const XView xm{x.xq + m * x.K, x.dx + m * units, x.isum + m * units, x.K};
       amx_configure(rows);
-      for (int64_t t = t0; t < t1; ++t) amx_tile<P>(xm, rows, pw, nb, t, bias, y + m * N, N, n0, n1);
+      for (int64_t t = t0; t < t1; ++t) amx_tile<P>(rows_from(x, m), rows, pw, nb, t, bias, y + m * N, N, n0, n1);
       _tile_release();
     }
     return;
@@ -337,8 +380,7 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   int64_t m = 0;
   auto rows = [&](auto mr) {
     constexpr int MR = decltype(mr)::value;
-    const XView xm{x.xq + m * x.K, x.dx + m * (x.K / QK), x.isum + m * (x.K / QK), x.K};
-    tile_range<P, MR>(xm, pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
+    tile_range<P, MR, EX>(rows_from(x, m), pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
     m += MR;
   };
   for (; m + 4 <= M;) rows(std::integral_constant<int, 4>{});
@@ -368,6 +410,84 @@ void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::Qua
   prep.key = key;
 }
 
+// The steps between the three pieces: each piece resolves what the one before left in 254 steps,
+// so every piece is an int8 in [-127, 127].
+constexpr double PIECE = 254.0;
+
+// Rounds half to even, 8 doubles.
+inline __m512d round8(__m512d v) { return _mm512_roundscale_pd(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// x [M, K] in three int8 pieces per 32 values into prep (kept while gen says x is the same):
+//   x = dx1 * (254 q0 + q1) + dx2 * q2 + e,  |e| <= dx2 / 2 ~ max |x| / 2^23.3,
+// dx1 ~ max |x| / (127 * 254) and dx2 ~ dx1 / 254 (float32, rounded up so that no piece leaves
+// [-127, 127]). The split runs in double, where each residual is exact; so a block's dot product
+// with integer weights is its exact integer sums times two float scales, within a float32
+// rounding of x . q. Also each block's sum of x (float32 of the exact sum) for Q4_1's offsets.
+void prepare_exact(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
+  const int64_t key = 3001;
+  if (prep.gen == gen && prep.key == key) return;
+  const int64_t units = M * K / QK, plane = M * K;
+  prep.xq.resize(3 * plane);
+  prep.dx.resize(2 * units);
+  prep.isum.resize(3 * units);
+  prep.xsum.resize(units);
+  for (int64_t u = 0; u < units; ++u) {
+    const float* xb = x + u * QK;
+    __m512d v[4];
+    __m512d amax = _mm512_setzero_pd(), sum = _mm512_setzero_pd();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm512_cvtps_pd(_mm256_loadu_ps(xb + 8 * i));
+      amax = _mm512_max_pd(amax, _mm512_abs_pd(v[i]));
+      sum = _mm512_add_pd(sum, v[i]);
+    }
+    const double a = _mm512_reduce_max_pd(amax);
+    float dx1 = static_cast<float>(a / (127.0 * PIECE));
+    while (static_cast<double>(dx1) * 127.0 * PIECE < a) dx1 = std::nextafter(dx1, INFINITY);
+    float dx2 = static_cast<float>(dx1 / PIECE);
+    while (static_cast<double>(dx2) * PIECE < dx1) dx2 = std::nextafter(dx2, INFINITY);
+    prep.dx[u] = dx1;
+    prep.dx[units + u] = dx2;
+    prep.xsum[u] = static_cast<float>(_mm512_reduce_add_pd(sum));
+    const __m512d s0 = _mm512_set1_pd(static_cast<double>(dx1) * PIECE), s1 = _mm512_set1_pd(dx1),
+                  s2 = _mm512_set1_pd(dx2), lim = _mm512_set1_pd(127.0);
+    const __m512d i0 = _mm512_set1_pd(a > 0 ? 1.0 / (static_cast<double>(dx1) * PIECE) : 0.0),
+                  i1 = _mm512_set1_pd(a > 0 ? 1.0 / dx1 : 0.0), i2 = _mm512_set1_pd(a > 0 ? 1.0 / dx2 : 0.0);
+    __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512(), t2 = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      auto clamp = [&](__m512d q) { return _mm512_max_pd(_mm512_min_pd(q, lim), _mm512_sub_pd(_mm512_setzero_pd(), lim)); };
+      const __m512d q0 = clamp(round8(_mm512_mul_pd(v[i], i0)));
+      const __m512d r1 = _mm512_fnmadd_pd(q0, s0, v[i]);  // exact: q0 * dx1 * 254 has < 53 bits
+      const __m512d q1 = clamp(round8(_mm512_mul_pd(r1, i1)));
+      const __m512d r2 = _mm512_fnmadd_pd(q1, s1, r1);
+      const __m512d q2 = clamp(round8(_mm512_mul_pd(r2, i2)));
+      const __m256i n0 = _mm512_cvtpd_epi32(q0), n1 = _mm512_cvtpd_epi32(q1), n2 = _mm512_cvtpd_epi32(q2);
+      const int64_t o = u * QK + 8 * i;
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(prep.xq.data() + o), _mm256_cvtsepi32_epi8(n0));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(prep.xq.data() + plane + o), _mm256_cvtsepi32_epi8(n1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(prep.xq.data() + 2 * plane + o), _mm256_cvtsepi32_epi8(n2));
+      t0 = _mm512_add_epi32(t0, _mm512_cvtepi32_epi64(n0));  // 64-bit lanes: reduce below
+      t1 = _mm512_add_epi32(t1, _mm512_cvtepi32_epi64(n1));
+      t2 = _mm512_add_epi32(t2, _mm512_cvtepi32_epi64(n2));
+    }
+    prep.isum[u] = static_cast<int32_t>(_mm512_reduce_add_epi64(t0));
+    prep.isum[units + u] = static_cast<int32_t>(_mm512_reduce_add_epi64(t1));
+    prep.isum[2 * units + u] = static_cast<int32_t>(_mm512_reduce_add_epi64(t2));
+  }
+  prep.gen = gen;
+  prep.key = key;
+}
+
+// prep's contents as the kernels read them (exact: prepare_exact's three pieces).
+XView view_of(const baton_rows::QuantX& prep, int64_t M, int64_t K, bool exact) {
+  XView v{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
+  if (exact) {
+    v.plane = M * K;
+    v.units = M * K / QK;
+    v.xs = prep.xsum.data();
+  }
+  return v;
+}
+
 #endif  // BATON_Q8P
 
 bool q8p_kernel() {
@@ -387,41 +507,61 @@ std::string q8p_path() {
   return q8p_kernel() ? "vnni" : "";
 }
 
-// y = xhat @ w^T (+ bias): xhat as linear_q8a quantizes x, w packed by pack_q8p.
-at::Tensor linear_q8p(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
-                      const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(q8p_kernel(), "linear_q8p: this build of the kernels has no AVX-512 VNNI (baton env says why)");
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
-              "linear_q8p: x must be a CPU float32 tensor [M, K]");
+// y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in prepare_exact's three pieces
+// (linear_qp), else quantized as linear_q8a quantizes it (linear_q8p).
+at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
+                         const std::optional<at::Tensor>& bias, bool exact) {
+  TORCH_CHECK(q8p_kernel(), op, ": this build of the kernels has no AVX-512 VNNI (baton env says why)");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2, op,
+              ": x must be a CPU float32 tensor [M, K]");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
-              "linear_q8p: packed must be pack_q8p's contiguous uint8 tensor");
+              op, ": packed must be pack_q8p's contiguous uint8 tensor");
   const int64_t N = packed.size(0) * TN;
   if (bias)
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
                     bias->size(0) == N && bias->is_contiguous(),
-                "linear_q8p: bias must be a contiguous CPU float32 tensor [", N, "]");
+                op, ": bias must be a contiguous CPU float32 tensor [", N, "]");
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
 #if defined(BATON_Q8P)
-  dispatch_p(qtype, "linear_q8p", [&]<class P>() {
+  dispatch_p(qtype, op, [&]<class P>() {
     const int64_t K = packed_k<P>(packed), M = x.size(0);
-    TORCH_CHECK(x.size(1) == K && packed.size(1) % P::BB == 0, "linear_q8p: x has ", x.size(1),
+    TORCH_CHECK(x.size(1) == K && packed.size(1) % P::BB == 0, op, ": x has ", x.size(1),
                 " inputs, the packed weights ", K);
     if (M == 0 || N == 0) return;
-    baton_rows::QuantX prep;  // x quantized once, read by every thread
-    prepare(x.data_ptr<float>(), M, K, 0, prep);
-    const XView xv{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
+    baton_rows::QuantX prep;  // x prepared once, read by every thread
+    if (exact)
+      prepare_exact(x.data_ptr<float>(), M, K, 0, prep);
+    else
+      prepare(x.data_ptr<float>(), M, K, 0, prep);
+    const XView xv = view_of(prep, M, K, exact);
     const uint8_t* pw = packed.data_ptr<uint8_t>();
     const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = out.data_ptr<float>();
     // 4 tiles (64 rows) a task at least: a 192-row matrix still goes to both cores at one row of x
     at::parallel_for(0, N / TN, 4, [&](int64_t t0, int64_t t1) {
-      packed_rows_p<P>(xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
+      if (exact)
+        packed_rows_p<P, true>(xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
+      else
+        packed_rows_p<P, false>(xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
     });
   });
 #endif
   return out;
+}
+
+// y = xhat @ w^T (+ bias): xhat as linear_q8a quantizes x, w packed by pack_q8p.
+at::Tensor linear_q8p(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                      const std::optional<at::Tensor>& bias) {
+  return packed_linear("linear_q8p", x, packed, qtype, bias, false);
+}
+
+// y = x @ dequantize(w)^T (+ bias), w packed by pack_q8p: linear_q's math (float32 x, within a
+// float32 rounding per block) on the packed rows, x in three int8 pieces (prepare_exact).
+at::Tensor linear_qp(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                     const std::optional<at::Tensor>& bias) {
+  return packed_linear("linear_qp", x, packed, qtype, bias, true);
 }
 
 }  // namespace
@@ -430,13 +570,18 @@ bool baton_rows::packed_supported(int64_t qtype) {
   return q8p_kernel() && (qtype == P4_0::ID || qtype == P4_1::ID || qtype == P8_0::ID);
 }
 
-void baton_rows::packed_rows(int64_t qtype, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
-                             const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
+void baton_rows::packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen,
+                             QuantX& prep, const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0,
+                             int64_t n1) {
 #if defined(BATON_Q8P)
   dispatch_p(qtype, "packed_rows", [&]<class P>() {
-    prepare(x, M, K, gen, prep);
-    const XView xv{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
-    packed_rows_p<P>(xv, M, packed, K / QK, bias, y, N, n0, n1);
+    if (exact) {
+      prepare_exact(x, M, K, gen, prep);
+      packed_rows_p<P, true>(view_of(prep, M, K, true), M, packed, K / QK, bias, y, N, n0, n1);
+    } else {
+      prepare(x, M, K, gen, prep);
+      packed_rows_p<P, false>(view_of(prep, M, K, false), M, packed, K / QK, bias, y, N, n0, n1);
+    }
   });
 #else
   TORCH_CHECK(false, "packed_rows: this build of the kernels has no AVX-512 VNNI");
@@ -446,6 +591,7 @@ void baton_rows::packed_rows(int64_t qtype, const float* x, int64_t M, int64_t K
 TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("pack_q8p(Tensor raw, int qtype) -> Tensor");
   m.def("linear_q8p(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("linear_qp(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
   m.def("q8p_kernel() -> bool", &q8p_kernel);
   m.def("q8p_path() -> str", &q8p_path);
 }
@@ -453,4 +599,5 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("pack_q8p", pack_q8p);
   m.impl("linear_q8p", linear_q8p);
+  m.impl("linear_qp", linear_qp);
 }

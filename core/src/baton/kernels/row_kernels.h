@@ -18,7 +18,7 @@ void float_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, 
 struct QuantX {
   uint64_t gen = ~uint64_t{0};
   int64_t key = -1;
-  std::vector<float> xsum, dx;
+  std::vector<float> xsum, dx;  // packed_rows exact: dx1 then dx2 per 32 values, xsum their sums
   std::vector<int8_t> xq;
   std::vector<int32_t> isum;  // packed_rows: the integer sum of xq per 32 values
 };
@@ -31,9 +31,10 @@ void quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, flo
 // Q8_0: packed_q8.cpp).
 bool packed_supported(int64_t qtype);
 
-// Rows [n0, n1) of y = xhat @ w^T (+ bias), w packed by pack_q8p (linear_q8p's code): x [M, K]
-// quantized into prep as linear_q8a quantizes it, kept while `gen` says x is the same.
-void packed_rows(int64_t qtype, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
+// Rows [n0, n1) of y = xhat @ w^T (+ bias), w packed by pack_q8p: exact, linear_qp's code (x in
+// three int8 pieces, float32-accurate), else linear_q8p's (x quantized as linear_q8a quantizes it);
+// x [M, K] prepared into prep, kept while `gen` says x is the same.
+void packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
                  const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
 
 // Whether qtype (a ggml type id) is one of the quantized formats the kernels read.

@@ -4,7 +4,10 @@ Math: y = x @ dequantize(W).T + bias with float32 activations (bf16/fp16 inputs 
 computed in float32 and cast back): exact weight-only quantization up to float
 summation order. Few rows (decode steps) go through ``torch.ops.baton.linear_q``,
 which decodes the blocks in registers and reads each weight byte once per call,
-the output rows split over the threads. More rows (prefill) go through
+the output rows split over the threads; or, where ``packed_exact`` holds (Intel CPUs with
+AVX-512 VNNI) and the format packs, through ``linear_qp`` on the rows repacked once
+(``packed``): x split into three int8 pieces per 32 values, integer dot products, within a
+float32 rounding of linear_q per block (docs/cpu-kernels.md). More rows (prefill) go through
 ``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
 runs torch's GEMM on it. Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
@@ -23,9 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from baton.kernels.exact_packing import packed_exact
 from baton.quant.dequant import dequantize_torch
 from baton.quant.formats import QType, QuantizationError, check_raw
-from baton.quant.ops import dequantize_native, packs_for_int8, use_kernels
+from baton.quant.ops import dequantize_native, packs_rows, use_kernels
 from baton.quant.quantize import quantize
 
 
@@ -60,11 +64,12 @@ class QuantLinear(torch.nn.Module):
         self.out_features = out_features
         self.kernels = use_kernels(kernels)
         self.register_buffer("raw", raw.contiguous())
-        #: ``raw`` repacked for linear_q8p while int8 activations are on (not a buffer: derived
-        #: from raw, never saved), else None.
-        self.packed: torch.Tensor | None = None
-        self._int8_activations = False
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        #: ``raw`` repacked for linear_q8p (int8 activations) or linear_qp (exact, where
+        #: packed_exact holds): not a buffer (derived from raw, never saved); None where the
+        #: decode-sized calls read ``raw``.
+        self.packed: torch.Tensor | None = None
+        self.int8_activations = False
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, mode: str) -> QuantLinear:
@@ -75,19 +80,21 @@ class QuantLinear(torch.nn.Module):
     @property
     def int8_activations(self) -> bool:
         """Whether decode-sized calls quantize x to int8 per 32 values (see quantize_activations).
-        Setting it on repacks the rows for linear_q8p where that kernel reads this format."""
+        Setting it repacks the rows (``packed``) where a packed kernel will read them."""
         return self._int8_activations
 
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
         self._int8_activations = bool(on)
-        self.packed = None
-        if (
-            on
-            and self.kernels
+        wanted = (
+            self.kernels
             and self.raw.is_cpu
-            and packs_for_int8(self.qtype, self.out_features)
-        ):
+            and (on or packed_exact())
+            and packs_rows(self.qtype, self.out_features)
+        )
+        if not wanted:
+            self.packed = None
+        elif self.packed is None:  # the same bytes for both kernels: pack once
             self.packed = torch.ops.baton.pack_q8p(self.raw, self._qtype_id)
 
     @property
@@ -129,8 +136,10 @@ class QuantLinear(torch.nn.Module):
             bias = bias.float()  # the module was cast after it was built
         few = rows <= self.KERNEL_MAX_ROWS
         if self.kernels and rows and x2.is_cpu:
-            if few and self.packed is not None:
+            if few and self.packed is not None and self.int8_activations:
                 y = torch.ops.baton.linear_q8p(x2, self.packed, self._qtype_id, bias)
+            elif few and self.packed is not None:
+                y = torch.ops.baton.linear_qp(x2, self.packed, self._qtype_id, bias)
             elif few and self.int8_activations:
                 y = torch.ops.baton.linear_q8a(x2, self.raw, self._qtype_id, bias)
             elif few:

@@ -25,14 +25,14 @@ def use_kernels(kernels: bool | None) -> bool:
     return kernels
 
 
-#: The formats linear_q8p reads (kernels/packed_q8.cpp), and its tile of output rows.
+#: The formats pack_q8p repacks (kernels/packed_q8.cpp), and its tile of output rows.
 PACKED_QTYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q8_0})
 PACKED_ROWS = 16
 
 
-def packs_for_int8(qtype: QType, out_features: int) -> bool:
-    """Whether int8 activations on ``qtype`` rows run linear_q8p (repacked weights): the kernels
-    are loaded and built with AVX-512 VNNI, the format is one it reads, the rows fill its tiles."""
+def packs_rows(qtype: QType, out_features: int) -> bool:
+    """Whether ``qtype`` rows can be repacked for linear_q8p / linear_qp: the kernels are loaded
+    and built with AVX-512 VNNI, the format is one they read, the rows fill their tiles."""
     if qtype not in PACKED_QTYPES or out_features % PACKED_ROWS or not kernels_loaded():
         return False
     try:

@@ -114,7 +114,8 @@ class FastDecode:
     biases: list[torch.Tensor]
     qtypes: list[int]
     q8a: list[int]
-    #: per linear, its rows repacked for linear_q8p (QuantLinear.packed), or an empty tensor
+    #: per linear, its rows repacked (QuantLinear.packed: linear_q8p with q8a, else linear_qp), or
+    #: its bfloat16 tiles, or an empty tensor
     packed: list[torch.Tensor]
     num_heads: int
     num_kv_heads: int
@@ -125,7 +126,7 @@ class FastDecode:
     #: The LM head as decode_layers takes it (weight, qtype: -1 float32, -2 bfloat16, int8-activation flag,
     #: bias or None, the most rows its module sends to the kernel), or None: the module runs it.
     head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None = None
-    #: the head's rows repacked for linear_q8p (QuantLinear.packed), or None
+    #: the head's rows repacked (QuantLinear.packed) or bfloat16 tiles, or None
     head_packed: torch.Tensor | None = None
     #: cos/sin [max positions, head_dim] computed once by ``rotary`` when its rope type does not
     #: depend on the sequence length; None: ``rotary`` runs every step.
@@ -224,8 +225,9 @@ class FastDecode:
                 return y
             full = self.tp.gather_last_dim(y)  # concatenation: each logit is one rank's sum
             return full[:, : self.vocab_size] if full is not None else y
-        if q8a and self.head_packed is not None:  # as decode_layers runs it, at any row count
-            return torch.ops.baton.linear_q8p(x, self.head_packed, qtype, bias)
+        if self.head_packed is not None:  # as decode_layers runs it, at any row count
+            op = torch.ops.baton.linear_q8p if q8a else torch.ops.baton.linear_qp
+            return op(x, self.head_packed, qtype, bias)
         if q8a:
             return torch.ops.baton.linear_q8a(x, w, qtype, bias)
         return torch.ops.baton.linear_q(x, w, qtype, bias, True)

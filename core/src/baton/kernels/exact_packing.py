@@ -1,0 +1,37 @@
+"""Whether exact (float32-activation) decode-sized linears read repacked rows (``linear_qp``).
+
+``linear_qp`` (kernels/packed_q8.cpp) reads Q4_0 / Q4_1 / Q8_0 rows repacked once at load for
+AVX-512 VNNI and splits x into three int8 pieces per 32 values: the same sums as ``linear_q``
+within a float32 rounding per block, 1.8x faster at one row on an Intel Xeon with AMX (30
+SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed copy costs as many bytes
+as the GGUF rows, which stay for prefill and the embedding.
+"""
+
+from __future__ import annotations
+
+import os
+
+from baton.errors import ConfigError
+from baton.kernels.cpu_features import cpu_features
+
+#: "1" or "0": exact decode-sized calls on packed rows (linear_qp) or on the GGUF rows
+#: (linear_q), whatever the CPU; unset: as packed_exact_default says.
+PACKED_EXACT_ENV = "BATON_PACKED_EXACT"
+
+
+def packed_exact() -> bool:
+    """Whether exact decode-sized calls run linear_qp where a format packs: BATON_PACKED_EXACT,
+    else packed_exact_default()."""
+    value = os.environ.get(PACKED_EXACT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(
+            f"{PACKED_EXACT_ENV}={value!r}: set it to 1 (exact linears on packed rows), "
+            "0 (on the GGUF rows) or leave it unset (by CPU)"
+        )
+    return value == "1" if value else packed_exact_default()
+
+
+def packed_exact_default() -> bool:
+    """On Intel CPUs: there three vpdpbusd per block beat linear_q's float decode from one row to
+    16. AMD's Zen 4 runs 512-bit VNNI as two halves and was not measured: linear_q stays there."""
+    return cpu_features().vendor == "GenuineIntel"
