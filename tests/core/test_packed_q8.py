@@ -17,7 +17,7 @@ import torch
 from baton.errors import ConfigError
 from baton.kernels import cpu_features, loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact, packed_exact_default
-from baton.quant import QType, QuantLinear
+from baton.quant import QType, QuantEmbedding, QuantLinear
 from baton.quant.ops import packs_rows
 
 pytestmark = pytest.mark.skipif(
@@ -161,7 +161,10 @@ def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     monkeypatch.setenv(PACKED_EXACT_ENV, "1")
     w = random_rows(64, 128, QType.Q4_1, seed=9)
     lin = QuantLinear(w, QType.Q4_1, 128, 64, bias=torch.randn(64), kernels=True)
-    assert lin.packed is not None and lin.weight_bytes == w.numel() + lin.packed.numel() + 64 * 4
+    # the packed rows replace ggml's: one copy, as many bytes
+    assert lin.raw is None and lin.packed.numel() == w.numel()
+    assert lin.weight_bytes == w.numel() + 64 * 4 and torch.equal(lin.ggml_rows(), w)
+    assert "raw" not in lin.state_dict() and "packed" not in lin.state_dict()
     packed = lin.packed
     x = torch.randn(3, 128)
     assert torch.equal(lin(x), torch.ops.baton.linear_qp(x, packed, int(QType.Q4_1), lin.bias))
@@ -169,12 +172,40 @@ def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     assert lin.packed is packed
     assert torch.equal(lin(x), torch.ops.baton.linear_q8p(x, packed, int(QType.Q4_1), lin.bias))
     lin.int8_activations = False
-    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 128)  # prefill: ggml's rows as before
+    assert lin.packed is packed
+    # prefill, the embedding and dequantized(): the bits of ggml's rows
+    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 128)
     assert torch.equal(lin(big), torch.ops.baton.linear_q_tiles(big, w, int(QType.Q4_1), lin.bias))
+    full = torch.empty(64, 128)
+    torch.ops.baton.dequantize_q(w, int(QType.Q4_1), full)
+    assert torch.equal(lin.dequantized(), full) and torch.equal(lin.dequantized(5, 21), full[5:21])
+    ids = torch.tensor([[3, 63], [0, 3]])
+    assert torch.equal(QuantEmbedding(lin)(ids), full[ids])
     monkeypatch.setenv(PACKED_EXACT_ENV, "0")
     off = QuantLinear(w, QType.Q4_1, 128, 64, bias=lin.bias, kernels=True)
-    assert off.packed is None
+    assert off.packed is None and off.raw is w
     assert torch.equal(off(x), torch.ops.baton.linear_q(x, w, int(QType.Q4_1), lin.bias))
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_packed_rows_unpack_to_the_same_bytes_and_values(qtype):
+    """unpack_q8p inverts pack_q8p; linear_qp_tiles and dequantize_q8p_rows give linear_q_tiles'
+    and dequantize_q's bits on the rows packed (so prefill and the embedding do not change)."""
+    w = random_rows(96, 1536, qtype, seed=2)
+    packed = torch.ops.baton.pack_q8p(w, int(qtype))
+    assert torch.equal(torch.ops.baton.unpack_q8p(packed, int(qtype)), w)
+    x = torch.randn(37, 1536, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(96)
+    assert torch.equal(
+        torch.ops.baton.linear_qp_tiles(x, packed, int(qtype), bias),
+        torch.ops.baton.linear_q_tiles(x, w, int(qtype), bias),
+    )
+    full = torch.empty(96, 1536)
+    torch.ops.baton.dequantize_q(w, int(qtype), full)
+    ids = torch.tensor([95, 0, 17, 17, 48])
+    assert torch.equal(torch.ops.baton.dequantize_q8p_rows(packed, int(qtype), ids), full[ids])
+    with pytest.raises(RuntimeError, match="row 96 of 96"):
+        torch.ops.baton.dequantize_q8p_rows(packed, int(qtype), torch.tensor([96]))
 
 
 def test_packed_exact_follows_the_variable_then_the_cpu(monkeypatch):

@@ -160,10 +160,11 @@ def test_auto_keeps_every_quantized_tensor_of_a_gguf(tiny_gguf):
     # the Q8_0 embedding serves as the tied LM head: one copy of its blocks
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(emb, QuantEmbedding) and isinstance(head, QuantLinear)
-    assert head.qtype == QType.Q8_0 and head.raw.data_ptr() == emb.source.raw.data_ptr()
+    assert head.qtype == QType.Q8_0 and emb.source is head
     lins = [m for m in quant.values() if isinstance(m, QuantLinear)]
-    raw_bytes = sum(m.raw.numel() for m in lins)
-    assert sum(m.weight_bytes for m in lins) == raw_bytes + _packed_bytes(lins)
+    _check_packing(lins)
+    raw_bytes = sum(m.ggml_rows().numel() for m in lins)
+    assert sum(m.weight_bytes for m in lins) == raw_bytes
 
 
 def test_auto_layers_compute_what_the_converted_weights_do(tiny_gguf):
@@ -246,8 +247,8 @@ def test_int8_int4_quantize_every_linear_and_the_tied_embedding(mode, qtype):
     block_bytes = {QType.Q8_0: 34, QType.Q4_1: 20}[qtype]
     weights = sum(ref.get_submodule(n).weight.numel() for n in linears)  # lm_head is the embedding
     unique = {id(m): m for m in quant.values() if isinstance(m, QuantLinear)}
-    packed = _packed_bytes(list(unique.values()))
-    assert sum(m.weight_bytes for m in unique.values()) == weights // 32 * block_bytes + packed
+    _check_packing(list(unique.values()))
+    assert sum(m.weight_bytes for m in unique.values()) == weights // 32 * block_bytes
     # each layer computes x @ dequantize(quantize(W)).T
     g = torch.Generator().manual_seed(0)
     for name in linears:
@@ -294,10 +295,9 @@ def test_the_runner_keeps_quantized_layers_and_head(tiny_gguf, cpu_kernels):
     assert type(kept).__name__ == ("SmallBatchLinear" if runner.kernels else "Linear")
 
 
-def _packed_bytes(lins: list[QuantLinear]) -> int:
-    """The bytes of the layers' packed copies (QuantLinear.packed: linear_qp's rows), checking
-    that exactly the layers packed_exact packs have one, as many bytes as their GGUF rows."""
+def _check_packing(lins: list[QuantLinear]) -> None:
+    """Exactly the layers packed_exact packs keep their rows packed (linear_qp's layout), and
+    only there (``raw`` None): one copy of every weight either way."""
     for m in lins:
-        assert (m.packed is not None) == (packed_exact() and packs_rows(m.qtype, m.out_features))
-        assert m.packed is None or m.packed.numel() == m.raw.numel()
-    return sum(m.packed.numel() for m in lins if m.packed is not None)
+        packs = packed_exact() and packs_rows(m.qtype, m.out_features)
+        assert (m.packed is not None) == packs and (m.raw is None) == packs

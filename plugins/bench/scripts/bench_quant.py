@@ -14,22 +14,26 @@ Implementations: ``f_linear`` (torch, fp32), ``linear_small`` (baton's fp32 smal
 kernel), ``Q4_1`` / ``Q8_0`` / ``Q4_K`` (K = 1536 only; QuantLinear through the fused kernel up to
 KERNEL_MAX_ROWS rows, else dequantize slices + GEMM), ``Q4_1_gemm`` (always the sliced
 GEMM path), ``Q4_1_torch`` (no kernels), ``Q4_1_int8`` (int8 activations on ggml's rows:
-linear_q8a) and ``Q4_1_int8_packed`` (on repacked rows: linear_q8p, where it is built). Prints one JSON line per row count.
+linear_q8a), ``Q4_1_int8_packed`` (on repacked rows: linear_q8p, where it is built) and
+``Q4_1_packed`` (exact, on repacked rows: linear_qp). Prints one JSON line per row count.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from baton.kernels import loader
 from baton.kernels.cpu_linear import linear_small
+from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.quant import QType, QuantLinear, quantize
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
@@ -57,19 +61,36 @@ def q4_k_like(weight: torch.Tensor) -> QuantLinear:
     return QuantLinear(raw.view(n, -1), QType.Q4_K, k, n, kernels=True)
 
 
+@contextlib.contextmanager
+def packed_exact(on: bool) -> Iterator[None]:
+    """QuantLinears built inside keep exact calls on packed rows (linear_qp) or on ggml's."""
+    before = os.environ.get(PACKED_EXACT_ENV)
+    os.environ[PACKED_EXACT_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PACKED_EXACT_ENV]
+        else:
+            os.environ[PACKED_EXACT_ENV] = before
+
+
 def implementations(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     n, k = weight.shape
-    q41 = QuantLinear(*quantize(weight, "int4"), k, n, kernels=True)
-    q80 = QuantLinear(*quantize(weight, "int8"), k, n, kernels=True)
-    q41_gemm = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=True)
-    q41_gemm.KERNEL_MAX_ROWS = 0
-    q41_torch = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=False)
-    # int8 activations: on ggml's rows (linear_q8a), and repacked (linear_q8p) where it is built
-    q41_q8a = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=True)
-    q41_q8a.int8_activations = True
-    q41_q8a.packed = None
-    q41_q8p = QuantLinear(q41.raw, QType.Q4_1, k, n, kernels=True)
-    q41_q8p.int8_activations = True
+    raw, qtype = quantize(weight, "int4")
+    with packed_exact(False):  # ggml's rows: linear_q, linear_q8a
+        q41 = QuantLinear(raw, qtype, k, n, kernels=True)
+        q80 = QuantLinear(*quantize(weight, "int8"), k, n, kernels=True)
+        q41_gemm = QuantLinear(raw, qtype, k, n, kernels=True)
+        q41_gemm.KERNEL_MAX_ROWS = 0
+        q41_torch = QuantLinear(raw, qtype, k, n, kernels=False)
+        q41_q8a = QuantLinear(raw, qtype, k, n, kernels=True)
+        q41_q8a.int8_activations = True
+        q41_q8a.packed = None
+        q41_q8p = QuantLinear(raw, qtype, k, n, kernels=True)
+        q41_q8p.int8_activations = True
+    with packed_exact(True):
+        q41_qp = QuantLinear(raw, qtype, k, n, kernels=True)
     impls = {
         "f_linear": lambda x: F.linear(x, weight),
         "linear_small": lambda x: linear_small(x, weight),
@@ -81,6 +102,8 @@ def implementations(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], 
     }
     if q41_q8p.packed is not None:
         impls["Q4_1_int8_packed"] = q41_q8p
+    if q41_qp.packed is not None:
+        impls["Q4_1_packed"] = q41_qp
     if k % 256 == 0:  # K-quants' blocks are 256 weights
         impls["Q4_K"] = q4_k_like(weight)
     return impls

@@ -103,7 +103,7 @@ struct Ops {
   c10::OperatorHandle linear_q_tiles = find_op("baton::linear_q_tiles");
   c10::OperatorHandle paged_write = find_op("baton::paged_write");
   c10::OperatorHandle paged_decode = find_op("baton::paged_decode");
-  std::optional<c10::OperatorHandle> linear_q8a, linear_q8p, linear_qp;
+  std::optional<c10::OperatorHandle> linear_q8a, linear_q8p, linear_qp, linear_qp_tiles;
 };
 
 Ops& ops() {
@@ -117,12 +117,19 @@ const c10::OperatorHandle& q8a_op() {
   return *o.linear_q8a;
 }
 
-// The linear over pack_q8p's rows: linear_q8p (int8 activations) or linear_qp (exact).
-const c10::OperatorHandle& packed_op(bool q8a) {
+// The linear over pack_q8p's rows: linear_q8p (int8 activations) or linear_qp (exact) for
+// decode-sized calls, linear_qp_tiles for more rows.
+const c10::OperatorHandle& packed_op(bool q8a, bool tiles) {
   Ops& o = ops();
-  std::optional<c10::OperatorHandle>& h = q8a ? o.linear_q8p : o.linear_qp;
-  if (!h) h = find_op(q8a ? "baton::linear_q8p" : "baton::linear_qp");
+  std::optional<c10::OperatorHandle>& h = tiles ? o.linear_qp_tiles : q8a ? o.linear_q8p : o.linear_qp;
+  if (!h) h = find_op(tiles ? "baton::linear_qp_tiles" : q8a ? "baton::linear_q8p" : "baton::linear_qp");
   return *h;
+}
+
+// Output rows of a linear: w's, or where w's rows are packed (pack_q8p: 16 rows a tile), packed's.
+// A layer whose GGUF rows were dropped for their packed copy passes the packed tensor as w too.
+int64_t out_rows(const at::Tensor& w, int64_t qtype, const at::Tensor& packed) {
+  return packed.defined() && qtype >= 0 ? packed.size(0) * 16 : w.size(0);
 }
 
 // y[:, n0:n1] += b[n0:n1] for y [M, N].
@@ -140,7 +147,8 @@ struct LinearArgs {
 // SmallBatchLinear.forward): the same op, so the same summation order. `buf`: the float path's
 // output, reused by the same linear of every layer (each is consumed before the next layer).
 // `packed` (defined: the linear's weights repacked by pack_q8p) runs decode-sized calls through
-// linear_q8p (q8a) or linear_qp, as QuantLinear.forward does; more rows take w, ggml's rows.
+// linear_q8p (q8a) or linear_qp, as QuantLinear.forward does, and more rows through
+// linear_qp_tiles (linear_q_tiles' bits on the same rows).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a,
                   const LinearArgs& la, at::Tensor& buf, const at::Tensor& packed = at::Tensor()) {
   const int64_t M = x.size(0);
@@ -161,9 +169,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
   }
-  if (packed.defined() && M <= la.quant_max_rows) {
+  if (packed.defined()) {
     std::vector<c10::IValue> stack{x, packed, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
-    packed_op(q8a).callBoxed(&stack);
+    packed_op(q8a, M > la.quant_max_rows).callBoxed(&stack);
     return stack[0].toTensor();
   }
   const bool plain = M <= la.quant_max_rows && !q8a;  // linear_q: one argument more (invariant)
@@ -244,7 +252,7 @@ struct Lin {
 // `packed` defined: w's rows repacked by pack_q8p, which the linear then reads (packed_rows).
 Lin make_lin(const at::Tensor& w, const at::Tensor& b, int64_t qtype, bool q8a, int64_t K, const at::Tensor& packed) {
   Lin l;
-  l.N = w.size(0);
+  l.N = out_rows(w, qtype, packed);
   l.K = K;
   l.qtype = qtype;
   l.q8a = q8a;
@@ -515,7 +523,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
     TORCH_CHECK(norms[i].is_contiguous() && norms[i].numel() == Hd, "decode_layers: norm ", i, " is not [", Hd, "]");
     nw[i] = norms[i].data_ptr<float>();
   }
-  const int64_t I = weights[GATE].size(0);
+  const int64_t I = out_rows(weights[GATE], qtypes[GATE], packed[GATE]);
   std::vector<Lin> lins(weights.size());
   for (int64_t l = 0; l < L; ++l)
     for (int64_t i = 0; i < PER_LAYER; ++i) {

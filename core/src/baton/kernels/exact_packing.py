@@ -3,8 +3,8 @@
 ``linear_qp`` (kernels/packed_q8.cpp) reads Q4_0 / Q4_1 / Q8_0 rows repacked once at load for
 AVX-512 VNNI and splits x into three int8 pieces per 32 values: the same sums as ``linear_q``
 within a float32 rounding per block, 1.8x faster at one row on an Intel Xeon with AMX (30
-SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed copy costs as many bytes
-as the GGUF rows, which stay for prefill and the embedding.
+SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed rows replace the GGUF rows
+(prefill and the embedding unpack them with the same bits): no more memory.
 """
 
 from __future__ import annotations

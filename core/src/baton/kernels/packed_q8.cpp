@@ -30,7 +30,10 @@
 // q8p_kernel() says False, and callers keep linear_q8a.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -39,6 +42,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "row_kernels.h"
 
@@ -117,6 +121,88 @@ void pack_block(const uint8_t* raw, int64_t row_bytes, int64_t t, int64_t b, uin
         out[i * 64 + 4 * c + j] =
             P::NIBBLES ? static_cast<uint8_t>(q[8 * i + j] | (q[8 * i + 4 + j] << 4)) : q[4 * i + j];
   }
+}
+
+// Row c of tile t's block b (P::BB bytes at blk) back into ggml's block (P::RAW bytes at out):
+// pack_block's inverse.
+template <class P>
+void unpack_block(const uint8_t* blk, int c, uint8_t* out) {
+  const uint8_t* scales = blk + P::QV * 64;
+  std::memcpy(out, scales + 2 * c, 2);
+  if constexpr (P::MIN) std::memcpy(out + 2, scales + 2 * TN + 2 * c, 2);
+  uint8_t q[QK];
+  for (int i = 0; i < P::QV; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t v = blk[i * 64 + 4 * c + j];
+      if constexpr (P::NIBBLES) {
+        q[8 * i + j] = v & 15;
+        q[8 * i + 4 + j] = v >> 4;
+      } else {
+        q[4 * i + j] = v;
+      }
+    }
+  if constexpr (P::NIBBLES) {
+    uint8_t* qs = out + (P::MIN ? 4 : 2);
+    for (int i = 0; i < 16; ++i) qs[i] = static_cast<uint8_t>(q[i] | (q[i + 16] << 4));
+  } else {
+    for (int k = 0; k < QK; ++k) out[2 + k] = q[k] ^ 0x80u;
+  }
+}
+
+// Rows [r0, r1) of packed (nb blocks a row) as ggml's rows into out ([r1 - r0, nb * P::RAW]).
+template <class P>
+void unpack_rows(const uint8_t* packed, int64_t nb, int64_t r0, int64_t r1, uint8_t* out) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      unpack_block<P>(packed + ((r / TN) * nb + b) * P::BB, static_cast<int>(r % TN),
+                      out + ((r - r0) * nb + b) * P::RAW);
+}
+
+// The packed tensor's shape checked for format P: [N / 16, K / 32 * P::BB] uint8.
+template <class P>
+void check_packed(const char* op, const at::Tensor& packed) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous() && packed.size(1) % P::BB == 0,
+              op, ": packed must be pack_q8p's contiguous uint8 tensor [N / 16, K / 32 * ", P::BB, "]");
+}
+
+// ggml's rows [N, K / 32 * RAW] of a pack_q8p tensor (the bytes pack_q8p was given).
+at::Tensor unpack_q8p(const at::Tensor& packed, int64_t qtype) {
+  at::Tensor out;
+  dispatch_p(qtype, "unpack_q8p", [&]<class P>() {
+    check_packed<P>("unpack_q8p", packed);
+    const int64_t nb = packed.size(1) / P::BB, N = packed.size(0) * TN;
+    out = at::empty({N, nb * P::RAW}, packed.options());
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    uint8_t* op = out.data_ptr<uint8_t>();
+    at::parallel_for(0, N, TN, [&](int64_t r0, int64_t r1) { unpack_rows<P>(pp, nb, r0, r1, op + r0 * nb * P::RAW); });
+  });
+  return out;
+}
+
+// float32 rows ids of a pack_q8p tensor ([len(ids), K]): the same bits as dequantize_q on the
+// rows it was packed from (an embedding over packed rows).
+at::Tensor dequantize_q8p_rows(const at::Tensor& packed, int64_t qtype, const at::Tensor& ids_in) {
+  at::Tensor out;
+  dispatch_p(qtype, "dequantize_q8p_rows", [&]<class P>() {
+    check_packed<P>("dequantize_q8p_rows", packed);
+    const at::Tensor ids = ids_in.to(at::kLong).contiguous().view(-1);
+    const int64_t nb = packed.size(1) / P::BB, N = packed.size(0) * TN, K = nb * QK, n = ids.numel();
+    out = at::empty({n, K}, packed.options().dtype(at::kFloat));
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "dequantize_q8p_rows: row ", ip[i], " of ", N);
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      std::vector<uint8_t> row(nb * P::RAW);
+      for (int64_t i = i0; i < i1; ++i) {
+        unpack_rows<P>(pp, nb, ip[i], ip[i] + 1, row.data());
+        baton_rows::dequantize_raw(P::ID, row.data(), nb * P::RAW, K, op + i * K, 0, 1);
+      }
+    });
+  });
+  return out;
 }
 
 at::Tensor pack_q8p(const at::Tensor& raw, int64_t qtype) {
@@ -490,6 +576,95 @@ XView view_of(const baton_rows::QuantX& prep, int64_t M, int64_t K, bool exact) 
 
 #endif  // BATON_Q8P
 
+// Rows [r0, r1) (whole tiles of 16) of packed as float32 into out [*, K]: dequantize_q's values
+// (q * d, then + m, rounded each: no contraction), so the same bits as on the rows packed.
+template <class P>
+__attribute__((optimize("fp-contract=off"))) void dequantize_packed(const uint8_t* packed, int64_t nb, int64_t r0,
+                                                                    int64_t r1, float* out) {
+  const int64_t K = nb * QK;
+#if defined(BATON_Q8P)
+  // row c's values 4i .. 4i + 3 of a block are bytes 4c .. 4c + 3 of its vector i: per 16-byte
+  // lane l, rows 4l .. 4l + 3, four values each
+  __m512i spread[4];
+  for (int l = 0; l < 4; ++l) {
+    alignas(64) int32_t idx[16];
+    for (int e = 0; e < 16; ++e) idx[e] = 4 * l + e / 4;
+    spread[l] = _mm512_load_si512(idx);
+  }
+  for (int64_t t = r0 / TN; t < r1 / TN; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = packed + (t * nb + b) * P::BB;
+      __m512 d, mn = _mm512_setzero_ps();
+      block_scales<P>(blk, d, mn);
+      float* o = out + (t * TN - r0) * K + b * QK;
+      alignas(64) uint8_t wb[8][64];  // the block's bytes, Q4's nibbles spread to one per byte
+      for (int i = 0; i < 8; ++i)
+        _mm512_store_si512(wb[i], P::NIBBLES ? nibbles(blk, i) : _mm512_loadu_si512(blk + 64 * i));
+      for (int l = 0; l < 4; ++l) {
+        const __m512 dl = _mm512_permutexvar_ps(spread[l], d);
+        const __m512 ml = _mm512_permutexvar_ps(spread[l], mn);
+        for (int i = 0; i < 8; ++i) {
+          __m512i q = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(wb[i] + 16 * l)));
+          if constexpr (P::Z != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(P::Z));
+          __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dl);
+          if constexpr (P::MIN) y = _mm512_add_ps(y, ml);
+          alignas(64) float v[16];
+          _mm512_store_ps(v, y);
+          for (int r = 0; r < 4; ++r) std::memcpy(o + (4 * l + r) * K + 4 * i, v + 4 * r, 16);
+        }
+      }
+    }
+#else
+  std::vector<uint8_t> rows_raw((r1 - r0) * nb * P::RAW);
+  unpack_rows<P>(packed, nb, r0, r1, rows_raw.data());
+  baton_rows::dequantize_raw(P::ID, rows_raw.data(), nb * P::RAW, K, out, 0, r1 - r0);
+#endif
+}
+
+// float32 weights per tile of linear_qp_tiles (linear_q_tiles' tile: the same GEMM shapes).
+constexpr int64_t TILE_FLOATS = 65536;
+
+// Many rows of x (prefill) on packed rows: linear_q_tiles' work on the rows pack_q8p was given,
+// the same tiles and dequantized values, so the same bits: each thread unpacks a tile of rows to
+// ggml's bytes, dequantizes them into a float32 buffer of its own and multiplies x by them with
+// torch's GEMM straight into their columns of out.
+at::Tensor linear_qp_tiles(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
+                           const std::optional<at::Tensor>& bias) {
+  at::Tensor out;
+  dispatch_p(qtype, "linear_qp_tiles", [&]<class P>() {
+    check_packed<P>("linear_qp_tiles", packed);
+    const int64_t nb = packed.size(1) / P::BB, N = packed.size(0) * TN, K = nb * QK;
+    TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && x_in.size(1) == K,
+                "linear_qp_tiles: x must be a CPU float32 tensor [M, ", K, "]");
+    if (bias)
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
+                  "linear_qp_tiles: bias must be a float32 tensor [", N, "]");
+    const at::Tensor x = x_in.contiguous();
+    const int64_t M = x.size(0);
+    out = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return;
+    const int64_t tile = std::min(N, std::max<int64_t>(16, TILE_FLOATS / K / 16 * 16));
+    const int64_t tiles = (N + tile - 1) / tile;
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    const at::ThreadLocalState caller_state;  // InferenceMode on the pool's threads (linear_q_tiles)
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      const at::ThreadLocalStateGuard state_guard(caller_state);
+      at::Tensor buf = at::empty({tile, K}, x.options());
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile, rows = std::min(tile, N - n0);  // whole tiles of 16: N and tile are
+        dequantize_packed<P>(pp, nb, n0, n0 + rows, buf.data_ptr<float>());
+        at::Tensor part = out.narrow(1, n0, rows);
+        const at::Tensor wt = buf.narrow(0, 0, rows).t();
+        if (bias)
+          at::addmm_out(part, bias->narrow(0, n0, rows), x, wt);
+        else
+          at::mm_out(part, x, wt);
+      }
+    });
+  });
+  return out;
+}
+
 bool q8p_kernel() {
 #if defined(BATON_Q8P)
   return true;
@@ -592,6 +767,9 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("pack_q8p(Tensor raw, int qtype) -> Tensor");
   m.def("linear_q8p(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
   m.def("linear_qp(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("linear_qp_tiles(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
+  m.def("unpack_q8p(Tensor packed, int qtype) -> Tensor");
+  m.def("dequantize_q8p_rows(Tensor packed, int qtype, Tensor ids) -> Tensor");
   m.def("q8p_kernel() -> bool", &q8p_kernel);
   m.def("q8p_path() -> str", &q8p_path);
 }
@@ -600,4 +778,7 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("pack_q8p", pack_q8p);
   m.impl("linear_q8p", linear_q8p);
   m.impl("linear_qp", linear_qp);
+  m.impl("linear_qp_tiles", linear_qp_tiles);
+  m.impl("unpack_q8p", unpack_q8p);
+  m.impl("dequantize_q8p_rows", dequantize_q8p_rows);
 }

@@ -832,6 +832,11 @@ void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
 
 }  // namespace
 
+void baton_rows::dequantize_raw(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t r0,
+                                int64_t r1) {
+  dispatch(qtype, "dequantize_raw", [&]<class F>() { dequantize_rows<F>(w, row_bytes, K, out, r0, r1); });
+}
+
 bool baton_rows::quant_supported(int64_t qtype) {
   switch (qtype) {
     case Q4_0::ID: case Q4_1::ID: case Q8_0::ID: case Q4_K::ID: case Q5_K::ID: case Q6_K::ID: return true;

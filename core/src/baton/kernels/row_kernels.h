@@ -37,6 +37,11 @@ bool packed_supported(int64_t qtype);
 void packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
                  const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
 
+// Rows [r0, r1) of w (ggml's rows in format qtype) as float32 into out [*, K] (dequantize_q's code:
+// the same bits as gguf's reference).
+void dequantize_raw(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t r0,
+                    int64_t r1);
+
 // Whether qtype (a ggml type id) is one of the quantized formats the kernels read.
 bool quant_supported(int64_t qtype);
 

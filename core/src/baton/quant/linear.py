@@ -7,7 +7,9 @@ which decodes the blocks in registers and reads each weight byte once per call,
 the output rows split over the threads; or, where ``packed_exact`` holds (Intel CPUs with
 AVX-512 VNNI) and the format packs, through ``linear_qp`` on the rows repacked once
 (``packed``): x split into three int8 pieces per 32 values, integer dot products, within a
-float32 rounding of linear_q per block (docs/cpu-kernels.md). More rows (prefill) go through
+float32 rounding of linear_q per block (docs/cpu-kernels.md). Such a layer keeps only the
+packed rows (``raw`` is None): prefill (``linear_qp_tiles``) and the embedding unpack them
+tile by tile, with linear_q_tiles' and dequantize's bits. More rows (prefill) go through
 ``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
 runs torch's GEMM on it. Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
@@ -63,13 +65,18 @@ class QuantLinear(torch.nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.kernels = use_kernels(kernels)
+        #: ggml's rows as the file stores them, or None where ``packed`` holds them instead
+        self.raw: torch.Tensor | None
         self.register_buffer("raw", raw.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        #: ``raw`` repacked for linear_q8p (int8 activations) or linear_qp (exact, where
-        #: packed_exact holds): not a buffer (derived from raw, never saved); None where the
-        #: decode-sized calls read ``raw``.
+        #: the rows repacked for linear_q8p (int8 activations) or linear_qp (exact, where
+        #: packed_exact holds): not a buffer (never saved); None where the decode-sized calls
+        #: read ``raw``. Packed for linear_qp, the rows are kept only here (``raw`` None):
+        #: prefill (linear_qp_tiles) and the embedding read them too, with the same bits.
         self.packed: torch.Tensor | None = None
         self.int8_activations = False
+        if self.packed is not None:
+            self.raw = None
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, mode: str) -> QuantLinear:
@@ -86,6 +93,8 @@ class QuantLinear(torch.nn.Module):
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
         self._int8_activations = bool(on)
+        if getattr(self, "raw", None) is None:  # the rows live in `packed` only: it serves both
+            return
         wanted = (
             self.kernels
             and self.raw.is_cpu
@@ -99,20 +108,32 @@ class QuantLinear(torch.nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes held: the quantized rows (and their packed copy), plus the bias."""
+        """Bytes held: the quantized rows (ggml's, packed, or both), plus the bias."""
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         packed = 0 if self.packed is None else self.packed.numel()
-        return self.raw.numel() + packed + bias
+        raw = 0 if self.raw is None else self.raw.numel()
+        return raw + packed + bias
+
+    def ggml_rows(self) -> torch.Tensor:
+        """uint8 [out_features, row bytes]: the rows as the GGUF file stores them (``raw``, or
+        unpacked from ``packed``: a new tensor)."""
+        if self.raw is not None:
+            return self.raw
+        return torch.ops.baton.unpack_q8p(self.packed, self._qtype_id)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"qtype={self.qtype.name}, bias={self.bias is not None}, kernels={self.kernels}"
             + (", int8_activations=True" if self.int8_activations else "")
+            + (", packed" if self.packed is not None else "")
         )
 
     def dequantized(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """float32 weight rows [start, stop) (all by default)."""
+        if self.raw is None:
+            ids = torch.arange(self.out_features)[start:stop]
+            return torch.ops.baton.dequantize_q8p_rows(self.packed, self._qtype_id, ids)
         raw = self.raw[start:stop]
         shape = (raw.shape[0], self.in_features)
         if self.kernels and raw.device.type == "cpu":
@@ -144,6 +165,8 @@ class QuantLinear(torch.nn.Module):
                 y = torch.ops.baton.linear_q8a(x2, self.raw, self._qtype_id, bias)
             elif few:
                 y = torch.ops.baton.linear_q(x2, self.raw, self._qtype_id, bias)
+            elif self.raw is None:
+                y = torch.ops.baton.linear_qp_tiles(x2, self.packed, self._qtype_id, bias)
             else:
                 y = torch.ops.baton.linear_q_tiles(x2, self.raw, self._qtype_id, bias)
         else:
@@ -213,6 +236,9 @@ class QuantEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [*ids.shape, embedding_dim]: only the gathered rows are dequantized."""
         src = self.source
+        if src.raw is None:  # the rows live packed (QuantLinear.packed)
+            out = torch.ops.baton.dequantize_q8p_rows(src.packed, src._qtype_id, ids.reshape(-1))
+            return out.view(*ids.shape, src.in_features)
         raw = src.raw.index_select(0, ids.reshape(-1).to(torch.long))
         shape = (raw.shape[0], src.in_features)
         if src.kernels and raw.device.type == "cpu":
