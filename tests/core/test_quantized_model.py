@@ -20,7 +20,7 @@ from baton.errors import ConfigError
 from baton.kernels.exact_packing import packed_exact
 from baton.model.gguf_cache import MARKER
 from baton.model.quantization import _why_dequantized
-from baton.model.weights import load_model
+from baton.model.weights import load_model, weight_bytes
 from baton.protocol import KVCacheConfig
 from baton.quant import QType, QuantEmbedding, QuantLinear, dequantize, quantize
 from baton.quant.ops import packs_rows
@@ -165,6 +165,9 @@ def test_auto_keeps_every_quantized_tensor_of_a_gguf(tiny_gguf):
     _check_packing(lins)
     raw_bytes = sum(m.ggml_rows().numel() for m in lins)
     assert sum(m.weight_bytes for m in lins) == raw_bytes
+    unique = {id(m): m for m in lins}.values()  # the tied head once
+    # the model's count sees packed rows too (and the float tensors)
+    assert weight_bytes(model) > sum(m.ggml_rows().numel() for m in unique)
 
 
 def test_auto_layers_compute_what_the_converted_weights_do(tiny_gguf):

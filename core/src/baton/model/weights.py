@@ -119,10 +119,14 @@ def _load_sharded(
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
+    """Bytes of the model's parameters and buffers, and of the quantized layers' packed rows
+    (QuantLinear.packed, not a buffer), each storage counted once (tied weights once)."""
     seen: set[int] = set()
     total = 0
-    for t in (*model.parameters(), *model.buffers()):
+    packed = [
+        m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), torch.Tensor)
+    ]
+    for t in (*model.parameters(), *model.buffers(), *packed):
         if t.device.type == "meta":  # a shape placeholder (a sharded LM head's full size)
             continue
         storage = t.untyped_storage()
