@@ -30,10 +30,7 @@
 // q8p_kernel() says False, and callers keep linear_q8a.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -621,13 +618,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_packed(const uint8_
 #endif
 }
 
-// float32 weights per tile of linear_qp_tiles (linear_q_tiles' tile: the same GEMM shapes).
-constexpr int64_t TILE_FLOATS = 65536;
-
-// Many rows of x (prefill) on packed rows: linear_q_tiles' work on the rows pack_q8p was given,
-// the same tiles and dequantized values, so the same bits: each thread unpacks a tile of rows to
-// ggml's bytes, dequantizes them into a float32 buffer of its own and multiplies x by them with
-// torch's GEMM straight into their columns of out.
+// Many rows of x (prefill) on packed rows: linear_q_tiles' work on the rows pack_q8p was given
+// (tiled_gemm), the same dequantized values, so the same bits.
 at::Tensor linear_qp_tiles(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
                            const std::optional<at::Tensor>& bias) {
   at::Tensor out;
@@ -640,26 +632,10 @@ at::Tensor linear_qp_tiles(const at::Tensor& x_in, const at::Tensor& packed, int
       TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
                   "linear_qp_tiles: bias must be a float32 tensor [", N, "]");
     const at::Tensor x = x_in.contiguous();
-    const int64_t M = x.size(0);
-    out = at::empty({M, N}, x.options());
-    if (M == 0 || N == 0) return;
-    const int64_t tile = std::min(N, std::max<int64_t>(16, TILE_FLOATS / K / 16 * 16));
-    const int64_t tiles = (N + tile - 1) / tile;
+    out = at::empty({x.size(0), N}, x.options());
     const uint8_t* pp = packed.data_ptr<uint8_t>();
-    const at::ThreadLocalState caller_state;  // InferenceMode on the pool's threads (linear_q_tiles)
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      const at::ThreadLocalStateGuard state_guard(caller_state);
-      at::Tensor buf = at::empty({tile, K}, x.options());
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile, rows = std::min(tile, N - n0);  // whole tiles of 16: N and tile are
-        dequantize_packed<P>(pp, nb, n0, n0 + rows, buf.data_ptr<float>());
-        at::Tensor part = out.narrow(1, n0, rows);
-        const at::Tensor wt = buf.narrow(0, 0, rows).t();
-        if (bias)
-          at::addmm_out(part, bias->narrow(0, n0, rows), x, wt);
-        else
-          at::mm_out(part, x, wt);
-      }
+    baton_rows::tiled_gemm(x, bias, out, [&](int64_t n0, int64_t rows, float* buf) {
+      dequantize_packed<P>(pp, nb, n0, n0 + rows, buf);  // whole tiles of 16: N and the tile size are
     });
   });
   return out;

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -775,7 +776,7 @@ at::Tensor linear_q8a(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype
   return out;
 }
 
-// float32 weights per tile of linear_q_tiles (256 KiB: a thread's tile stays in its L2).
+// float32 weights per tile of tiled_gemm (256 KiB: a thread's tile stays in its L2).
 constexpr int64_t TILE_FLOATS = 65536;
 
 // Many rows of x (prefill): each thread dequantizes tiles of weight rows into a float32 buffer of
@@ -785,31 +786,13 @@ at::Tensor linear_q_tiles(const at::Tensor& x_in, const at::Tensor& w, int64_t q
                           const std::optional<at::Tensor>& bias) {
   at::Tensor out = new_output("linear_q_tiles", x_in, w, bias);
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t K = x.size(1);
   dispatch(qtype, "linear_q_tiles", [&]<class F>() {
     check_weights<F>("linear_q_tiles", w, K);
-    if (M == 0 || N == 0) return;
-    const int64_t tile = std::min(N, std::max<int64_t>(16, TILE_FLOATS / K / 16 * 16));
-    const int64_t tiles = (N + tile - 1) / tile;
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const int64_t row_bytes = w.size(1);
-    // The GEMMs go through the dispatcher on the pool's threads, which do not inherit the
-    // caller's thread-local state: without it, InferenceMode is off there and writing into an
-    // inference-mode `out` fails.
-    const at::ThreadLocalState caller_state;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      const at::ThreadLocalStateGuard state_guard(caller_state);
-      at::Tensor buf = at::empty({tile, K}, x.options());
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
-        dequantize_rows<F>(wp + n0 * row_bytes, row_bytes, K, buf.data_ptr<float>(), 0, rows);
-        at::Tensor part = out.narrow(1, n0, rows);
-        const at::Tensor wt = buf.narrow(0, 0, rows).t();
-        if (bias)
-          at::addmm_out(part, bias->narrow(0, n0, rows), x, wt);
-        else
-          at::mm_out(part, x, wt);
-      }
+    baton_rows::tiled_gemm(x, bias, out, [&](int64_t n0, int64_t rows, float* buf) {
+      dequantize_rows<F>(wp + n0 * row_bytes, row_bytes, K, buf, 0, rows);
     });
   });
   return out;
@@ -831,6 +814,32 @@ void dequantize_q(const at::Tensor& w, int64_t qtype, at::Tensor out) {
 }
 
 }  // namespace
+
+void baton_rows::tiled_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                            const std::function<void(int64_t, int64_t, float*)>& fill) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  if (M == 0 || N == 0) return;
+  const int64_t tile = std::min(N, std::max<int64_t>(16, TILE_FLOATS / K / 16 * 16));
+  const int64_t tiles = (N + tile - 1) / tile;
+  // The GEMMs go through the dispatcher on the pool's threads, which do not inherit the caller's
+  // thread-local state: without it, InferenceMode is off there and writing into an
+  // inference-mode `out` fails.
+  const at::ThreadLocalState caller_state;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const at::ThreadLocalStateGuard state_guard(caller_state);
+    at::Tensor buf = at::empty({tile, K}, x.options());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+      fill(n0, rows, buf.data_ptr<float>());
+      at::Tensor part = out.narrow(1, n0, rows);
+      const at::Tensor wt = buf.narrow(0, 0, rows).t();
+      if (bias)
+        at::addmm_out(part, bias->narrow(0, n0, rows), x, wt);
+      else
+        at::mm_out(part, x, wt);
+    }
+  });
+}
 
 void baton_rows::dequantize_raw(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t r0,
                                 int64_t r1) {

@@ -5,7 +5,11 @@
 // same code and summation order), whatever the split.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <vector>
 
 namespace baton_rows {
@@ -36,6 +40,14 @@ bool packed_supported(int64_t qtype);
 // x [M, K] prepared into prep, kept while `gen` says x is the same.
 void packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
                  const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
+
+// out [M, N] = x [M, K] @ w^T (+ bias) for many rows of x (linear_q_tiles, linear_qp_tiles): the
+// weight rows in tiles of 64K floats (whole tiles of 16 rows), `fill(n0, rows, buf)` writing rows
+// [n0, n0 + rows) of w as float32 into a thread's buffer [rows, K], then torch's GEMM into their
+// columns of out. The same tiles and GEMM calls whoever fills them, so the same bits for the same
+// values.
+void tiled_gemm(const at::Tensor& x, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                const std::function<void(int64_t, int64_t, float*)>& fill);
 
 // Rows [r0, r1) of w (ggml's rows in format qtype) as float32 into out [*, K] (dequantize_q's code:
 // the same bits as gguf's reference).
