@@ -7,11 +7,11 @@ which decodes the blocks in registers and reads each weight byte once per call,
 the output rows split over the threads; or, where ``packed_exact`` holds (Intel CPUs with
 AVX-512 VNNI) and the format packs, through ``linear_qp`` on the rows repacked once
 (``packed``): x split into three int8 pieces per 32 values, integer dot products, within a
-float32 rounding of linear_q per block (docs/cpu-kernels.md). Such a layer keeps only the
-packed rows (``raw`` is None): prefill (``linear_qp_tiles``) and the embedding unpack them
-tile by tile, with linear_q_tiles' and dequantize's bits. More rows (prefill) go through
+float32 rounding of linear_q per block (docs/cpu-kernels.md). More rows (prefill) go through
 ``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
-runs torch's GEMM on it. Without the kernels the same math runs on torch ops
+runs torch's GEMM on it. A layer packed for linear_qp keeps only the packed rows (``raw`` is
+None): prefill (``linear_qp_tiles``) and the embedding dequantize straight from them, with
+linear_q_tiles' and dequantize_q's bits. Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
 
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
