@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from baton.kernels import loader, os_grant, report
-from baton.kernels.exact_packing import PACKED_EXACT_ENV
+from baton.kernels.cpu_features import features_from
+from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact_choice
 from baton.kernels.os_grant import Grant, probe_amx
 
 AMX = frozenset({"avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16"})
@@ -83,8 +84,12 @@ def test_linear_qp_line_says_whether_exact_linears_read_packed_rows(monkeypatch)
     cpu = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"}
     monkeypatch.delenv(PACKED_EXACT_ENV, raising=False)
 
-    def qp(on: bool, b: set[str] = build) -> report.KernelPath:
-        paths = report.kernel_paths(frozenset(b), frozenset(cpu), "native", none, on)
+    def qp(intel: bool, b: set[str] = build) -> report.KernelPath:
+        vendor = "GenuineIntel" if intel else "AuthenticAMD"
+        feats = features_from("x86_64", frozenset(cpu), vendor)
+        monkeypatch.setattr("baton.kernels.exact_packing.cpu_features", lambda: feats)
+        choice = packed_exact_choice()
+        paths = report.kernel_paths(frozenset(b), frozenset(cpu), "native", none, choice)
         return {p.kernel: p for p in paths}["linear_qp"]
 
     assert qp(True).path.startswith("exact decode-sized linears on the repacked rows")

@@ -10,6 +10,7 @@ SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed rows repla
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from baton.errors import ConfigError
 from baton.kernels.cpu_features import cpu_features
@@ -19,16 +20,34 @@ from baton.kernels.cpu_features import cpu_features
 PACKED_EXACT_ENV = "BATON_PACKED_EXACT"
 
 
-def packed_exact() -> bool:
-    """Whether exact decode-sized calls run linear_qp where a format packs: BATON_PACKED_EXACT,
-    else packed_exact_default()."""
+@dataclass(frozen=True)
+class PackedExact:
+    """Whether exact decode-sized calls run linear_qp, and why (``baton env`` prints it)."""
+
+    on: bool
+    why: str
+
+
+def packed_exact_choice() -> PackedExact:
+    """BATON_PACKED_EXACT when set, else packed_exact_default(), with the reason."""
     value = os.environ.get(PACKED_EXACT_ENV, "")
     if value not in ("", "0", "1"):
         raise ConfigError(
             f"{PACKED_EXACT_ENV}={value!r}: set it to 1 (exact linears on packed rows), "
             "0 (on the GGUF rows) or leave it unset (by CPU)"
         )
-    return value == "1" if value else packed_exact_default()
+    if value:
+        return PackedExact(value == "1", f"{PACKED_EXACT_ENV}={value}")
+    if packed_exact_default():
+        return PackedExact(True, "an Intel CPU (the default there)")
+    return PackedExact(
+        False, f"not an Intel CPU (not measured here); {PACKED_EXACT_ENV}=1 turns it on"
+    )
+
+
+def packed_exact() -> bool:
+    """Whether exact decode-sized calls run linear_qp where a format packs (packed_exact_choice)."""
+    return packed_exact_choice().on
 
 
 def packed_exact_default() -> bool:

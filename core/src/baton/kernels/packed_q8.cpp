@@ -560,15 +560,25 @@ void prepare_exact(const float* x, int64_t M, int64_t K, uint64_t gen, baton_row
   prep.key = key;
 }
 
-// prep's contents as the kernels read them (exact: prepare_exact's three pieces).
-XView view_of(const baton_rows::QuantX& prep, int64_t M, int64_t K, bool exact) {
-  XView v{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
-  if (exact) {
-    v.plane = M * K;
-    v.units = M * K / QK;
-    v.xs = prep.xsum.data();
+// x [M, K] prepared into prep (exact: prepare_exact's three pieces, else prepare's int8), kept
+// while gen says x is the same, as the kernels read it.
+XView prepared(bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
+  if (!exact) {
+    prepare(x, M, K, gen, prep);
+    return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
   }
-  return v;
+  prepare_exact(x, M, K, gen, prep);
+  return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K, M * K, M * K / QK, prep.xsum.data()};
+}
+
+// packed_rows_p for x as `prepared` gave it.
+template <class P>
+void packed_rows_x(bool exact, const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y,
+                   int64_t N, int64_t n0, int64_t n1) {
+  if (exact)
+    packed_rows_p<P, true>(x, M, pw, nb, bias, y, N, n0, n1);
+  else
+    packed_rows_p<P, false>(x, M, pw, nb, bias, y, N, n0, n1);
 }
 
 #endif  // BATON_Q8P
@@ -682,20 +692,13 @@ at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tenso
                 " inputs, the packed weights ", K);
     if (M == 0 || N == 0) return;
     baton_rows::QuantX prep;  // x prepared once, read by every thread
-    if (exact)
-      prepare_exact(x.data_ptr<float>(), M, K, 0, prep);
-    else
-      prepare(x.data_ptr<float>(), M, K, 0, prep);
-    const XView xv = view_of(prep, M, K, exact);
+    const XView xv = prepared(exact, x.data_ptr<float>(), M, K, 0, prep);
     const uint8_t* pw = packed.data_ptr<uint8_t>();
     const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = out.data_ptr<float>();
     // 4 tiles (64 rows) a task at least: a 192-row matrix still goes to both cores at one row of x
     at::parallel_for(0, N / TN, 4, [&](int64_t t0, int64_t t1) {
-      if (exact)
-        packed_rows_p<P, true>(xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
-      else
-        packed_rows_p<P, false>(xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
+      packed_rows_x<P>(exact, xv, M, pw, K / QK, bp, yp, N, t0 * TN, t1 * TN);
     });
   });
 #endif
@@ -726,13 +729,7 @@ void baton_rows::packed_rows(int64_t qtype, bool exact, const float* x, int64_t 
                              int64_t n1) {
 #if defined(BATON_Q8P)
   dispatch_p(qtype, "packed_rows", [&]<class P>() {
-    if (exact) {
-      prepare_exact(x, M, K, gen, prep);
-      packed_rows_p<P, true>(view_of(prep, M, K, true), M, packed, K / QK, bias, y, N, n0, n1);
-    } else {
-      prepare(x, M, K, gen, prep);
-      packed_rows_p<P, false>(view_of(prep, M, K, false), M, packed, K / QK, bias, y, N, n0, n1);
-    }
+    packed_rows_x<P>(exact, prepared(exact, x, M, K, gen, prep), M, packed, K / QK, bias, y, N, n0, n1);
   });
 #else
   TORCH_CHECK(false, "packed_rows: this build of the kernels has no AVX-512 VNNI");

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from baton.kernels import loader
-from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact
+from baton.kernels.exact_packing import PackedExact, packed_exact_choice
 from baton.kernels.os_grant import Grant, amx_grant
 
 #: cpuinfo flags shown in the report: the vector and matrix units the kernels and torch use.
@@ -100,11 +100,19 @@ class _Why:
         return f"the CPU has no {flag}"
 
 
+#: kernel_paths' default: exact linears on ggml's rows
+NOT_PACKED = PackedExact(False, "not asked")
+
+
 def kernel_paths(
-    build: frozenset[str], cpu: frozenset[str], isa: str, amx: Grant, exact_packed: bool = False
+    build: frozenset[str],
+    cpu: frozenset[str],
+    isa: str,
+    amx: Grant,
+    exact_packed: PackedExact = NOT_PACKED,
 ) -> list[KernelPath]:
     """The path each kernel takes for a build with the macros ``build`` (pure: tests feed it);
-    ``exact_packed``: what exact_packing.packed_exact() says."""
+    ``exact_packed``: what exact_packing.packed_exact_choice() says."""
     why = _Why(cpu, build, isa, amx)
     if "avx512f" in build:
         float_q = KernelPath("linear_q", "AVX-512: 16-float vectors", why("avx512f"))
@@ -160,26 +168,21 @@ def kernel_paths(
     return [float_q, q8, q8p, qp, small, attn, tiles, amx_path, *_bf16_paths(build, cpu, amx)]
 
 
-def _exact_packed_path(built: bool, on: bool, vnni_why: str) -> KernelPath:
+def _exact_packed_path(built: bool, choice: PackedExact, vnni_why: str) -> KernelPath:
     """linear_qp's line: exact decode-sized linears on linear_q8p's repacked rows, or not."""
     if not built:
         return KernelPath(
             "linear_qp", "not built: exact linears read ggml's rows (linear_q)", vnni_why
         )
-    setting = os.environ.get(PACKED_EXACT_ENV, "")
-    if on:
+    if choice.on:
         return KernelPath(
             "linear_qp",
             "exact decode-sized linears on the repacked rows (Q4_0, Q4_1, Q8_0): x in three "
             "int8 pieces, three vpdpbusd per block",
-            f"{PACKED_EXACT_ENV}=1" if setting else "an Intel CPU (the default there)",
+            choice.why,
         )
     return KernelPath(
-        "linear_qp",
-        "not used: exact linears read ggml's rows (linear_q)",
-        f"{PACKED_EXACT_ENV}=0"
-        if setting
-        else f"not an Intel CPU (not measured here); {PACKED_EXACT_ENV}=1 turns it on",
+        "linear_qp", "not used: exact linears read ggml's rows (linear_q)", choice.why
     )
 
 
@@ -245,7 +248,7 @@ def collect(build_kernels: bool = True) -> CpuReport:
         cxx_flags=flags,
         kernels_built=built,
         build_isa=sorted(build),
-        kernels=kernel_paths(build, cpu, isa, amx, packed_exact()) if built else [],
+        kernels=kernel_paths(build, cpu, isa, amx, packed_exact_choice()) if built else [],
         torch_version=str(torch.__version__),
         torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
         torch_threads=torch.get_num_threads(),

@@ -93,7 +93,7 @@ class QuantLinear(torch.nn.Module):
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
         self._int8_activations = bool(on)
-        if getattr(self, "raw", None) is None:  # the rows live in `packed` only: it serves both
+        if self.raw is None:  # the rows live in `packed` only: it serves both
             return
         wanted = (
             self.kernels
@@ -113,6 +113,12 @@ class QuantLinear(torch.nn.Module):
         packed = 0 if self.packed is None else self.packed.numel()
         raw = 0 if self.raw is None else self.raw.numel()
         return raw + packed + bias
+
+    @property
+    def stored_rows(self) -> torch.Tensor:
+        """The tensor holding the rows: ``raw``, or ``packed`` where the rows live only there
+        (what decode_layers takes as the weight; it reads the layout from ``packed``)."""
+        return self.raw if self.raw is not None else self.packed
 
     def ggml_rows(self) -> torch.Tensor:
         """uint8 [out_features, row bytes]: the rows as the GGUF file stores them (``raw``, or

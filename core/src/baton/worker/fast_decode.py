@@ -488,8 +488,7 @@ def _head_args(
     bias = bias.float() if bias is not None else None
     if type(head) is QuantLinear and head.kernels:
         q8a = int(bool(head.int8_activations) and hasattr(torch.ops.baton, "linear_q8a"))
-        rows = head.raw if head.raw is not None else head.packed  # packed only: decode_layers knows
-        return rows, int(head.qtype), q8a, bias, QuantLinear.KERNEL_MAX_ROWS
+        return head.stored_rows, int(head.qtype), q8a, bias, QuantLinear.KERNEL_MAX_ROWS
     if type(head).__name__ == VOCAB_HEAD:  # this rank's rows of the vocabulary, kept transposed
         w = head.weight_t.t().contiguous()
         head.weight_t = w.t()  # the module's view of the one copy
@@ -604,7 +603,7 @@ def _linear(
     elif type(m) is QuantLinear:
         if not m.kernels:
             raise Unsupported(f"{what} is a QuantLinear without kernels")
-        weights.append(m.raw if m.raw is not None else m.packed)  # packed only: as for the head
+        weights.append(m.stored_rows)
         qtypes.append(int(m.qtype))
         q8a.append(
             int(
