@@ -361,6 +361,12 @@ void tile_range(const XView& x, const uint8_t* pw, int64_t nb, int64_t t0, int64
 // per-row float steps: on a 2-core Xeon (30 Q4_1 layers, 2 threads, medians of 3 alternating
 // runs) tiles took 9.2 against 8.5 ms at 5 rows, 10.8 against 10.5 at 8, 16.9 against 20.2 at 16.
 constexpr int64_t AMX_MIN_ROWS = 12;
+// The same for x in three pieces (linear_qp), where the VNNI loop runs three chains per block and
+// amx_tile_exact hides the sums' trip through memory a block ahead (same host and layers, medians
+// of 7, three alternating runs each: 4 rows 12.6-14.2 against 10.7-12.2 ms, 8 rows 15.5-19.7
+// against 15.0-20.3, 12 rows 19.2-22.2 against 21.0-31.5, 16 rows 22.4-33.4 against 26.5-50.3, 64
+// rows 93-97 against 153-158).
+constexpr int64_t AMX_MIN_ROWS_EXACT = 8;
 
 // _tile_loadconfig's 64-byte layout (palette 1).
 struct alignas(64) TileConfig {
@@ -389,11 +395,14 @@ bool amx_usable() {
 }
 
 // Configures this thread's tiles for M rows of x (amx_tile's shapes); _tile_release() undoes it.
+// Tiles 0 and 3-7 hold sums (C: amx_tile uses 0, amx_tile_exact all six), 1 x (A), 2 weights (B).
 void amx_configure(int64_t M) {
   TileConfig cfg{};
   cfg.palette = 1;
-  cfg.rows[0] = static_cast<uint8_t>(M);
-  cfg.colsb[0] = 64;  // C: M x 16 int32
+  for (int c : {0, 3, 4, 5, 6, 7}) {
+    cfg.rows[c] = static_cast<uint8_t>(M);
+    cfg.colsb[c] = 64;  // C: M x 16 int32
+  }
   cfg.rows[1] = static_cast<uint8_t>(M);
   cfg.colsb[1] = QK;  // A: M x 32 int8 (one block of x)
   cfg.rows[2] = QK / 4;
@@ -436,6 +445,67 @@ void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t 
   }
   store_tile(acc, 1, M, bias, y, ys, t * TN, lo, hi);
 }
+
+// x's three pieces of block b (rows as configured) by its weights (tile 2, loaded) into tiles C0,
+// C1, C2, stored to c. A macro: GCC's tile intrinsics take the tile's number as written.
+#define BATON_AMX_PIECES(C0, C1, C2, x, b, c)          \
+  do {                                                 \
+    const int8_t* xb_ = (x).xq + (b) * QK;             \
+    _tile_zero(C0);                                    \
+    _tile_zero(C1);                                    \
+    _tile_zero(C2);                                    \
+    _tile_loadd(1, xb_, (x).K);                        \
+    _tile_dpbsud(C0, 1, 2);                            \
+    _tile_loadd(1, xb_ + (x).plane, (x).K);            \
+    _tile_dpbsud(C1, 1, 2);                            \
+    _tile_loadd(1, xb_ + 2 * (x).plane, (x).K);        \
+    _tile_dpbsud(C2, 1, 2);                            \
+    _tile_stored(C0, (c)[0], 64);                      \
+    _tile_stored(C1, (c)[1], 64);                      \
+    _tile_stored(C2, (c)[2], 64);                      \
+  } while (0)
+
+// amx_tile for x in three pieces, one block ahead: block b's tile work (sums into tiles 0, 3, 4 or
+// 5, 6, 7, alternating) is issued before block b - 1's float steps, which read the sums stored a
+// block earlier (a tile's sums reach the vector loads through memory). The float steps are
+// add_block_exact's in block order, so the same bits as tiles<P, MR, COLS, true>.
+template <class P>
+void amx_tile_exact(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t t, const float* bias,
+                    float* y, int64_t ys, int64_t lo, int64_t hi) {
+  alignas(64) int32_t c[2][3][16][TN];
+  alignas(64) uint8_t wb[8][64];
+  __m512 acc[16], d[2], mn[2];
+  for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t units = x.K / QK;
+  auto issue = [&](int64_t b) {
+    const uint8_t* blk = pw + (t * nb + b) * P::BB;
+    __builtin_prefetch(blk + 2 * P::BB, 0, 3);
+    if constexpr (P::NIBBLES) {
+      for (int i = 0; i < 8; ++i) _mm512_store_si512(wb[i], nibbles(blk, i));
+      _tile_loadd(2, wb, 64);
+    } else {
+      _tile_loadd(2, blk, 64);
+    }
+    if (b & 1)
+      BATON_AMX_PIECES(5, 6, 7, x, b, c[1]);
+    else
+      BATON_AMX_PIECES(0, 3, 4, x, b, c[0]);
+    block_scales<P>(blk, d[b & 1], mn[b & 1]);
+  };
+  auto finish = [&](int64_t b) {
+    const int h = static_cast<int>(b & 1);
+    for (int64_t m = 0; m < M; ++m)
+      acc[m] = add_block_exact<P>(acc[m], _mm512_load_si512(c[h][0][m]), _mm512_load_si512(c[h][1][m]),
+                                  _mm512_load_si512(c[h][2][m]), d[h], mn[h], x, m * units + b);
+  };
+  issue(0);
+  for (int64_t b = 1; b < nb; ++b) {
+    issue(b);
+    finish(b - 1);
+  }
+  finish(nb - 1);
+  store_tile(acc, 1, M, bias, y, ys, t * TN, lo, hi);
+}
 #endif  // BATON_Q8P_AMX
 
 // x's rows [m, M) as a view of their own (the pieces' planes stay where they are).
@@ -450,11 +520,16 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   if (n0 >= n1) return;
   const int64_t t0 = n0 / TN, t1 = (n1 + TN - 1) / TN;
 #if defined(BATON_Q8P_AMX)
-  if (!EX && M >= AMX_MIN_ROWS && amx_usable()) {
+  if (M >= (EX ? AMX_MIN_ROWS_EXACT : AMX_MIN_ROWS) && amx_usable()) {
     for (int64_t m = 0; m < M; m += 16) {
       const int64_t rows = std::min<int64_t>(16, M - m);
       amx_configure(rows);
-      for (int64_t t = t0; t < t1; ++t) amx_tile<P>(rows_from(x, m), rows, pw, nb, t, bias, y + m * N, N, n0, n1);
+      for (int64_t t = t0; t < t1; ++t) {
+        if constexpr (EX)
+          amx_tile_exact<P>(rows_from(x, m), rows, pw, nb, t, bias, y + m * N, N, n0, n1);
+        else
+          amx_tile<P>(rows_from(x, m), rows, pw, nb, t, bias, y + m * N, N, n0, n1);
+      }
       _tile_release();
     }
     return;
