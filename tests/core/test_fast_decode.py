@@ -224,6 +224,7 @@ def _stack_call(
             part,
             fast.packed,
             fast.head_packed if head[0] is not None else None,
+            fast.packed_max_rows,
         )
     finally:
         torch.set_num_threads(before)
@@ -240,13 +241,14 @@ def _stack_call(
         ("none", "none", torch.float16, ""),
     ],
 )
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
 def test_one_parallel_region_is_split_independent_and_runs_the_head(
     quantization, activations, cache_dtype, packed_exact, rows, monkeypatch
 ):
     """Up to the kernels' row limits decode_layers runs in one parallel region, split over the
     threads by rows and (request, kv head) pairs: one thread and two give the same bits, the
-    head run inside gives the logits of the head module, and the cache gets the same writes.
+    head run inside gives the logits of the head module, and the cache gets the same writes;
+    past them (40 rows; packed exact linears on AMX tiles still within) op by op, as the modules.
     packed_exact: exact linears on ggml's rows (linear_q) or packed ones (linear_qp)."""
     if packed_exact:
         monkeypatch.setenv(PACKED_EXACT_ENV, packed_exact)

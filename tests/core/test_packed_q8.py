@@ -89,7 +89,7 @@ def test_quant_linear_packs_while_int8_activations_are_on(monkeypatch):
     assert lin.packed is None and lin.weight_bytes == before
     # prefill-sized calls keep float32 activations on ggml's rows
     lin.int8_activations = True
-    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 128)
+    big = torch.randn(lin.max_kernel_rows + 1, 128)
     torch.testing.assert_close(
         lin(big), torch.ops.baton.linear_q_tiles(big, lin.raw, int(QType.Q4_1), lin.bias)
     )
@@ -173,8 +173,14 @@ def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     assert torch.equal(lin(x), torch.ops.baton.linear_q8p(x, packed, int(QType.Q4_1), lin.bias))
     lin.int8_activations = False
     assert lin.packed is packed
+    # on AMX tiles linear_qp runs up to 64 rows (ahead of the GEMM there), else up to 16
+    tiles = torch.ops.baton.q8p_path() == "amx"
+    assert lin.max_kernel_rows == (QuantLinear.PACKED_AMX_MAX_ROWS if tiles else 16)
+    most = torch.randn(lin.max_kernel_rows, 128)
+    want = torch.ops.baton.linear_qp(most, packed, int(QType.Q4_1), lin.bias)
+    assert torch.equal(lin(most), want)
     # prefill, the embedding and dequantized(): the bits of ggml's rows
-    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 128)
+    big = torch.randn(lin.max_kernel_rows + 1, 128)
     assert torch.equal(lin(big), torch.ops.baton.linear_q_tiles(big, w, int(QType.Q4_1), lin.bias))
     full = torch.empty(64, 128)
     torch.ops.baton.dequantize_q(w, int(QType.Q4_1), full)

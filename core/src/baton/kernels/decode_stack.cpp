@@ -140,8 +140,17 @@ __attribute__((optimize("fp-contract=off"))) void add_bias_cols(float* y, const 
 }
 
 struct LinearArgs {
-  int64_t quant_max_rows, float_max_rows;
+  // rows up to which quantized (ggml rows), packed (pack_q8p) and float32 linears run the
+  // decode-sized kernels, as the modules' forward decides (QuantLinear.max_kernel_rows)
+  int64_t quant_max_rows, float_max_rows, packed_max_rows;
 };
+
+// Rows up to which a linear runs its decode-sized kernel (more: the tiled GEMM), as its module's
+// forward decides: exact packed rows up to packed_max_rows (QuantLinear.max_kernel_rows).
+int64_t row_limit(const LinearArgs& la, int64_t qtype, bool packed, bool q8a) {
+  if (qtype == FLOAT32_WEIGHTS) return la.float_max_rows;
+  return packed && !q8a ? la.packed_max_rows : la.quant_max_rows;
+}
 
 // y = x @ W.T + b as the layer's module computes it for x's row count (QuantLinear.forward or
 // SmallBatchLinear.forward): the same op, so the same summation order. `buf`: the float path's
@@ -171,7 +180,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   }
   if (packed.defined()) {
     std::vector<c10::IValue> stack{x, packed, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
-    packed_op(q8a, M > la.quant_max_rows).callBoxed(&stack);
+    packed_op(q8a, M > row_limit(la, qtype, true, q8a)).callBoxed(&stack);
     return stack[0].toTensor();
   }
   const bool plain = M <= la.quant_max_rows && !q8a;  // linear_q: one argument more (invariant)
@@ -456,19 +465,19 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
 // Whether every linear of the stack (and the head) takes its decode-sized kernel at M rows (any M
 // when `invariant`: batch-invariant mode runs every step here).
 // bfloat16 linears fit with packed tiles (pack_bf16_tiles), at any row count but not batch-invariant.
-bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, const std::vector<at::Tensor>& packed,
-                     const LinearArgs& la, int64_t head_qtype, bool has_head, const at::Tensor& head_packed,
-                     bool invariant) {
-  bool row_limited = false;  // a float32 or quantized linear: its kernel has a row limit
-  auto fits = [&](int64_t qtype, bool tiles) {
+bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef q8a,
+                     const std::vector<at::Tensor>& packed, const LinearArgs& la, int64_t head_qtype,
+                     int64_t head_q8a, bool has_head, const at::Tensor& head_packed, bool invariant) {
+  int64_t limit = INT64_MAX;  // the least row limit of the linears' kernels (bfloat16 tiles: none)
+  auto fits = [&](int64_t qtype, bool tiles, bool int8) {
     if (qtype == BF16_WEIGHTS) return tiles && !invariant;
-    row_limited = true;
+    limit = std::min(limit, row_limit(la, qtype, tiles, int8));
     return qtype == FLOAT32_WEIGHTS || (qtype >= 0 && baton_rows::quant_supported(qtype));
   };
   for (size_t i = 0; i < qtypes.size(); ++i)
-    if (!weights[i].is_contiguous() || !fits(qtypes[i], packed[i].defined())) return false;
-  if (has_head && !fits(head_qtype, head_packed.defined())) return false;
-  return invariant || !row_limited || (M <= la.quant_max_rows && M <= la.float_max_rows);
+    if (!weights[i].is_contiguous() || !fits(qtypes[i], packed[i].defined(), q8a[i] != 0)) return false;
+  if (has_head && !fits(head_qtype, head_packed.defined(), head_q8a != 0)) return false;
+  return invariant || M <= limit;
 }
 
 CacheType cache_type_of(const at::Tensor& c) {
@@ -625,7 +634,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                          int64_t float_max_rows, const std::optional<at::Tensor>& head, int64_t head_qtype,
                          int64_t head_q8a, const std::optional<at::Tensor>& head_bias, bool shared_context,
                          bool invariant, int64_t part, std::optional<at::TensorList> packed_opt,
-                         const std::optional<at::Tensor>& head_packed_in) {
+                         const std::optional<at::Tensor>& head_packed_in, int64_t packed_max_rows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decode_layers: hidden must be float32 [tokens, hidden] on the CPU");
@@ -673,7 +682,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == M && ctx_lens.numel() == M && slots.numel() == M,
               "decode_layers: one query token per request: block_table [", M, ", blocks], ctx_lens and slots [", M,
               "]");
-  const LinearArgs la{quant_max_rows, float_max_rows};
+  const LinearArgs la{quant_max_rows, float_max_rows, packed_max_rows < 0 ? quant_max_rows : packed_max_rows};
   const float feps = static_cast<float>(eps);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -685,7 +694,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
                 "decode_layers: head must be [vocab, hidden] float32 or [vocab, row_bytes] uint8 quantized rows");
   TORCH_CHECK(part < 0 || (invariant && !has_head && part <= 2 * L), "decode_layers: part ", part,
               " needs invariant=True, no head and a part in [0, ", 2 * L, "]");
-  const bool one = one_region_fits(M, weights, qtypes, packed, la, head_qtype, has_head, head_packed, invariant);
+  const bool one =
+      one_region_fits(M, weights, qtypes, q8a, packed, la, head_qtype, head_q8a, has_head, head_packed, invariant);
   TORCH_CHECK(one || !invariant,
               "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
               "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; not bfloat16)");
@@ -776,7 +786,8 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
       "int[] qtypes, int[] q8a, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor block_table, Tensor ctx_lens, "
       "int num_heads, int num_kv_heads, float eps, float scale, int quant_max_rows, int float_max_rows, "
       "Tensor? head=None, int head_qtype=-1, int head_q8a=0, Tensor? head_bias=None, bool shared_context=False, "
-      "bool invariant=False, int part=-1, Tensor[]? packed=None, Tensor? head_packed=None) -> Tensor");
+      "bool invariant=False, int part=-1, Tensor[]? packed=None, Tensor? head_packed=None, "
+      "int packed_max_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {

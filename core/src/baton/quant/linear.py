@@ -11,7 +11,9 @@ float32 rounding of linear_q per block (docs/cpu-kernels.md). More rows (prefill
 ``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
 runs torch's GEMM on it. A layer packed for linear_qp keeps only the packed rows (``raw`` is
 None): prefill (``linear_qp_tiles``) and the embedding dequantize straight from them, with
-linear_q_tiles' and dequantize_q's bits. Without the kernels the same math runs on torch ops
+linear_q_tiles' and dequantize_q's bits. Where AMX tiles run the packed kernels
+(``q8p_path() == "amx"``) linear_qp stays ahead of the GEMM up to PACKED_AMX_MAX_ROWS rows, so a
+layer packed for it takes it up to there (``max_kernel_rows``). Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
 
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
@@ -24,6 +26,8 @@ values up to float summation order.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,10 @@ class QuantLinear(torch.nn.Module):
 
     #: Rows up to which forward runs the fused kernel (linear_q); more go through linear_q_tiles.
     KERNEL_MAX_ROWS = 16
+    #: Rows up to which a packed layer runs linear_qp where AMX tiles run it: on
+    #: a 2-core Xeon, 30 SmolLM2 layers of Q4_1, linear_qp took 93-97 ms at 64 rows against
+    #: linear_qp_tiles' 92-164, 22-33 against 42-101 at 16 (docs/cpu-kernels.md).
+    PACKED_AMX_MAX_ROWS = 64
     #: float32 bytes of one dequantized slice of output rows on the torch-ops path.
     SLICE_BYTES = 1 << 20
 
@@ -115,6 +123,15 @@ class QuantLinear(torch.nn.Module):
         return raw + packed + bias
 
     @property
+    def max_kernel_rows(self) -> int:
+        """Rows up to which forward runs the decode-sized kernels (more: the tiled GEMM), and
+        decode_layers with it: KERNEL_MAX_ROWS, or for exact calls on packed rows on AMX tiles
+        (linear_qp) PACKED_AMX_MAX_ROWS (int8 activations keep prefill-sized calls exact)."""
+        if self.packed is not None and not self.int8_activations and _packed_on_tiles():
+            return max(self.KERNEL_MAX_ROWS, self.PACKED_AMX_MAX_ROWS)
+        return self.KERNEL_MAX_ROWS
+
+    @property
     def stored_rows(self) -> torch.Tensor:
         """The tensor holding the rows: ``raw``, or ``packed`` where the rows live only there
         (what decode_layers takes as the weight; it reads the layout from ``packed``)."""
@@ -161,7 +178,7 @@ class QuantLinear(torch.nn.Module):
         bias = self.bias
         if bias is not None and bias.dtype is not torch.float32:
             bias = bias.float()  # the module was cast after it was built
-        few = rows <= self.KERNEL_MAX_ROWS
+        few = rows <= self.max_kernel_rows
         if self.kernels and rows and x2.is_cpu:
             if few and self.packed is not None and self.int8_activations:
                 y = torch.ops.baton.linear_q8p(x2, self.packed, self._qtype_id, bias)
@@ -253,3 +270,10 @@ class QuantEmbedding(torch.nn.Module):
             check_raw(raw, src.qtype, shape)
             out = dequantize_torch(raw, src.qtype, shape)
         return out.view(*ids.shape, src.in_features)
+
+
+@functools.cache
+def _packed_on_tiles() -> bool:
+    """Whether the packed kernels run on AMX tiles in this process (asked once: the answer is the
+    library's and the OS's, fixed for the process)."""
+    return str(torch.ops.baton.q8p_path()) == "amx"

@@ -123,6 +123,8 @@ class FastDecode:
     scale: float
     quant_max_rows: int
     float_max_rows: int
+    #: rows up to which packed linears run their decode-sized kernel (QuantLinear.max_kernel_rows)
+    packed_max_rows: int
     #: The LM head as decode_layers takes it (weight, qtype: -1 float32, -2 bfloat16, int8-activation flag,
     #: bias or None, the most rows its module sends to the kernel), or None: the module runs it.
     head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None = None
@@ -328,6 +330,7 @@ class FastDecode:
             part,
             self.packed,
             self.head_packed if head[0] is not None else None,
+            self.packed_max_rows,
         )
 
 
@@ -452,6 +455,13 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
     tp = _one_group(tps, len(after_sum), 2 * len(layers), embed, head)
     head_args = _head_args(head)
     shards = tp.tp_size if tp is not None else 1
+    packed_rows = {
+        m.max_kernel_rows
+        for m in model.modules()
+        if type(m) is QuantLinear and m.packed is not None and m.kernels and not m.int8_activations
+    }
+    if len(packed_rows) > 1:  # one limit for every packed linear, as the stack takes it
+        raise Unsupported(f"packed linears with different row limits {sorted(packed_rows)}")
     return FastDecode(
         tp=tp,
         after_sum=after_sum if tp is not None else [],
@@ -474,6 +484,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         scale=scale,
         quant_max_rows=QuantLinear.KERNEL_MAX_ROWS,
         float_max_rows=KERNEL_MAX_ROWS,
+        packed_max_rows=packed_rows.pop() if packed_rows else QuantLinear.KERNEL_MAX_ROWS,
     )
 
 
@@ -488,7 +499,7 @@ def _head_args(
     bias = bias.float() if bias is not None else None
     if type(head) is QuantLinear and head.kernels:
         q8a = int(bool(head.int8_activations) and hasattr(torch.ops.baton, "linear_q8a"))
-        return head.stored_rows, int(head.qtype), q8a, bias, QuantLinear.KERNEL_MAX_ROWS
+        return head.stored_rows, int(head.qtype), q8a, bias, head.max_kernel_rows
     if type(head).__name__ == VOCAB_HEAD:  # this rank's rows of the vocabulary, kept transposed
         w = head.weight_t.t().contiguous()
         head.weight_t = w.t()  # the module's view of the one copy
