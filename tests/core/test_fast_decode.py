@@ -19,7 +19,7 @@ from baton.kernels import loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
-from baton.worker.fast_decode import BF16_WEIGHTS, build_fast_decode
+from baton.worker.fast_decode_build import BF16_WEIGHTS, build_fast_decode
 from baton.worker.model_runner import ModelRunner
 from baton.worker.worker import runner_settings
 
@@ -119,7 +119,7 @@ def decode_many(path, lens, fast, max_tokens, seed, **settings):
     ],
 )
 def test_refused_for_other_architectures(arch, overrides, reason, caplog):
-    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
+    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode_build"):
         runner = make_runner(tiny_model(arch, **overrides))
     assert runner.fast_decode is None
     assert reason in caplog.text
@@ -149,7 +149,7 @@ def test_refused_with_hooks_and_foreign_linears(caplog):
     assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is not None
     assert build_fast_decode(model, torch.device("cpu"), kernels=False, max_positions=64) is None
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
-    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
+    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode_build"):
         assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is None
     assert "model.layers.1.mlp has forward hooks" in caplog.text
     handle.remove()
@@ -158,7 +158,7 @@ def test_refused_with_hooks_and_foreign_linears(caplog):
         pass
 
     model.model.layers[0].self_attn.q_proj.__class__ = Wrapped
-    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode"):
+    with caplog.at_level(logging.DEBUG, logger="baton.worker.fast_decode_build"):
         assert build_fast_decode(model, torch.device("cpu"), kernels=True, max_positions=64) is None
     assert "layer 0 q_proj is a Wrapped" in caplog.text
 

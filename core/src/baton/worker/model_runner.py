@@ -44,7 +44,8 @@ from baton.protocol import (
     TokenLogprobs,
 )
 from baton.worker.containment import describe, log_contained
-from baton.worker.fast_decode import FastDecode, build_fast_decode
+from baton.worker.fast_decode import FastDecode
+from baton.worker.fast_decode_build import build_fast_decode
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache import KVCacheMixin
 from baton.worker.kv_cache_dtype import kv_cache_dtype
