@@ -19,8 +19,6 @@ from baton.kernels import loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
-from baton.worker import model_runner
-from baton.worker.fast_decode import FastDecode
 from baton.worker.fast_decode_build import BF16_WEIGHTS, build_fast_decode
 from baton.worker.model_runner import ModelRunner
 from baton.worker.worker import runner_settings
@@ -93,36 +91,6 @@ def test_many_rows_give_the_tokens_of_the_modules(quantization, activations):
             assert all(p.numel() for p in runner.fast_decode.packed)
         outputs.append(out)
     assert outputs[0] == outputs[1]
-
-
-@pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_prefill_and_mixed_steps_of_few_tokens_run_the_stack(quantization, monkeypatch):
-    """Prefill chunks and mixed steps of up to STACK_MAX_TOKENS tokens run decode_layers too
-    (every token a row attending over its own context, its chunk's keys written first): the
-    greedy tokens of transformers' modules on the same weights; longer steps keep the modules."""
-    path = tiny_model("qwen2")  # q/k/v biases
-    lens = (5, 17, 1, 30, 9, 45, 12)
-    outputs, stack_steps = {}, {}
-    real, default = FastDecode.step_logits, model_runner.STACK_MAX_TOKENS
-    for limit in (default, 20, 0):
-        monkeypatch.setattr(model_runner, "STACK_MAX_TOKENS", limit)
-        runner = make_runner(
-            path, block_size=4, budget=24, max_seqs=8, **{"model.quantization": quantization}
-        )
-        calls: list[int] = []
-
-        def counted(fast, inputs, calls=calls):
-            calls.append(int(inputs.input_ids.shape[0]))
-            return real(fast, inputs)
-
-        monkeypatch.setattr(FastDecode, "step_logits", counted)
-        d = run_driver(runner, lens, max_tokens=12)
-        outputs[limit] = [d.all[f"r{i}"].output for i in range(len(lens))]
-        stack_steps[limit] = calls
-    assert len(stack_steps[default]) > 5  # every prefill step (<= 24 tokens)
-    assert stack_steps[20] and max(stack_steps[20]) <= 20  # the longer ones ran the modules
-    assert not stack_steps[0]
-    assert outputs[default] == outputs[0] == outputs[20]
 
 
 def decode_many(path, lens, fast, max_tokens, seed, **settings):
