@@ -6,8 +6,9 @@ import pytest
 
 from baton.config import BatonConfig
 from baton.engine.core import EngineCore
+from baton.engine.core_proc import EngineCoreProc
 from baton.errors import ConfigError, ExecutorError, InvalidRequestError
-from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo
+from baton.protocol import EngineCoreRequest, FinishReason, ModelInfo, RequestType
 from baton.sampling_params import SamplingParams
 from baton.testing import FakeExecutor
 
@@ -143,6 +144,33 @@ def test_abort_all_reports_abort():
     core.step_fn()
     outs = core.abort_all()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ABORT)]
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_shutdown_answers_requests_queued_before_it_and_refuses_later_ones(drain):
+    """A request the engine process had queued when it first sees SIGTERM was sent before it: in
+    abort mode it ends with reason abort (not dropped unanswered, which a client reads as the
+    engine's death), in drain mode it runs; one queued after that gets EngineShuttingDownError."""
+    core = make_core(**{"server.shutdown_timeout": 600.0 if drain else 0.0})
+    proc = EngineCoreProc(core, channel=None)  # type: ignore[arg-type]  # no IO threads run
+    core.add_request(req("running", max_tokens=100))
+    core.step_fn()
+    proc.input_queue.put((RequestType.ADD, req("queued", max_tokens=3)))
+    proc.shutdown_requested.set()
+    assert proc._shutdown_step() is not drain
+    proc.input_queue.put((RequestType.ADD, req("late")))
+    proc._drain_input(block=False)
+    outs = [o for item in list(proc.output_queue.queue) for o in item.outputs]
+    if drain:
+        assert core.has_work() and {"running", "queued"} <= set(core.scheduler.requests)
+    else:
+        assert {o.request_id: o.finish_reason for o in outs if o.request_id != "late"} == {
+            "running": FinishReason.ABORT,
+            "queued": FinishReason.ABORT,
+        }
+    (late,) = [o for o in outs if o.request_id == "late"]
+    assert late.finish_reason == FinishReason.ERROR
+    assert late.error is not None and late.error.startswith("EngineShuttingDownError")
 
 
 def test_utilities():
