@@ -62,9 +62,9 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[tuple[RequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_requested = shutdown_event or threading.Event()
+        #: set by the first shutdown step, after it took in what had arrived: from then on new
+        #: requests get EngineShuttingDownError
         self._shutdown_deadline: float | None = None
-        #: new requests get EngineShuttingDownError (set once shutdown took in what had arrived)
-        self._refusing = False
         self.closing = threading.Event()  # IO threads stop
         self.fatal: BaseException | None = None
         core.executor.register_failure_callback(self._on_executor_failure)
@@ -215,7 +215,7 @@ class EngineCoreProc:
 
     def _add(self, req: EngineCoreRequest) -> None:
         error: str | None = None
-        if self._refusing:
+        if self._shutdown_deadline is not None:
             error = (
                 "EngineShuttingDownError: the engine is shutting down and accepts no new requests"
             )
@@ -285,16 +285,15 @@ class EngineCoreProc:
         """True when the loop should exit now."""
         timeout = self.core.config.serving.shutdown_timeout
         if self._shutdown_deadline is None:
+            # requests already queued when shutdown is first seen were sent before it: they are
+            # in flight too (drained, or answered by the abort below), never dropped unanswered
+            self._drain_input(block=False)
             self._shutdown_deadline = time.monotonic() + timeout
             log.info(
                 "engine %d: shutting down (%s mode)",
                 self.engine_index,
                 "drain" if timeout > 0 else "abort",
             )
-            # requests already queued when shutdown is first seen were sent before it: they are
-            # in flight too (drained, or answered by the abort below), never dropped unanswered
-            self._drain_input(block=False)
-            self._refusing = True
         if timeout > 0 and self.core.has_work() and time.monotonic() < self._shutdown_deadline:
             return False  # drain mode: keep stepping in-flight requests
         aborted = self.core.abort_all()

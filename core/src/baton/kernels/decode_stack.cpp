@@ -169,8 +169,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
   }
+  const bool tiled = M > row_limit(la, qtype, packed.defined(), q8a);  // past the decode-sized kernel
   if (qtype == FLOAT32_WEIGHTS) {  // float32 weights [N, K]
-    if (M > la.float_max_rows) return at::linear(x, w, has_bias ? std::optional<at::Tensor>(b) : std::nullopt);
+    if (tiled) return at::linear(x, w, has_bias ? std::optional<at::Tensor>(b) : std::nullopt);
     if (!buf.defined() || buf.size(1) != w.size(0)) buf = at::empty({M, w.size(0)}, x.options());
     at::Tensor& y = buf;
     std::vector<c10::IValue> stack{x, w, y};
@@ -180,12 +181,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
   }
   if (packed.defined()) {
     std::vector<c10::IValue> stack{x, packed, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
-    packed_op(q8a, M > row_limit(la, qtype, true, q8a)).callBoxed(&stack);
+    packed_op(q8a, tiled).callBoxed(&stack);
     return stack[0].toTensor();
   }
-  const bool plain = M <= la.quant_max_rows && !q8a;  // linear_q: one argument more (invariant)
-  const c10::OperatorHandle& op =
-      M > la.quant_max_rows ? ops().linear_q_tiles : (q8a ? q8a_op() : ops().linear_q);
+  const bool plain = !tiled && !q8a;  // linear_q: one argument more (invariant)
+  const c10::OperatorHandle& op = tiled ? ops().linear_q_tiles : (q8a ? q8a_op() : ops().linear_q);
   std::vector<c10::IValue> stack{x, w, qtype, has_bias ? c10::IValue(b) : c10::IValue()};
   if (plain) stack.emplace_back(false);
   op.callBoxed(&stack);

@@ -413,6 +413,18 @@ void amx_configure(int64_t M) {
   _tile_loadconfig(&cfg);
 }
 
+// A block's 8 x 64 weight bytes into tile 2 (AMX's B layout is the packed one): Q4 nibbles
+// widened to bytes in wb first, Q8_0's bytes as they are.
+template <class P>
+inline void amx_load_weights(const uint8_t* blk, uint8_t (*wb)[64]) {
+  if constexpr (P::NIBBLES) {
+    for (int i = 0; i < 8; ++i) _mm512_store_si512(wb[i], nibbles(blk, i));
+    _tile_loadd(2, wb, 64);
+  } else {
+    _tile_loadd(2, blk, 64);
+  }
+}
+
 // Rows [0, M) of x (M <= 16, the tiles configured for M) over tile t, as tiles() computes them:
 // per block, one TDPBSUD of x's M x 32 int8 bytes (tile 1) by the block's 8 x 64 weight bytes
 // (tile 2: the packed layout is AMX's B layout, 4 bytes of each of 16 rows per 64) into 16 int32
@@ -429,12 +441,7 @@ void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t 
   const int64_t units = x.K / QK;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = pw + (t * nb + b) * P::BB;
-    if constexpr (P::NIBBLES) {
-      for (int i = 0; i < 8; ++i) _mm512_store_si512(wb[i], nibbles(blk, i));
-      _tile_loadd(2, wb, 64);
-    } else {
-      _tile_loadd(2, blk, 64);
-    }
+    amx_load_weights<P>(blk, wb);
     _tile_zero(0);
     _tile_loadd(1, x.xq + b * QK, x.K);
     _tile_dpbsud(0, 1, 2);  // signed x by unsigned weight bytes
@@ -480,12 +487,7 @@ void amx_tile_exact(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, in
   auto issue = [&](int64_t b) {
     const uint8_t* blk = pw + (t * nb + b) * P::BB;
     __builtin_prefetch(blk + 2 * P::BB, 0, 3);
-    if constexpr (P::NIBBLES) {
-      for (int i = 0; i < 8; ++i) _mm512_store_si512(wb[i], nibbles(blk, i));
-      _tile_loadd(2, wb, 64);
-    } else {
-      _tile_loadd(2, blk, 64);
-    }
+    amx_load_weights<P>(blk, wb);
     if (b & 1)
       BATON_AMX_PIECES(5, 6, 7, x, b, c[1]);
     else
