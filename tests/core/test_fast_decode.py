@@ -19,6 +19,8 @@ from baton.kernels import loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.testing.runner_driver import Driver
 from baton.testing.tiny_model import tiny_model
+from baton.worker import model_runner
+from baton.worker.fast_decode import FastDecode
 from baton.worker.fast_decode_build import BF16_WEIGHTS, build_fast_decode
 from baton.worker.model_runner import ModelRunner
 from baton.worker.worker import runner_settings
@@ -91,6 +93,36 @@ def test_many_rows_give_the_tokens_of_the_modules(quantization, activations):
             assert all(p.numel() for p in runner.fast_decode.packed)
         outputs.append(out)
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_prefill_and_mixed_steps_of_few_tokens_run_the_stack(quantization, monkeypatch):
+    """Prefill chunks and mixed steps of up to STACK_MAX_TOKENS tokens run decode_layers too
+    (every token a row attending over its own context, its chunk's keys written first): the
+    greedy tokens of transformers' modules on the same weights; longer steps keep the modules."""
+    path = tiny_model("qwen2")  # q/k/v biases
+    lens = (5, 17, 1, 30, 9, 45, 12)
+    outputs, stack_steps = {}, {}
+    real, default = FastDecode.step_logits, model_runner.STACK_MAX_TOKENS
+    for limit in (default, 20, 0):
+        monkeypatch.setattr(model_runner, "STACK_MAX_TOKENS", limit)
+        runner = make_runner(
+            path, block_size=4, budget=24, max_seqs=8, **{"model.quantization": quantization}
+        )
+        calls: list[int] = []
+
+        def counted(fast, inputs, calls=calls):
+            calls.append(int(inputs.input_ids.shape[0]))
+            return real(fast, inputs)
+
+        monkeypatch.setattr(FastDecode, "step_logits", counted)
+        d = run_driver(runner, lens, max_tokens=12)
+        outputs[limit] = [d.all[f"r{i}"].output for i in range(len(lens))]
+        stack_steps[limit] = calls
+    assert len(stack_steps[default]) > 5  # every prefill step (<= 24 tokens)
+    assert stack_steps[20] and max(stack_steps[20]) <= 20  # the longer ones ran the modules
+    assert not stack_steps[0]
+    assert outputs[default] == outputs[0] == outputs[20]
 
 
 def decode_many(path, lens, fast, max_tokens, seed, **settings):
@@ -400,17 +432,27 @@ def test_a_bfloat16_model_runs_its_linears_as_bf16_gemms_in_the_stack(rows, arch
     assert float((by_module - got).abs().max()) <= 0.03 * float(got.abs().max())
 
 
-def test_a_bfloat16_model_decodes_through_the_stack_the_same_every_run():
+def test_a_bfloat16_model_decodes_through_the_stack_the_same_every_run(monkeypatch):
     """Decode-only steps of a bfloat16 model run the stack; its greedy tokens repeat run to run
-    and mostly agree with transformers' bfloat16 modules (they round the residual stream too)."""
+    and mostly agree with transformers' bfloat16 modules (they round the residual stream too).
+    Its prefill and mixed steps keep the modules (their rounding; the stack's is not theirs)."""
     path = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
     lens = tuple(2 + (5 * i) % 13 for i in range(12))
+    stack_steps: list[int] = []
+    real = FastDecode.step_logits
+
+    def counted(fast, inputs):
+        stack_steps.append(int(inputs.input_ids.shape[0]))
+        return real(fast, inputs)
+
+    monkeypatch.setattr(FastDecode, "step_logits", counted)
     outputs = []
     for fast in (True, True, False):
         runner, out = decode_many(path, lens, fast, 10, seed=3, **{"model.dtype": "bfloat16"})
         assert (runner.fast_decode is not None and runner.fast_decode.steps >= 9) is fast
         outputs.append(out)
     assert outputs[0] == outputs[1]
+    assert not stack_steps
     pairs = [(a, b) for x, y in zip(*outputs[::2], strict=True) for a, b in zip(x, y, strict=True)]
     assert sum(a == b for a, b in pairs) >= 0.7 * len(pairs)
 

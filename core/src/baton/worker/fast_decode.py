@@ -56,9 +56,18 @@ if TYPE_CHECKING:
     from baton.parallel.context import ParallelContext
 
 
+#: Prefill and mixed steps of up to this many tokens run the native stack too (``step_logits``),
+#: every token a row attending over its own context: the per-op Python of transformers' modules
+#: costs more there than the row-by-row attention (longer steps: their modules, flash attention).
+#: The latency-aware budget's small chunks live here: on the 16-request grounded workload a
+#: 30-token mixed step took ~105 ms through the modules and ~60 ms through the stack.
+STACK_MAX_TOKENS = 512
+
+
 @dataclass
 class FastDecode:
-    """The weights of a model's layer stack as decode_layers takes them; runs decode-only steps."""
+    """The weights of a model's layer stack as decode_layers takes them; runs decode-only steps
+    (``logits``), short prefill and mixed steps (``step_logits``) and batch-invariant ones."""
 
     embed: torch.nn.Module
     rotary: torch.nn.Module
@@ -135,6 +144,23 @@ class FastDecode:
         if inputs.logits_indices.numel() != g.n:
             hidden = hidden.index_select(0, inputs.logits_indices)
         return self.head(hidden.to(self.dtype))
+
+    def step_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [logits_indices, vocab] of a prefill or mixed step (``inputs.token_blocks``
+        set): each token one row of decode_layers attending over its own context, keys of its
+        chunk written first, the linears as their modules run them at the step's row count."""
+        blocks = inputs.token_blocks
+        assert blocks is not None and self.tp is None
+        n = int(inputs.input_ids.shape[0])
+        fused = (
+            self.head_args is not None
+            and inputs.logits_indices.numel() == n  # every row samples, in order
+            and n <= self.head_args[4]
+        )
+        out = self._stack(inputs, blocks, inputs.positions + 1, fused, True)
+        if fused:
+            return out
+        return self.head(out.index_select(0, inputs.logits_indices).to(self.dtype))
 
     def invariant_logits(
         self, inputs: StepInputs, want_hidden: bool = False

@@ -44,7 +44,7 @@ from baton.protocol import (
     TokenLogprobs,
 )
 from baton.worker.containment import describe, log_contained
-from baton.worker.fast_decode import FastDecode
+from baton.worker.fast_decode import STACK_MAX_TOKENS, FastDecode
 from baton.worker.fast_decode_build import build_fast_decode
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache import KVCacheMixin
@@ -175,9 +175,22 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             self.max_num_tokens,
             self.device,
             kernels=self.attention_kernels,
-            token_tables=self.invariant,
+            token_tables=self._token_tables(),
         )
         self.sampler = Sampler(self.device, self.settings.model.seed)
+
+    def _token_tables(self) -> int:
+        """The most tokens of a step the native stack runs as rows (StepInputBuilder's
+        token_tables): any in batch-invariant mode, else a prefill or mixed step of up to
+        STACK_MAX_TOKENS where fast decode runs a float32 model alone (no tensor parallelism).
+        A 16-bit model keeps its modules there: the stack rounds less than they do, so its
+        tokens would move, and that trade is not measured yet."""
+        fast = self.fast_decode
+        if fast is None:
+            return 0
+        if self.invariant:
+            return 1 << 62
+        return STACK_MAX_TOKENS if fast.tp is None and fast.dtype is torch.float32 else 0
 
     def _apply_kv_shape(self) -> None:
         """The layers and heads this runner holds: the model's, or what its hooks say."""
@@ -475,9 +488,12 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             and not adapters  # its native stack has no LoRA: steps with adapters run the modules
             and inputs.prompt_rows is None
             and not self.pooler.capturing  # its native stack skips the hook that pools
-            and fast.applies(inputs)
         ):
-            return fast.logits(inputs)
+            if fast.applies(inputs):
+                return fast.logits(inputs)
+            a = inputs.attn
+            if inputs.token_blocks is not None and a.kernels and a.kv_caches is not None:
+                return fast.step_logits(inputs)
         out = self.model(
             input_ids=inputs.input_ids[None],
             position_ids=inputs.positions[None],

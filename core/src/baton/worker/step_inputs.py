@@ -70,7 +70,7 @@ class StepInputs:
     #: [T] the LoRA adapter id of each token (0: none); None when no token has one
     lora_ids: np.ndarray | None = None
     #: [T, blocks] int64 each token's request's blocks (batch-invariant steps: every token is a
-    #: row of the native layer stack); None unless the builder was made with token_tables
+    #: row of the native layer stack); None where the builder's token_tables leaves it out
     token_blocks: torch.Tensor | None = None
 
     @property
@@ -116,14 +116,15 @@ class StepInputBuilder:
         max_num_tokens: int,
         device: torch.device,
         kernels: bool = False,
-        token_tables: bool = False,
+        token_tables: int = 0,
     ) -> None:
         self.batch = batch
         self.device = device
         #: attention runs through the C++ kernels: one decode group (they read no padding)
         self.kernels = kernels
-        #: build StepInputs.token_blocks (executor.batch_invariant)
-        self.token_tables = token_tables
+        #: build StepInputs.token_blocks for steps of at most this many tokens (0: never; every
+        #: step in batch-invariant mode, prefill and mixed steps the native stack runs otherwise)
+        self.token_tables = int(token_tables)
         self.max_num_tokens = max_num_tokens
         pin = device.type == "cuda"
         # CPU staging buffers; on CPU they are the step tensors themselves (sliced).
@@ -158,7 +159,7 @@ class StepInputBuilder:
         positions, token_rows = self._flatten(seg, total)
         lora_ids = b.lora_id[token_rows] if b.lora_id[sch.rows].any() else None
         token_blocks = None
-        if self.token_tables:  # blocks up to the step's longest context, for every token
+        if total <= self.token_tables:  # blocks up to the step's longest context, per token
             nb = int(positions.max()) // b.block_size + 1
             token_blocks = self._to_device(torch.from_numpy(b.block_table[token_rows, :nb]))
         samples = seg.end >= sch.num_tokens[seg.order]  # the last token, or a verifying row
