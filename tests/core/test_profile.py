@@ -11,9 +11,11 @@ from baton import LLM, SamplingParams
 from baton.errors import ConfigError, InvalidRequestError
 from baton.testing.tiny_model import tiny_model
 
-#: ops the tiny float32 Llama's forward runs on CPU: its embedding and the native layer stack
-#: (its prompt and decode steps are short enough that every step runs it)
+#: ops the tiny float32 Llama's forward runs on one CPU worker: its embedding and the native
+#: layer stack (its prompt and decode steps are short enough that every step runs it)
 MODEL_OPS = {"aten::embedding", "baton::decode_layers"}
+#: ops of its prompt steps through transformers' modules (tensor-parallel ranks run those)
+MODULE_OPS = {"aten::embedding", "aten::silu", "aten::scaled_dot_product_attention"}
 
 
 def make_llm(**overrides) -> LLM:
@@ -38,11 +40,13 @@ def op_names(path: str) -> set[str]:
     return {e.get("name", "") for e in trace["traceEvents"]}
 
 
-def check_traces(paths: list[str], folder: Path, workers: int) -> None:
+def check_traces(
+    paths: list[str], folder: Path, workers: int, ops: frozenset[str] | set[str] = MODEL_OPS
+) -> None:
     assert len(paths) == workers and len(set(paths)) == workers
     for path in paths:
         assert Path(path).parent == folder and path.endswith(".pt.trace.json")
-        missing = MODEL_OPS - op_names(path)
+        missing = ops - op_names(path)
         assert not missing, f"{path} lacks the model's ops {missing}"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.core.test_profile import check_traces, make_llm, profiled
+from tests.core.test_profile import MODULE_OPS, check_traces, make_llm, profiled
 
 
 def test_each_rank_writes_its_trace(tmp_path):
@@ -12,7 +12,7 @@ def test_each_rank_writes_its_trace(tmp_path):
         executor="cuda-tp", tensor_parallel_size=2, **{"observability.profile_dir": str(tmp_path)}
     ) as llm:
         paths = profiled(llm)
-        check_traces(paths, tmp_path, 2)
+        check_traces(paths, tmp_path, 2, MODULE_OPS)
         pids = {Path(p).name.split("-")[2] for p in paths}
         assert [Path(p).name.split("-")[1] for p in paths] == ["worker0", "worker1"]
         assert len(pids) == 2, paths
