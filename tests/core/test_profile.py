@@ -40,9 +40,7 @@ def op_names(path: str) -> set[str]:
     return {e.get("name", "") for e in trace["traceEvents"]}
 
 
-def check_traces(
-    paths: list[str], folder: Path, workers: int, ops: frozenset[str] | set[str] = MODEL_OPS
-) -> None:
+def check_traces(paths: list[str], folder: Path, workers: int, ops: set[str] = MODEL_OPS) -> None:
     assert len(paths) == workers and len(set(paths)) == workers
     for path in paths:
         assert Path(path).parent == folder and path.endswith(".pt.trace.json")

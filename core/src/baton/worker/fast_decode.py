@@ -130,6 +130,14 @@ class FastDecode:
             and a.kv_caches is not None
         )
 
+    @staticmethod
+    def takes_rows(inputs: StepInputs) -> bool:
+        """Whether ``step_logits`` can run ``inputs``: the builder gave each token its block table
+        (a prefill or mixed step short enough, or any step in batch-invariant mode) and the
+        attention runs through the kernels."""
+        a = inputs.attn
+        return inputs.token_blocks is not None and a.kernels and a.kv_caches is not None
+
     def logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [sampling requests, vocab] of a decode-only step (``applies(inputs)``)."""
         g = inputs.attn.decode_groups[0]
@@ -146,8 +154,8 @@ class FastDecode:
         return self.head(hidden.to(self.dtype))
 
     def step_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [logits_indices, vocab] of a prefill or mixed step (``inputs.token_blocks``
-        set): each token one row of decode_layers attending over its own context, keys of its
+        """Logits [logits_indices, vocab] of a prefill or mixed step (``takes_rows(inputs)``):
+        each token one row of decode_layers attending over its own context, keys of its
         chunk written first, the linears as their modules run them at the step's row count."""
         blocks = inputs.token_blocks
         assert blocks is not None and self.tp is None
@@ -172,7 +180,7 @@ class FastDecode:
         if blocks is None:
             raise ExecutorError(
                 "batch-invariant step without per-token block tables: build the step inputs "
-                "with StepInputBuilder(token_tables=True)"
+                "with a StepInputBuilder whose token_tables covers every step"
             )
         n = int(inputs.input_ids.shape[0])
         if self.tp is not None:

@@ -491,8 +491,7 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         ):
             if fast.applies(inputs):
                 return fast.logits(inputs)
-            a = inputs.attn
-            if inputs.token_blocks is not None and a.kernels and a.kv_caches is not None:
+            if fast.takes_rows(inputs):
                 return fast.step_logits(inputs)
         out = self.model(
             input_ids=inputs.input_ids[None],
