@@ -390,3 +390,25 @@ def test_low_precision_kernels_without_f16c():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
+@pytest.mark.parametrize("group", [3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, *LOW_PRECISION], ids=str)
+def test_grouped_heads_keep_each_heads_sums(cpu_kernel_ops, group, head_dim, cache_dtype):
+    # groups of 3 or 4 query heads per kv head run their heads interleaved (group_scores,
+    # group_values); each head's output must be what the one-head-per-kv-head path gives it
+    g = torch.Generator().manual_seed(group * head_dim)
+    kvh, bs, blocks = 2, 16, 40
+    lens = torch.tensor([1, 15, 16, 17, 200, 333])
+    table = torch.stack([torch.randperm(blocks, generator=g)[:22] for _ in lens])
+    k_cache = torch.randn(blocks, kvh, head_dim, bs, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, kvh, bs, head_dim, generator=g).to(cache_dtype)
+    q = torch.randn(len(lens), kvh * group, head_dim, generator=g)
+    grouped = torch.empty_like(q)
+    torch.ops.baton.paged_decode(q, k_cache, v_cache, table, lens, 0, 0.125, grouped)
+    for j in range(group):
+        qj = q.view(len(lens), kvh, group, head_dim)[:, :, j].contiguous()
+        one = torch.empty_like(qj)
+        torch.ops.baton.paged_decode(qj, k_cache, v_cache, table, lens, 0, 0.125, one)
+        assert torch.equal(grouped.view(len(lens), kvh, group, head_dim)[:, :, j], one)

@@ -190,6 +190,32 @@ inline void block_scores(const float* __restrict qr, const float* __restrict kt,
   }
 }
 
+// block_scores for GC query heads sharing one kv head (queries GC rows of qr, D apart; scores GC
+// rows of s, `ss` apart): each score is summed exactly as block_scores sums it (U chains over d,
+// then (a0 + a1) + (a2 + a3)), the heads interleaved so that GC * U chains are in flight and each
+// key row is loaded once for all of them (one head's U chains wait on an FMA's latency).
+template <int64_t DC, int64_t BSC, int64_t GC>
+inline void group_scores(const float* __restrict qr, const float* __restrict kt, float* __restrict s,
+                         int64_t ss, const float* next) {
+  constexpr int64_t U = 4;
+  static_assert(DC % U == 0, "group_scores: head_dim a multiple of 4");
+  float acc[GC][U][BSC] = {};
+  for (int64_t d = 0; d < DC; d += U) {
+    for (int64_t u = 0; u < U; ++u) {
+      if (next) __builtin_prefetch(next + (d + u) * BSC, 0, 3);
+      const float* kr = kt + (d + u) * BSC;
+      for (int64_t g = 0; g < GC; ++g) {
+        const float qd = qr[g * DC + d + u];
+#pragma omp simd
+        for (int64_t t = 0; t < BSC; ++t) acc[g][u][t] += qd * kr[t];
+      }
+    }
+  }
+  for (int64_t g = 0; g < GC; ++g)
+#pragma omp simd
+    for (int64_t t = 0; t < BSC; ++t) s[g * ss + t] = (acc[g][0][t] + acc[g][1][t]) + (acc[g][2][t] + acc[g][3][t]);
+}
+
 // acc[D] += sum over tokens [t0, t1) of p[t] * v[t, :]
 template <int64_t DC>
 inline void accumulate_values(const float* __restrict p, const float* __restrict v, int64_t t0,
@@ -224,6 +250,41 @@ inline void accumulate_values(const float* __restrict p, const float* __restrict
   }
 }
 
+// accumulate_values for GC query heads sharing one kv head (probabilities GC rows of p, `ps` apart;
+// accumulators GC rows of acc, DC apart): each head's sums as accumulate_values makes them, the
+// value rows loaded once for all the heads.
+template <int64_t DC, int64_t GC>
+inline void group_values(const float* __restrict p, int64_t ps, const float* __restrict v, int64_t t0, int64_t t1,
+                         float* __restrict acc, const float* next) {
+  float a0[GC][DC] = {}, a1[GC][DC] = {};
+  int64_t t = t0;
+  for (; t + 2 <= t1; t += 2) {
+    if (next)
+      for (int64_t j = 0; j < 2 * DC; j += 16) __builtin_prefetch(next + t * DC + j, 0, 3);
+    const float* v0 = v + t * DC;
+    const float* v1 = v0 + DC;
+    for (int64_t g = 0; g < GC; ++g) {
+      const float p0 = p[g * ps + t], p1 = p[g * ps + t + 1];
+#pragma omp simd
+      for (int64_t d = 0; d < DC; ++d) {
+        a0[g][d] += p0 * v0[d];
+        a1[g][d] += p1 * v1[d];
+      }
+    }
+  }
+  if (t < t1) {
+    const float* v0 = v + t * DC;
+    for (int64_t g = 0; g < GC; ++g) {
+      const float p0 = p[g * ps + t];
+#pragma omp simd
+      for (int64_t d = 0; d < DC; ++d) a0[g][d] += p0 * v0[d];
+    }
+  }
+  for (int64_t g = 0; g < GC; ++g)
+#pragma omp simd
+    for (int64_t d = 0; d < DC; ++d) acc[g * DC + d] += a0[g][d] + a1[g][d];
+}
+
 struct Dims {
   int64_t H, KVH, G, D, BS;
 };
@@ -255,12 +316,23 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
     const elem_t<K>* kn = b < b_hi ? k_ptr + row[b + 1] * blk : v_ptr + row[b_lo] * blk;
     for (int64_t h = h0; h < h1; ++h) {
       const float* kt = tile_f32<K>(kb + h * head, head, tile, kn + h * head);
+      // the first query head of each KV head prefetches the next block's rows as it goes
+      const float* pf0 = nullptr;
+      if constexpr (in_place) pf0 = kn + h * head;
+      float* sh = scores.data() + h * G * span + (b - b_lo) * BS;
+      if constexpr (DC > 0 && BSC > 0) {
+        if (G == 3) {  // SmolLM2 (Llama 3 8B: 4): the group's heads at once
+          group_scores<DC, BSC, 3>(qs + h * G * D, kt, sh, span, pf0);
+          continue;
+        }
+        if (G == 4) {
+          group_scores<DC, BSC, 4>(qs + h * G * D, kt, sh, span, pf0);
+          continue;
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
-        // the first query head of each KV head prefetches the next block's rows as it goes
-        const float* pf = nullptr;
-        if constexpr (in_place) pf = g == 0 ? kn + h * head : nullptr;
-        block_scores<DC, BSC>(qs + hq * D, kt, scores.data() + hq * span + (b - b_lo) * BS, D, BS, pf);
+        block_scores<DC, BSC>(qs + hq * D, kt, sh + g * span, D, BS, g == 0 ? pf0 : nullptr);
       }
     }
   }
@@ -287,6 +359,18 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
     const int64_t t1 = b == b_hi ? last - (b - b_lo) * BS : BS;
     for (int64_t h = h0; h < h1; ++h) {
       const float* vt = tile_f32<K>(vb + h * head, head, tile, vn ? vn + h * head : nullptr);
+      if constexpr (DC > 0) {
+        if (G == 3 || G == 4) {
+          const float* ph = scores.data() + h * G * span + (b - b_lo) * BS;
+          const float* pf = nullptr;
+          if constexpr (in_place) pf = vn ? vn + h * head : nullptr;
+          if (G == 3)
+            group_values<DC, 3>(ph, span, vt, t0, t1, acc + h * G * D, pf);
+          else
+            group_values<DC, 4>(ph, span, vt, t0, t1, acc + h * G * D, pf);
+          continue;
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hq = h * G + g;
         const float* pf = nullptr;
