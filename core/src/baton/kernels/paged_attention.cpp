@@ -34,6 +34,9 @@
 #include <immintrin.h>
 #define BATON_CVT_AVX2 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -157,6 +160,108 @@ inline float exp_approx(float x) {
   float pow2;
   std::memcpy(&pow2, &bits, sizeof(pow2));
   return p * pow2;
+}
+
+// The largest of sg[first, last) (a NaN score is passed over, as std::max(m, x) passes it; -inf
+// for an empty range). Any order gives the same value but for the sign of a zero, which
+// exp_approx(x - m) does not see.
+inline float max_score(const float* sg, int64_t first, int64_t last) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t t = first;
+#if defined(__AVX512F__)
+  if (last - t >= 16) {
+    __m512 v = _mm512_set1_ps(m);
+    for (; t + 16 <= last; t += 16) v = _mm512_max_ps(_mm512_loadu_ps(sg + t), v);  // NaN: keeps v
+    m = _mm512_reduce_max_ps(v);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (last - t >= 8) {
+    __m256 v = _mm256_set1_ps(m);
+    for (; t + 8 <= last; t += 8) v = _mm256_max_ps(_mm256_loadu_ps(sg + t), v);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    m = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; t < last; ++t) m = std::max(m, sg[t]);
+  return m;
+}
+
+// sums[j] = sg[j * span + first] + ... + sg[j * span + last - 1], added in that order from 0 (one
+// chain per row, as the softmax always summed), for rows j < n: eight chains in flight, scalar
+// (GCC's vectoriser would gather the rows' strided values into vectors, which is slower).
+__attribute__((optimize("no-tree-slp-vectorize", "no-tree-loop-vectorize"))) void sum_rows(
+    const float* sg, int64_t span, int64_t n, int64_t first, int64_t last, float* sums) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float* p = sg + j * span;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, a4 = 0.f, a5 = 0.f, a6 = 0.f, a7 = 0.f;
+    for (int64_t t = first; t < last; ++t) {
+      a0 += p[t];
+      a1 += p[span + t];
+      a2 += p[2 * span + t];
+      a3 += p[3 * span + t];
+      a4 += p[4 * span + t];
+      a5 += p[5 * span + t];
+      a6 += p[6 * span + t];
+      a7 += p[7 * span + t];
+    }
+    sums[j] = a0, sums[j + 1] = a1, sums[j + 2] = a2, sums[j + 3] = a3;
+    sums[j + 4] = a4, sums[j + 5] = a5, sums[j + 6] = a6, sums[j + 7] = a7;
+  }
+  for (; j < n; ++j) {
+    const float* p = sg + j * span;
+    float a = 0.f;
+    for (int64_t t = first; t < last; ++t) a += p[t];
+    sums[j] = a;
+  }
+}
+
+// sg[t] = exp_approx(sg[t] - m) over [first, last). GCC leaves exp_approx's loop scalar, so the
+// vectors here spell out the operations it compiles to (max with -87, an FMA for x log2 e + 1/2,
+// floor, the two-part reduction as FNMA then FMA, Horner's FMAs, r + r (p r) as one FMA, + 1,
+// times 2^n): every element gets exp_approx's bits.
+inline void exp_scores(float* sg, int64_t first, int64_t last, float m) {
+  int64_t t = first;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m), lo_x = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.4426950408889634f),
+               half = _mm512_set1_ps(0.5f), hi = _mm512_set1_ps(0.693359375f), lo = _mm512_set1_ps(2.12194440e-4f),
+               one = _mm512_set1_ps(1.0f);
+  for (; t + 16 <= last; t += 16) {
+    const __m512 x = _mm512_max_ps(lo_x, _mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));  // NaN stays NaN
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, lo, _mm512_fnmadd_ps(n, hi, x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(r, _mm512_mul_ps(p, r), r), one);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    _mm512_storeu_ps(sg + t, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m), lo_x = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.4426950408889634f),
+               half = _mm256_set1_ps(0.5f), hi = _mm256_set1_ps(0.693359375f), lo = _mm256_set1_ps(2.12194440e-4f),
+               one = _mm256_set1_ps(1.0f);
+  for (; t + 8 <= last; t += 8) {
+    const __m256 x = _mm256_max_ps(lo_x, _mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+    const __m256 n = _mm256_round_ps(_mm256_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fmadd_ps(n, lo, _mm256_fnmadd_ps(n, hi, x));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(r, _mm256_mul_ps(p, r), r), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(sg + t, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+#endif
+  for (; t < last; ++t) sg[t] = exp_approx(sg[t] - m);
 }
 
 // Scores of one block's tokens for one query head: keys stored [D, BS] (transposed), so every
@@ -303,10 +408,10 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
   const int64_t span = (b_hi - b_lo + 1) * BS;  // whole blocks; slots outside [lo, L) get p = 0
   const int64_t first = lo - b_lo * BS, last = L - b_lo * BS;
   scores.resize(H * span);
-  qbuf.resize(H * D * 2 + (in_place ? 0 : head));
+  qbuf.resize(H * D * 2 + H + (in_place ? 0 : head));
   float* qs = qbuf.data();
   float* acc = qbuf.data() + H * D;
-  float* tile = qbuf.data() + 2 * H * D;  // a converted (block, kv head) tile (low-precision caches)
+  float* tile = qbuf.data() + 2 * H * D + H;  // a converted (block, kv head) tile (low-precision caches)
   const int64_t hq0 = h0 * G, hq1 = h1 * G;
   for (int64_t hq = hq0; hq < hq1; ++hq)
     for (int64_t d = 0; d < D; ++d) qs[hq * D + d] = q[hq * qs1 + d] * scale;
@@ -336,18 +441,19 @@ void decode_request(const float* q, int64_t qs1, const elem_t<K>* k_ptr, const e
       }
     }
   }
+  // Softmax of each query head's scores over [first, last). The max and the exps run in vectors
+  // (the max is exact in any order, exp_scores gives exp_approx's bits); the sum stays one chain
+  // per head in t order, as the loop that fused it with the exps summed it (GCC never vectorised
+  // that loop), the heads' chains interleaved so that an add's latency is not paid per score.
   for (int64_t hq = hq0; hq < hq1; ++hq) {
     float* sg = scores.data() + hq * span;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = first; t < last; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = first; t < last; ++t) {
-      const float e = exp_approx(sg[t] - m);
-      sg[t] = e;
-      sum += e;
-    }
-    const float inv = 1.f / sum;
+    exp_scores(sg, first, last, max_score(sg, first, last));
+  }
+  float* sums = qbuf.data() + 2 * H * D;
+  sum_rows(scores.data() + hq0 * span, span, hq1 - hq0, first, last, sums + hq0);
+  for (int64_t hq = hq0; hq < hq1; ++hq) {
+    float* sg = scores.data() + hq * span;
+    const float inv = 1.f / sums[hq];
 #pragma omp simd
     for (int64_t t = first; t < last; ++t) sg[t] *= inv;
   }
