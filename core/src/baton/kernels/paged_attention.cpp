@@ -162,26 +162,67 @@ inline float exp_approx(float x) {
   return p * pow2;
 }
 
+// The softmax's vector operations at the build's width (max_score, exp_scores); none without
+// AVX2 + FMA, where both run their scalar loops.
+#if defined(__AVX512F__)
+#define BATON_SOFTMAX_SIMD 1
+struct SimdF {
+  using V = __m512;
+  static constexpr int64_t W = 16;
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V floor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // 2^n for integral n, as exp_approx builds it: (int(n) + 127) << 23 read as a float
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BATON_SOFTMAX_SIMD 1
+struct SimdF {
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V floor(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static float hmax(V v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  }
+};
+#endif
+
 // The largest of sg[first, last) (a NaN score is passed over, as std::max(m, x) passes it; -inf
 // for an empty range). Any order gives the same value but for the sign of a zero, which
 // exp_approx(x - m) does not see.
 inline float max_score(const float* sg, int64_t first, int64_t last) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t t = first;
-#if defined(__AVX512F__)
-  if (last - t >= 16) {
-    __m512 v = _mm512_set1_ps(m);
-    for (; t + 16 <= last; t += 16) v = _mm512_max_ps(_mm512_loadu_ps(sg + t), v);  // NaN: keeps v
-    m = _mm512_reduce_max_ps(v);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (last - t >= 8) {
-    __m256 v = _mm256_set1_ps(m);
-    for (; t + 8 <= last; t += 8) v = _mm256_max_ps(_mm256_loadu_ps(sg + t), v);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    m = _mm_cvtss_f32(h);
+#ifdef BATON_SOFTMAX_SIMD
+  using S = SimdF;
+  if (last - t >= S::W) {
+    S::V v = S::set1(m);
+    for (; t + S::W <= last; t += S::W) v = S::max(S::load(sg + t), v);  // a NaN keeps v
+    m = S::hmax(v);
   }
 #endif
   for (; t < last; ++t) m = std::max(m, sg[t]);
@@ -224,41 +265,22 @@ __attribute__((optimize("no-tree-slp-vectorize", "no-tree-loop-vectorize"))) voi
 // times 2^n): every element gets exp_approx's bits.
 inline void exp_scores(float* sg, int64_t first, int64_t last, float m) {
   int64_t t = first;
-#if defined(__AVX512F__)
-  const __m512 mv = _mm512_set1_ps(m), lo_x = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.4426950408889634f),
-               half = _mm512_set1_ps(0.5f), hi = _mm512_set1_ps(0.693359375f), lo = _mm512_set1_ps(2.12194440e-4f),
-               one = _mm512_set1_ps(1.0f);
-  for (; t + 16 <= last; t += 16) {
-    const __m512 x = _mm512_max_ps(lo_x, _mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));  // NaN stays NaN
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, lo, _mm512_fnmadd_ps(n, hi, x));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(r, _mm512_mul_ps(p, r), r), one);
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    _mm512_storeu_ps(sg + t, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 mv = _mm256_set1_ps(m), lo_x = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.4426950408889634f),
-               half = _mm256_set1_ps(0.5f), hi = _mm256_set1_ps(0.693359375f), lo = _mm256_set1_ps(2.12194440e-4f),
-               one = _mm256_set1_ps(1.0f);
-  for (; t + 8 <= last; t += 8) {
-    const __m256 x = _mm256_max_ps(lo_x, _mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-    const __m256 n = _mm256_round_ps(_mm256_fmadd_ps(x, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_fmadd_ps(n, lo, _mm256_fnmadd_ps(n, hi, x));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(r, _mm256_mul_ps(p, r), r), one);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    _mm256_storeu_ps(sg + t, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+#ifdef BATON_SOFTMAX_SIMD
+  using S = SimdF;
+  const S::V mv = S::set1(m), floor_x = S::set1(-87.0f), log2e = S::set1(1.4426950408889634f),
+             half = S::set1(0.5f), hi = S::set1(0.693359375f), lo = S::set1(2.12194440e-4f), one = S::set1(1.0f);
+  for (; t + S::W <= last; t += S::W) {
+    const S::V x = S::max(floor_x, S::sub(S::load(sg + t), mv));  // a NaN stays NaN
+    const S::V n = S::floor(S::fmadd(x, log2e, half));
+    const S::V r = S::fmadd(n, lo, S::fnmadd(n, hi, x));
+    S::V p = S::set1(1.9875691500e-4f);
+    p = S::fmadd(p, r, S::set1(1.3981999507e-3f));
+    p = S::fmadd(p, r, S::set1(8.3334519073e-3f));
+    p = S::fmadd(p, r, S::set1(4.1665795894e-2f));
+    p = S::fmadd(p, r, S::set1(1.6666665459e-1f));
+    p = S::fmadd(p, r, S::set1(5.0000001201e-1f));
+    p = S::add(S::fmadd(r, S::mul(p, r), r), one);
+    S::store(sg + t, S::mul(p, S::pow2(n)));
   }
 #endif
   for (; t < last; ++t) sg[t] = exp_approx(sg[t] - m);
