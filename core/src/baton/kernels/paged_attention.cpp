@@ -142,9 +142,10 @@ inline const float* tile_f32(const elem_t<K>* tile, int64_t n, float* buf, const
   }
 }
 
-// exp for the softmax, vectorisable (std::exp is a libm call per element): exp(x) = 2^n e^r with
-// n = round(x log2 e) and |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error < 1e-7
-// over [-87, 0], where softmax evaluates it: x = score - max <= 0).
+// exp for the softmax (std::exp is a libm call per element): exp(x) = 2^n e^r with n = round(x
+// log2 e) and |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error < 1e-7 over [-87, 0],
+// where softmax evaluates it: x = score - max <= 0). GCC does not vectorise loops over it;
+// exp_scores runs the same operations in vectors, and this is its scalar tail.
 inline float exp_approx(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.4426950408889634f + 0.5f);
