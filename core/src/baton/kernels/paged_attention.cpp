@@ -287,41 +287,11 @@ inline void exp_scores(float* sg, int64_t first, int64_t last, float m) {
   for (; t < last; ++t) sg[t] = exp_approx(sg[t] - m);
 }
 
-// Scores of one block's tokens for one query head: keys stored [D, BS] (transposed), so every
-// step is a vertical FMA over the block's BS tokens; DC/BSC are compile-time sizes or 0.
-template <int64_t DC, int64_t BSC>
-inline void block_scores(const float* __restrict qr, const float* __restrict kt, float* __restrict s,
-                         int64_t D_, int64_t BS_, const float* next) {
-  constexpr int64_t U = 4;  // independent accumulators: an FMA's latency, not its throughput, bounds one chain
-  const int64_t D = DC > 0 ? DC : D_, BS = BSC > 0 ? BSC : BS_;
-  if constexpr (BSC > 0) {
-    float acc[U][BSC] = {};
-    int64_t d = 0;
-    for (; d + U <= D; d += U) {
-      for (int64_t u = 0; u < U; ++u) {
-        if (next) __builtin_prefetch(next + (d + u) * BSC, 0, 3);
-        const float qd = qr[d + u];
-        const float* kr = kt + (d + u) * BSC;
-#pragma omp simd
-        for (int64_t t = 0; t < BSC; ++t) acc[u][t] += qd * kr[t];
-      }
-    }
-    for (; d < D; ++d)
-#pragma omp simd
-      for (int64_t t = 0; t < BSC; ++t) acc[0][t] += qr[d] * kt[d * BSC + t];
-#pragma omp simd
-    for (int64_t t = 0; t < BSC; ++t) s[t] = (acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t]);
-  } else {
-    for (int64_t t = 0; t < BS; ++t) s[t] = 0.f;
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t t = 0; t < BS; ++t) s[t] += qr[d] * kt[d * BS + t];
-  }
-}
-
-// block_scores for GC query heads sharing one kv head (queries GC rows of qr, D apart; scores GC
-// rows of s, `ss` apart): each score is summed exactly as block_scores sums it (U chains over d,
-// then (a0 + a1) + (a2 + a3)), the heads interleaved so that GC * U chains are in flight and each
-// key row is loaded once for all of them (one head's U chains wait on an FMA's latency).
+// Scores of one block's tokens for GC query heads sharing one kv head (queries GC rows of qr, DC
+// apart; scores GC rows of s, `ss` apart): keys stored [D, BS] (transposed), so every step is a
+// vertical FMA over the block's BS tokens. Each score is U chains over d, then (a0 + a1) + (a2 +
+// a3), whatever GC: the heads are interleaved so that GC * U chains are in flight (one head's U
+// chains wait on an FMA's latency) and each key row is loaded once for all of them.
 template <int64_t DC, int64_t BSC, int64_t GC>
 inline void group_scores(const float* __restrict qr, const float* __restrict kt, float* __restrict s,
                          int64_t ss, const float* next) {
@@ -344,43 +314,22 @@ inline void group_scores(const float* __restrict qr, const float* __restrict kt,
     for (int64_t t = 0; t < BSC; ++t) s[g * ss + t] = (acc[g][0][t] + acc[g][1][t]) + (acc[g][2][t] + acc[g][3][t]);
 }
 
-// acc[D] += sum over tokens [t0, t1) of p[t] * v[t, :]
-template <int64_t DC>
-inline void accumulate_values(const float* __restrict p, const float* __restrict v, int64_t t0,
-                              int64_t t1, float* __restrict acc, int64_t D_, const float* next) {
-  const int64_t D = DC > 0 ? DC : D_;
-  if constexpr (DC > 0) {
-    float a0[DC] = {}, a1[DC] = {};  // two chains: consecutive tokens alternate
-    int64_t t = t0;
-    for (; t + 2 <= t1; t += 2) {
-      if (next)
-        for (int64_t j = 0; j < 2 * DC; j += 16) __builtin_prefetch(next + t * DC + j, 0, 3);
-      const float p0 = p[t], p1 = p[t + 1];
-      const float* v0 = v + t * DC;
-      const float* v1 = v0 + DC;
-#pragma omp simd
-      for (int64_t d = 0; d < DC; ++d) {
-        a0[d] += p0 * v0[d];
-        a1[d] += p1 * v1[d];
-      }
-    }
-    if (t < t1) {
-      const float p0 = p[t];
-      const float* v0 = v + t * DC;
-#pragma omp simd
-      for (int64_t d = 0; d < DC; ++d) a0[d] += p0 * v0[d];
-    }
-#pragma omp simd
-    for (int64_t d = 0; d < DC; ++d) acc[d] += a0[d] + a1[d];
+// block_scores' sizes known at compile time (DC, BSC; else 0): group_scores for one head.
+template <int64_t DC, int64_t BSC>
+inline void block_scores(const float* __restrict qr, const float* __restrict kt, float* __restrict s,
+                         int64_t D, int64_t BS, const float* next) {
+  if constexpr (DC > 0 && BSC > 0) {
+    group_scores<DC, BSC, 1>(qr, kt, s, 0, next);
   } else {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * v[t * D + d];
+    for (int64_t t = 0; t < BS; ++t) s[t] = 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < BS; ++t) s[t] += qr[d] * kt[d * BS + t];
   }
 }
 
-// accumulate_values for GC query heads sharing one kv head (probabilities GC rows of p, `ps` apart;
-// accumulators GC rows of acc, DC apart): each head's sums as accumulate_values makes them, the
-// value rows loaded once for all the heads.
+// acc[g, :] += sum over tokens [t0, t1) of p[g, t] * v[t, :] for GC query heads sharing one kv head
+// (probabilities GC rows of p, `ps` apart; accumulators GC rows of acc, DC apart): two chains per
+// head, consecutive tokens alternating, whatever GC; the value rows loaded once for all the heads.
 template <int64_t DC, int64_t GC>
 inline void group_values(const float* __restrict p, int64_t ps, const float* __restrict v, int64_t t0, int64_t t1,
                          float* __restrict acc, const float* next) {
@@ -411,6 +360,18 @@ inline void group_values(const float* __restrict p, int64_t ps, const float* __r
   for (int64_t g = 0; g < GC; ++g)
 #pragma omp simd
     for (int64_t d = 0; d < DC; ++d) acc[g * DC + d] += a0[g][d] + a1[g][d];
+}
+
+// acc[D] += sum over tokens [t0, t1) of p[t] * v[t, :]: group_values for one head when DC is known.
+template <int64_t DC>
+inline void accumulate_values(const float* __restrict p, const float* __restrict v, int64_t t0,
+                              int64_t t1, float* __restrict acc, int64_t D, const float* next) {
+  if constexpr (DC > 0) {
+    group_values<DC, 1>(p, 0, v, t0, t1, acc, next);
+  } else {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * v[t * D + d];
+  }
 }
 
 struct Dims {
