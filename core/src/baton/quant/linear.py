@@ -4,8 +4,8 @@ Math: y = x @ dequantize(W).T + bias with float32 activations (bf16/fp16 inputs 
 computed in float32 and cast back): exact weight-only quantization up to float
 summation order. Few rows (decode steps) go through ``torch.ops.baton.linear_q``,
 which decodes the blocks in registers and reads each weight byte once per call,
-the output rows split over the threads; or, where ``packed_exact`` holds (Intel CPUs with
-AVX-512 VNNI) and the format packs, through ``linear_qp`` on the rows repacked once
+the output rows split over the threads; or, where ``packed_exact`` holds (CPUs with AVX-512
+VNNI) and the format packs, through ``linear_qp`` on the rows repacked once
 (``packed``): x split into three int8 pieces per 32 values, integer dot products, within a
 float32 rounding of linear_q per block (docs/cpu-kernels.md). More rows (prefill) go through
 ``linear_q_tiles``: each thread dequantizes a cache-sized tile of weight rows and
