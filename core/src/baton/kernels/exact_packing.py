@@ -40,9 +40,7 @@ def packed_exact_choice() -> PackedExact:
         return PackedExact(value == "1", f"{PACKED_EXACT_ENV}={value}")
     if packed_exact_default():
         return PackedExact(True, "the CPU has avx512_vnni (the default there)")
-    return PackedExact(
-        False, "the CPU has no avx512_vnni (linear_qp's instruction set)"
-    )
+    return PackedExact(False, "the CPU has no avx512_vnni (linear_qp's instruction set)")
 
 
 def packed_exact() -> bool:
