@@ -692,9 +692,14 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_packed(const uint8_
           if constexpr (P::Z != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(P::Z));
           __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dl);
           if constexpr (P::MIN) y = _mm512_add_ps(y, ml);
-          alignas(64) float v[16];
-          _mm512_store_ps(v, y);
-          for (int r = 0; r < 4; ++r) std::memcpy(o + (4 * l + r) * K + 4 * i, v + 4 * r, 16);
+          // each 128-bit lane is one row's four values: stored straight from the register (a trip
+          // through a stack array and four 16-byte copies left linear_qp_tiles 1% behind
+          // linear_q_tiles at 100 rows of x on AMD Zen 4; this way it is 3% ahead)
+          float* row = o + 4 * l * K + 4 * i;
+          _mm_storeu_ps(row, _mm512_castps512_ps128(y));
+          _mm_storeu_ps(row + K, _mm512_extractf32x4_ps(y, 1));
+          _mm_storeu_ps(row + 2 * K, _mm512_extractf32x4_ps(y, 2));
+          _mm_storeu_ps(row + 3 * K, _mm512_extractf32x4_ps(y, 3));
         }
       }
     }
