@@ -412,3 +412,29 @@ def test_grouped_heads_keep_each_heads_sums(cpu_kernel_ops, group, head_dim, cac
         one = torch.empty_like(qj)
         torch.ops.baton.paged_decode(qj, k_cache, v_cache, table, lens, 0, 0.125, one)
         assert torch.equal(grouped.view(len(lens), kvh, group, head_dim)[:, :, j], one)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_split_by_work_keep_each_rows_bits(cpu_kernel_ops, threads):
+    # the threads take rows by the keys they read (a prompt chunk's rows attend over 1..n keys);
+    # whichever thread takes a row, it must come out as it does alone
+    g = torch.Generator().manual_seed(threads)
+    kvh, heads, dim, bs, blocks = 3, 9, 64, 16, 24
+    lens = torch.randperm(300, generator=g)[:120] + 1
+    table = torch.randperm(blocks, generator=g)[:19].repeat(len(lens), 1)
+    k_cache = torch.randn(blocks, kvh, dim, bs, generator=g)
+    v_cache = torch.randn(blocks, kvh, bs, dim, generator=g)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    together = torch.empty_like(q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.baton.paged_decode(q, k_cache, v_cache, table, lens, 0, 0.125, together)
+    finally:
+        torch.set_num_threads(before)
+    for i in range(len(lens)):
+        alone = torch.empty_like(q[i : i + 1])
+        torch.ops.baton.paged_decode(
+            q[i : i + 1], k_cache, v_cache, table[i : i + 1], lens[i : i + 1], 0, 0.125, alone
+        )
+        assert torch.equal(alone, together[i : i + 1]), i

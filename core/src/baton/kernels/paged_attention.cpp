@@ -504,11 +504,28 @@ void paged_decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  auto first_key = [&](int64_t L) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; };
+  // Rows go to the threads by the keys they read, not by count: a prompt chunk's rows attend over
+  // 1..n keys, and equal counts left the first of two threads a third of the second's work. A row
+  // runs the same code whichever thread takes it, so the bits do not change.
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> cut(nt + 1, n);
+  cut[0] = 0;
+  {
+    constexpr int64_t ROW_COST = 16;  // a row's fixed work, in keys (its query, output, softmax)
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) total += lens[i] - first_key(lens[i]) + ROW_COST;
+    int64_t done = 0, t = 1;
+    for (int64_t i = 0; i < n && t < nt; ++i) {
+      while (t < nt && done * nt >= total * t) cut[t++] = i;
+      done += lens[i] - first_key(lens[i]) + ROW_COST;
+    }
+  }
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, qbuf;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = cut[t0]; i < cut[t1]; ++i) {
       const int64_t L = lens[i];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const int64_t lo = first_key(L);
       const auto args = std::make_tuple(q_ptr + i * qs0, qs1, k_ptr, v_ptr, bt + i * max_blocks, L, lo,
                                         std::cref(dm), fscale, o_ptr + i * os0, os1, std::ref(scores),
                                         std::ref(qbuf), int64_t{0}, dm.KVH);
