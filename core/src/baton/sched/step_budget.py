@@ -40,7 +40,7 @@ noise, seeds 0-4): ITL p99 within 1.8-2.7x p50 at 0.935-1.0x the throughput
 of "off". The real engine on two CPU threads (workload.json) gave 1.24-1.31x at 0.79-0.83x the
 throughput on an AMD host, 1.2-1.9x at 0.84-0.95x on an Intel AMX one (docs/benchmarks.md,
 issue 34: a prompt token costs more in a mixed step than in a 2048-token chunk); with faster
-attention and packed linears, 1.4-1.7x at 1.03x (0.85-1.12 by round) on AMD Zen 4. A larger
+attention and packed linears, 1.35-2.9x at 1.07x (0.98-1.13 by round) on AMD Zen 4. A larger
 multiple buys throughput with the ratio: 2.25 gave ~0.98x there but 2.9-4.1x, the prompts done
 sooner so that most gaps are decode-only steps and the mixed ones the tail.
 
