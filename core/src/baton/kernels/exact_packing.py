@@ -2,9 +2,9 @@
 
 ``linear_qp`` (kernels/packed_q8.cpp) reads Q4_0 / Q4_1 / Q8_0 rows repacked once at load for
 AVX-512 VNNI and splits x into three int8 pieces per 32 values: the same sums as ``linear_q``
-within a float32 rounding per block, 1.8x faster at one row on an Intel Xeon with AMX and 1.2x on AMD
-Zen 4 (30 SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed rows replace the GGUF rows
-(prefill and the embedding unpack them with the same bits): no more memory.
+within a float32 rounding per block, 1.8x faster at one row on an Intel Xeon with AMX and 1.2x
+on AMD Zen 4 (30 SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed rows
+replace the GGUF rows (prefill and the embedding unpack them with the same bits): no more memory.
 """
 
 from __future__ import annotations
