@@ -87,11 +87,13 @@ def test_quant_linear_packs_while_int8_activations_are_on(monkeypatch):
     assert "packed" not in lin.state_dict()  # derived from raw, never saved
     lin.int8_activations = False
     assert lin.packed is None and lin.weight_bytes == before
-    # prefill-sized calls keep float32 activations on ggml's rows
+    # prefill-sized calls quantize x too, on the packed rows (as llama.cpp's prompt processing)
     lin.int8_activations = True
-    big = torch.randn(lin.max_kernel_rows + 1, 128)
+    assert lin.max_kernel_rows == QuantLinear.PACKED_INT8_MAX_ROWS
+    big = torch.randn(2 * QuantLinear.KERNEL_MAX_ROWS + 5, 128)
+    assert torch.equal(lin(big), torch.ops.baton.linear_q8p(big, lin.packed, int(QType.Q4_1), lin.bias))
     torch.testing.assert_close(
-        lin(big), torch.ops.baton.linear_q_tiles(big, lin.raw, int(QType.Q4_1), lin.bias)
+        lin(big), torch.ops.baton.linear_q8a(big, lin.raw, int(QType.Q4_1), lin.bias), rtol=1e-5, atol=1e-4
     )
 
 

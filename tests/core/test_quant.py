@@ -266,14 +266,22 @@ def test_int8_activations_equal_the_quantized_input_matmul(qtype, rows, kernels)
     assert (xq - x).abs().max() <= d.max() / 2 * (1 + 1e-5)
 
 
-def test_int8_activations_leave_prefill_rows_in_float32(cpu_kernel_ops):
-    qtype = QType.Q4_1
-    n, k = shape_for(qtype)
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_K])
+def test_int8_activations_leave_prefill_rows_in_float32_on_ggml_rows(qtype, cpu_kernel_ops):
+    """Prefill-sized calls on ggml's rows keep float32 x (linear_q_tiles); rows packed for
+    linear_q8p (AVX-512 VNNI; Q4_K never packs) quantize it at every row count."""
+    n, k = shape_for(qtype, n=64)  # whole tiles of 16 rows: Q4_1 packs where the kernel is built
     raw = random_blocks(qtype, n, k, seed=2)
     lin = QuantLinear(raw, qtype, k, n)
     lin.int8_activations = True
     x = torch.randn(lin.KERNEL_MAX_ROWS + 1, k)
-    assert_linear_close(lin(x), x, gguf_dequantize(raw, qtype))
+    w = gguf_dequantize(raw, qtype)
+    if lin.packed is None:
+        assert lin.max_kernel_rows == lin.KERNEL_MAX_ROWS
+        assert_linear_close(lin(x), x, w)
+    else:
+        assert qtype is QType.Q4_1 and torch.ops.baton.q8p_kernel()
+        assert_linear_close(lin(x), quantize_activations(x), w)
     assert "int8_activations=True" in repr(lin)
 
 

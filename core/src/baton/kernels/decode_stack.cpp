@@ -146,10 +146,11 @@ struct LinearArgs {
 };
 
 // Rows up to which a linear runs its decode-sized kernel (more: the tiled GEMM), as its module's
-// forward decides: exact packed rows up to packed_max_rows (QuantLinear.max_kernel_rows).
-int64_t row_limit(const LinearArgs& la, int64_t qtype, bool packed, bool q8a) {
+// forward decides: packed rows up to packed_max_rows (QuantLinear.max_kernel_rows: one limit for
+// every packed linear of a model, whose linears share one activation mode).
+int64_t row_limit(const LinearArgs& la, int64_t qtype, bool packed) {
   if (qtype == FLOAT32_WEIGHTS) return la.float_max_rows;
-  return packed && !q8a ? la.packed_max_rows : la.quant_max_rows;
+  return packed ? la.packed_max_rows : la.quant_max_rows;
 }
 
 // y = x @ W.T + b as the layer's module computes it for x's row count (QuantLinear.forward or
@@ -169,7 +170,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
     if (has_bias) add_bias_cols(y.data_ptr<float>(), b.data_ptr<float>(), M, w.size(0), 0, w.size(0));
     return y;
   }
-  const bool tiled = M > row_limit(la, qtype, packed.defined(), q8a);  // past the decode-sized kernel
+  const bool tiled = M > row_limit(la, qtype, packed.defined());  // past the decode-sized kernel
   if (qtype == FLOAT32_WEIGHTS) {  // float32 weights [N, K]
     if (tiled) return at::linear(x, w, has_bias ? std::optional<at::Tensor>(b) : std::nullopt);
     if (!buf.defined() || buf.size(1) != w.size(0)) buf = at::empty({M, w.size(0)}, x.options());
@@ -379,6 +380,9 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     }
   };
   const bool partial = s.part >= 0 && s.part < 2 * s.L;
+  // the (request, kv head) pairs split by the keys they read (a prompt chunk's rows read 1..n)
+  const std::vector<int64_t> attend_cut = baton_rows::split_by_work(
+      M * KVH, nt, [&](int64_t u) { return s.ctx_lens[u / KVH] + baton_rows::ATTEND_ROW_COST; });
   // the o_proj / down_proj output: added into the residual stream, or (one part) the result
   auto residual = [&](const Lin& lin, const float* in) {
     const auto [a, b] = share(Hd, nt, tid, s.align);
@@ -405,7 +409,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
       }
       barrier();
       {  // this thread's (request, kv head) pairs: rotary, cache write, attention of the head group
-        const auto [a, b] = share(M * KVH, nt, tid, 1);
+        const int64_t a = attend_cut[tid], b = attend_cut[tid + 1];
         auto write = [&](int64_t u) {
           const int64_t m = u / KVH, j = u % KVH;
           float* q = s.q + m * QW;
@@ -465,18 +469,18 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
 // Whether every linear of the stack (and the head) takes its decode-sized kernel at M rows (any M
 // when `invariant`: batch-invariant mode runs every step here).
 // bfloat16 linears fit with packed tiles (pack_bf16_tiles), at any row count but not batch-invariant.
-bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef q8a,
-                     const std::vector<at::Tensor>& packed, const LinearArgs& la, int64_t head_qtype,
-                     int64_t head_q8a, bool has_head, const at::Tensor& head_packed, bool invariant) {
+bool one_region_fits(int64_t M, at::TensorList weights, at::IntArrayRef qtypes, const std::vector<at::Tensor>& packed,
+                     const LinearArgs& la, int64_t head_qtype, bool has_head, const at::Tensor& head_packed,
+                     bool invariant) {
   int64_t limit = INT64_MAX;  // the least row limit of the linears' kernels (bfloat16 tiles: none)
-  auto fits = [&](int64_t qtype, bool tiles, bool int8) {
+  auto fits = [&](int64_t qtype, bool tiles) {
     if (qtype == BF16_WEIGHTS) return tiles && !invariant;
-    limit = std::min(limit, row_limit(la, qtype, tiles, int8));
+    limit = std::min(limit, row_limit(la, qtype, tiles));
     return qtype == FLOAT32_WEIGHTS || (qtype >= 0 && baton_rows::quant_supported(qtype));
   };
   for (size_t i = 0; i < qtypes.size(); ++i)
-    if (!weights[i].is_contiguous() || !fits(qtypes[i], packed[i].defined(), q8a[i] != 0)) return false;
-  if (has_head && !fits(head_qtype, head_packed.defined(), head_q8a != 0)) return false;
+    if (!weights[i].is_contiguous() || !fits(qtypes[i], packed[i].defined())) return false;
+  if (has_head && !fits(head_qtype, head_packed.defined())) return false;
   return invariant || M <= limit;
 }
 
@@ -695,7 +699,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
   TORCH_CHECK(part < 0 || (invariant && !has_head && part <= 2 * L), "decode_layers: part ", part,
               " needs invariant=True, no head and a part in [0, ", 2 * L, "]");
   const bool one =
-      one_region_fits(M, weights, qtypes, q8a, packed, la, head_qtype, head_q8a, has_head, head_packed, invariant);
+      one_region_fits(M, weights, qtypes, packed, la, head_qtype, has_head, head_packed, invariant);
   TORCH_CHECK(one || !invariant,
               "decode_layers: invariant=True needs contiguous weights in formats the row kernels read (float32, "
               "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; not bfloat16)");

@@ -505,18 +505,10 @@ void paged_decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
   auto first_key = [&](int64_t L) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; };
-  // Rows go to the threads by the keys they read, not by count: a prompt chunk's rows attend over
-  // 1..n keys, and equal counts left the first of two threads a third of the second's work. A row
-  // runs the same code whichever thread takes it, so the bits do not change.
-  constexpr int64_t ROW_COST = 16;  // a row's fixed work, in keys (its query, output, softmax)
-  auto work = [&](int64_t i) { return lens[i] - first_key(lens[i]) + ROW_COST; };
+  // rows go to the threads by the keys they read, not by count (split_by_work)
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  std::vector<int64_t> cut(nt + 1, n);  // thread t's rows: [cut[t], cut[t + 1])
-  cut[0] = 0;
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += work(i);
-  for (int64_t i = 0, done = 0, t = 1; i < n && t < nt; done += work(i++))
-    while (t < nt && done * nt >= total * t) cut[t++] = i;
+  const std::vector<int64_t> cut = baton_rows::split_by_work(
+      n, nt, [&](int64_t i) { return lens[i] - first_key(lens[i]) + baton_rows::ATTEND_ROW_COST; });
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, qbuf;
     for (int64_t i = cut[t0]; i < cut[t1]; ++i) {

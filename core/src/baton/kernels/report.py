@@ -138,7 +138,7 @@ def kernel_paths(
             "AVX-512 VNNI on repacked rows (Q4_0, Q4_1, Q8_0): 16 outputs per vpdpbusd"
             + ("; AMX-INT8 tiles from 12 rows" if tiles_too else ""),
             why("avx512vnni")
-            + "; int8 activations repack these formats at load"
+            + "; int8 activations repack these formats at load and quantize prefill too"
             + ("" if tiles_too else "; tiles: " + why("amx_int8")),
         )
     else:

@@ -64,6 +64,24 @@ void quant_rows(int64_t qtype, bool q8a, const float* x, int64_t M, int64_t K, u
                 const uint8_t* w, int64_t row_bytes, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
                 bool invariant = false);
 
+// Cuts items [0, n) into nt consecutive ranges of about equal total work(i) (an integer cost per
+// item): thread t takes [cut[t], cut[t + 1]). The attention splits rows so, by the keys each reads:
+// a prompt chunk's rows attend over 1..n keys, and equal counts left the first of two threads a
+// third of the second's work. An item runs the same code whichever thread takes it.
+template <class Work>
+std::vector<int64_t> split_by_work(int64_t n, int64_t nt, Work&& work) {
+  std::vector<int64_t> cut(nt + 1, n);
+  cut[0] = 0;
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += work(i);
+  for (int64_t i = 0, done = 0, t = 1; i < n && t < nt; done += work(i++))
+    while (t < nt && done * nt >= total * t) cut[t++] = i;
+  return cut;
+}
+
+// A row's fixed attention work beside its keys (its query, output and softmax), in keys.
+constexpr int64_t ATTEND_ROW_COST = 16;
+
 // Element type of a paged KV cache.
 enum class CacheType { F32, F16, BF16 };
 

@@ -18,11 +18,13 @@ layer packed for it takes it up to there (``max_kernel_rows``). Without the kern
 
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
 (up to KERNEL_MAX_ROWS rows) quantize x to int8 per 32 values (``quantize_activations``)
-and use integer dot products, as llama.cpp does; not exact. Prefill-sized calls keep float32
-activations. Where the kernels have AVX-512 VNNI and the format is Q4_0, Q4_1 or Q8_0, turning
-it on repacks the rows once (``packed``, kernels/packed_q8.cpp: 16 output rows per vector) for
-``linear_q8p``, ~2x faster than ``linear_q8a`` on ggml's rows; the same quantized x, so the same
-values up to float summation order.
+and use integer dot products, as llama.cpp does; not exact. Where the kernels have AVX-512 VNNI
+and the format is Q4_0, Q4_1 or Q8_0, turning it on repacks the rows once (``packed``,
+kernels/packed_q8.cpp: 16 output rows per vector) for ``linear_q8p``, ~2x faster than
+``linear_q8a`` on ggml's rows; the same quantized x, so the same values up to float summation
+order. ``linear_q8p`` then takes prefill-sized calls too (PACKED_INT8_MAX_ROWS), as llama.cpp
+quantizes its prompt's activations; on ggml's rows prefill keeps float32 activations
+(``linear_q_tiles``: faster there than ``linear_q8a`` at prefill sizes).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class QuantLinear(torch.nn.Module):
     #: a 2-core Xeon, 30 SmolLM2 layers of Q4_1, linear_qp took 93-97 ms at 64 rows against
     #: linear_qp_tiles' 92-164, 22-33 against 42-101 at 16 (docs/cpu-kernels.md).
     PACKED_AMX_MAX_ROWS = 64
+    #: Rows up to which a packed layer with int8 activations runs linear_q8p: any. On AMD Zen 4
+    #: (AVX-512 VNNI, 2 threads, 30 SmolLM2 layers of Q4_1) it took 52.5 ms at 100 rows against
+    #: the float32 GEMM's (linear_qp_tiles) 127.9, 258 against 595 at 512 (docs/cpu-kernels.md).
+    PACKED_INT8_MAX_ROWS = 1 << 30
     #: float32 bytes of one dequantized slice of output rows on the torch-ops path.
     SLICE_BYTES = 1 << 20
 
@@ -125,9 +131,12 @@ class QuantLinear(torch.nn.Module):
     @property
     def max_kernel_rows(self) -> int:
         """Rows up to which forward runs the decode-sized kernels (more: the tiled GEMM), and
-        decode_layers with it: KERNEL_MAX_ROWS, or for exact calls on packed rows on AMX tiles
-        (linear_qp) PACKED_AMX_MAX_ROWS (int8 activations keep prefill-sized calls exact)."""
-        if self.packed is not None and not self.int8_activations and _packed_on_tiles():
+        decode_layers with it: KERNEL_MAX_ROWS; on packed rows with int8 activations (linear_q8p)
+        PACKED_INT8_MAX_ROWS, and for exact calls on packed rows on AMX tiles (linear_qp)
+        PACKED_AMX_MAX_ROWS."""
+        if self.packed is not None and self.int8_activations:
+            return self.PACKED_INT8_MAX_ROWS
+        if self.packed is not None and _packed_on_tiles():
             return max(self.KERNEL_MAX_ROWS, self.PACKED_AMX_MAX_ROWS)
         return self.KERNEL_MAX_ROWS
 

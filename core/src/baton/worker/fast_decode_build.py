@@ -191,7 +191,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
     packed_rows = {
         m.max_kernel_rows
         for m in model.modules()
-        if type(m) is QuantLinear and m.packed is not None and m.kernels and not m.int8_activations
+        if type(m) is QuantLinear and m.packed is not None and m.kernels
     }
     if len(packed_rows) > 1:  # one limit for every packed linear, as the stack takes it
         raise Unsupported(f"packed linears with different row limits {sorted(packed_rows)}")
