@@ -283,7 +283,8 @@ def test_one_parallel_region_is_split_independent_and_runs_the_head(
     """Up to the kernels' row limits decode_layers runs in one parallel region, split over the
     threads by rows and (request, kv head) pairs: one thread and two give the same bits, the
     head run inside gives the logits of the head module, and the cache gets the same writes;
-    past them (40 rows; packed exact linears on AMX tiles still within) op by op, as the modules.
+    past them (40 rows; packed linears with int8 activations, or exact ones on AMX tiles, still
+    within) op by op, as the modules.
     packed_exact: exact linears on ggml's rows (linear_q) or packed ones (linear_qp)."""
     if packed_exact:
         monkeypatch.setenv(PACKED_EXACT_ENV, packed_exact)
