@@ -91,9 +91,14 @@ def test_quant_linear_packs_while_int8_activations_are_on(monkeypatch):
     lin.int8_activations = True
     assert lin.max_kernel_rows == QuantLinear.PACKED_INT8_MAX_ROWS
     big = torch.randn(2 * QuantLinear.KERNEL_MAX_ROWS + 5, 128)
-    assert torch.equal(lin(big), torch.ops.baton.linear_q8p(big, lin.packed, int(QType.Q4_1), lin.bias))
+    assert torch.equal(
+        lin(big), torch.ops.baton.linear_q8p(big, lin.packed, int(QType.Q4_1), lin.bias)
+    )
     torch.testing.assert_close(
-        lin(big), torch.ops.baton.linear_q8a(big, lin.raw, int(QType.Q4_1), lin.bias), rtol=1e-5, atol=1e-4
+        lin(big),
+        torch.ops.baton.linear_q8a(big, lin.raw, int(QType.Q4_1), lin.bias),
+        rtol=1e-5,
+        atol=1e-4,
     )
 
 

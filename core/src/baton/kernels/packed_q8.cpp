@@ -66,6 +66,8 @@ namespace {
 
 constexpr int TN = 16;  // output rows per tile (one float32 vector of outputs)
 constexpr int QK = 32;  // weights per block (the formats' and the activations')
+// The keys of the two preparations of x in a QuantX (int8, and exact's three pieces).
+constexpr int64_t PREP_INT8 = 3000, PREP_EXACT = 3001;
 // Blocks ahead that tiles() prefetches (Xeon with AMX, 30 layers of Q4_1 at one row: 5.8 -> 4.3
 // ms on one thread, medians of 3 alternating runs; two threads are held by memory bandwidth).
 constexpr int PREFETCH = 8;
@@ -552,22 +554,27 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   }
 }
 
-// x [M, K] quantized into prep (kept while gen says x is the same).
-void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
-  const int64_t key = 3000;
-  if (prep.gen == gen && prep.key == key) return;
-  const int64_t units = M * K / QK;
-  prep.xq.resize(M * K);
-  prep.dx.resize(units);
-  prep.isum.resize(units);
-  baton_rows::quantize_x(x, M, K, prep.xq.data(), prep.dx.data(), nullptr, QK);
-  for (int64_t u = 0; u < units; ++u) {
+// Rows [r0, r1) of x [M, K] quantized into prep (laid out for M rows by the caller).
+void quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1, baton_rows::QuantX& prep) {
+  const int64_t nb = K / QK;
+  baton_rows::quantize_x(x + r0 * K, r1 - r0, K, prep.xq.data() + r0 * K, prep.dx.data() + r0 * nb, nullptr, QK);
+  for (int64_t u = r0 * nb; u < r1 * nb; ++u) {
     int32_t s = 0;
     for (int j = 0; j < QK; ++j) s += prep.xq[u * QK + j];
     prep.isum[u] = s;
   }
+}
+
+// x [M, K] quantized into prep (kept while gen says x is the same).
+void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
+  if (prep.gen == gen && prep.key == PREP_INT8) return;
+  const int64_t units = M * K / QK;
+  prep.xq.resize(M * K);
+  prep.dx.resize(units);
+  prep.isum.resize(units);
+  quantize_rows(x, K, 0, M, prep);
   prep.gen = gen;
-  prep.key = key;
+  prep.key = PREP_INT8;
 }
 
 // The steps between the three pieces: each piece resolves what the one before left in 254 steps,
@@ -577,21 +584,16 @@ constexpr double PIECE = 254.0;
 // Rounds half to even, 8 doubles.
 inline __m512d round8(__m512d v) { return _mm512_roundscale_pd(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
-// x [M, K] in three int8 pieces per 32 values into prep (kept while gen says x is the same):
+// x in three int8 pieces per 32 values:
 //   x = dx1 * (254 q0 + q1) + dx2 * q2 + e,  |e| <= dx2 / 2 ~ max |x| / 2^23.3,
 // dx1 ~ max |x| / (127 * 254) and dx2 ~ dx1 / 254 (float32, rounded up so that no piece leaves
 // [-127, 127]). The split runs in double, where each residual is exact; so a block's dot product
 // with integer weights is its exact integer sums times two float scales, within a float32
 // rounding of x . q. Also each block's sum of x (float32 of the exact sum) for Q4_1's offsets.
-void prepare_exact(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
-  const int64_t key = 3001;
-  if (prep.gen == gen && prep.key == key) return;
+// Rows [r0, r1) of x [M, K] into prep, laid out for M rows (three planes of M * K bytes).
+void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, baton_rows::QuantX& prep) {
   const int64_t units = M * K / QK, plane = M * K;
-  prep.xq.resize(3 * plane);
-  prep.dx.resize(2 * units);
-  prep.isum.resize(3 * units);
-  prep.xsum.resize(units);
-  for (int64_t u = 0; u < units; ++u) {
+  for (int64_t u = r0 * (K / QK); u < r1 * (K / QK); ++u) {
     const float* xb = x + u * QK;
     __m512d v[4];
     __m512d amax = _mm512_setzero_pd(), sum = _mm512_setzero_pd();
@@ -633,8 +635,19 @@ void prepare_exact(const float* x, int64_t M, int64_t K, uint64_t gen, baton_row
     prep.isum[units + u] = static_cast<int32_t>(_mm512_reduce_add_epi64(t1));
     prep.isum[2 * units + u] = static_cast<int32_t>(_mm512_reduce_add_epi64(t2));
   }
+}
+
+// x [M, K] in split_rows' three pieces into prep (kept while gen says x is the same).
+void prepare_exact(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
+  if (prep.gen == gen && prep.key == PREP_EXACT) return;
+  const int64_t units = M * K / QK, plane = M * K;
+  prep.xq.resize(3 * plane);
+  prep.dx.resize(2 * units);
+  prep.isum.resize(3 * units);
+  prep.xsum.resize(units);
+  split_rows(x, M, K, 0, M, prep);
   prep.gen = gen;
-  prep.key = key;
+  prep.key = PREP_EXACT;
 }
 
 // x [M, K] prepared into prep (exact: prepare_exact's three pieces, else prepare's int8), kept
@@ -816,6 +829,32 @@ void baton_rows::packed_rows(int64_t qtype, bool exact, const float* x, int64_t 
 #else
   TORCH_CHECK(false, "packed_rows: this build of the kernels has no AVX-512 VNNI");
 #endif
+}
+
+void baton_rows::packed_prep_size(bool exact, int64_t M, int64_t K, QuantX& prep) {
+  const int64_t pieces = exact ? 3 : 1, units = M * K / QK;
+  prep.xq.resize(pieces * M * K);
+  prep.dx.resize((exact ? 2 : 1) * units);
+  prep.isum.resize(pieces * units);
+  if (exact) prep.xsum.resize(units);
+  prep.gen = ~uint64_t{0};
+}
+
+void baton_rows::packed_prep_rows(bool exact, const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1,
+                                  QuantX& prep) {
+#if defined(BATON_Q8P)
+  if (exact)
+    split_rows(x, M, K, r0, r1, prep);
+  else
+    quantize_rows(x, K, r0, r1, prep);
+#else
+  TORCH_CHECK(false, "packed_prep_rows: this build of the kernels has no AVX-512 VNNI");
+#endif
+}
+
+void baton_rows::packed_prep_done(bool exact, uint64_t gen, QuantX& prep) {
+  prep.gen = gen;
+  prep.key = exact ? PREP_EXACT : PREP_INT8;
 }
 
 TORCH_LIBRARY_FRAGMENT(baton, m) {

@@ -41,6 +41,15 @@ bool packed_supported(int64_t qtype);
 void packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, QuantX& prep,
                  const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1);
 
+// packed_rows' preparation of x shared by threads that split x's rows: prep sized once for M rows
+// of up to K inputs (packed_prep_size), each thread preparing its rows [r0, r1) of x [M, K]
+// (packed_prep_rows: each row as packed_rows prepares it alone), then, once every row is in, one
+// thread marking prep as x's for generation gen (packed_prep_done), which packed_rows then reads
+// instead of preparing x itself.
+void packed_prep_size(bool exact, int64_t M, int64_t K, QuantX& prep);
+void packed_prep_rows(bool exact, const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, QuantX& prep);
+void packed_prep_done(bool exact, uint64_t gen, QuantX& prep);
+
 // out [M, N] = x [M, K] @ w^T (+ bias) for many rows of x (linear_q_tiles, linear_qp_tiles): the
 // weight rows in tiles of 64K floats (whole tiles of 16 rows), `fill(n0, rows, buf)` writing rows
 // [n0, n0 + rows) of w as float32 into a thread's buffer [rows, K], then torch's GEMM into their
