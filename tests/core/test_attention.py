@@ -24,6 +24,7 @@ from baton.kernels import loader
 from baton.kernels.attention import key_cache_view, model_capabilities, paged_attention
 from baton.protocol import NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
+from baton.testing.threads import torch_threads
 from baton.worker.input_batch import InputBatch
 from baton.worker.step_inputs import StepInputBuilder
 
@@ -426,12 +427,8 @@ def test_rows_split_by_work_keep_each_rows_bits(cpu_kernel_ops, threads):
     v_cache = torch.randn(blocks, kvh, bs, dim, generator=g)
     q = torch.randn(len(lens), heads, dim, generator=g)
     together = torch.empty_like(q)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         torch.ops.baton.paged_decode(q, k_cache, v_cache, table, lens, 0, 0.125, together)
-    finally:
-        torch.set_num_threads(before)
     for i in range(len(lens)):
         alone = torch.empty_like(q[i : i + 1])
         torch.ops.baton.paged_decode(

@@ -19,6 +19,7 @@ from baton.kernels import loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.quant import QuantLinear
 from baton.testing.runner_driver import Driver
+from baton.testing.threads import torch_threads
 from baton.testing.tiny_model import tiny_model
 from baton.worker import model_runner
 from baton.worker.fast_decode import FastDecode
@@ -230,9 +231,7 @@ def _stack_call(
     half layer's partial sum or the final norm (a tensor-parallel rank's steps)."""
     k = [c[0].clone() for c in caches]
     v = [c[1].clone() for c in caches]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = torch.ops.baton.decode_layers(
             hidden,
             fast.cos_table.index_select(0, positions),
@@ -261,8 +260,6 @@ def _stack_call(
             fast.head_packed if head[0] is not None else None,
             fast.packed_max_rows,
         )
-    finally:
-        torch.set_num_threads(before)
     return out, k, v
 
 

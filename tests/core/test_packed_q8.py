@@ -19,6 +19,7 @@ from baton.kernels import cpu_features, loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact, packed_exact_default
 from baton.quant import QType, QuantEmbedding, QuantLinear
 from baton.quant.ops import packs_rows
+from baton.testing.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
     not loader.load(), reason="baton's CPU kernels do not build here (no C++ compiler)"
@@ -151,12 +152,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype, op):
     packed = torch.ops.baton.pack_q8p(w, int(qtype))
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(5))
     together = linear(x, packed, int(qtype))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one_thread = linear(x, packed, int(qtype))
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one_thread, together)
     for i in (0, 1, 4, 10, 11, 12, 16, 36):
         alone = linear(x[i : i + 1], packed, int(qtype))

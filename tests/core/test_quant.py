@@ -34,6 +34,7 @@ from baton.quant import (
 )
 from baton.quant.dequant import dequantize_torch
 from baton.quant.linear import quantize_activations
+from baton.testing.threads import torch_threads
 
 needs_cxx = pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler")
 
@@ -295,15 +296,10 @@ def test_prefill_tiles_under_inference_mode_on_two_threads(cpu_kernel_ops):
     n, k = shape_for(qtype, n=1536)
     raw = random_blocks(qtype, n, k, seed=5)
     lin = QuantLinear(raw, qtype, k, n, kernels=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with torch.inference_mode():
-            x = torch.randn(3 * lin.KERNEL_MAX_ROWS, k)
-            y = lin(x)
-        assert y.is_inference()
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(2), torch.inference_mode():
+        x = torch.randn(3 * lin.KERNEL_MAX_ROWS, k)
+        y = lin(x)
+    assert y.is_inference()
     assert_linear_close(y, x, gguf_dequantize(raw, qtype))
 
 
