@@ -270,7 +270,7 @@ inline __m512 add_block(__m512 acc, __m512i s, __m512 d, __m512 mn, const XView&
   return acc;
 }
 
-// acc + one block of one row of x in three pieces (prepare_exact): s0, s1, s2 the exact integer sums
+// acc + one block of one row of x in three pieces (split_rows): s0, s1, s2 the exact integer sums
 // of the unsigned weight bytes by each piece. The pieces' sum 254 s0 + s1 stays an exact integer
 // (|.| < 2^24 for Q4 formats, so its float is exact too), then one rounding joins s2's term.
 template <class P>
@@ -315,7 +315,7 @@ inline __m512i piece_sum(const __m512i* w, const int8_t* xq) {
 
 // y[m, 16 t + c] for rows m of x in [0, MR) and COLS tiles from tile t, written where
 // lo <= 16 t + c < hi (a thread's share need not start on a tile). EX: x in three pieces
-// (prepare_exact), else quantized to int8.
+// (split_rows), else quantized to int8.
 template <class P, int MR, int COLS, bool EX>
 inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, const float* bias, float* y, int64_t ys,
                   int64_t lo, int64_t hi) {
@@ -554,7 +554,7 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   }
 }
 
-// Rows [r0, r1) of x [M, K] quantized into prep (laid out for M rows by the caller).
+// Rows [r0, r1) of x [M, K] quantized to int8 into prep (laid out for M rows).
 void quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1, baton_rows::QuantX& prep) {
   const int64_t nb = K / QK;
   baton_rows::quantize_x(x + r0 * K, r1 - r0, K, prep.xq.data() + r0 * K, prep.dx.data() + r0 * nb, nullptr, QK);
@@ -563,18 +563,6 @@ void quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1, baton_rows
     for (int j = 0; j < QK; ++j) s += prep.xq[u * QK + j];
     prep.isum[u] = s;
   }
-}
-
-// x [M, K] quantized into prep (kept while gen says x is the same).
-void prepare(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
-  if (prep.gen == gen && prep.key == PREP_INT8) return;
-  const int64_t units = M * K / QK;
-  prep.xq.resize(M * K);
-  prep.dx.resize(units);
-  prep.isum.resize(units);
-  quantize_rows(x, K, 0, M, prep);
-  prep.gen = gen;
-  prep.key = PREP_INT8;
 }
 
 // The steps between the three pieces: each piece resolves what the one before left in 254 steps,
@@ -637,27 +625,16 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, ba
   }
 }
 
-// x [M, K] in split_rows' three pieces into prep (kept while gen says x is the same).
-void prepare_exact(const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
-  if (prep.gen == gen && prep.key == PREP_EXACT) return;
-  const int64_t units = M * K / QK, plane = M * K;
-  prep.xq.resize(3 * plane);
-  prep.dx.resize(2 * units);
-  prep.isum.resize(3 * units);
-  prep.xsum.resize(units);
-  split_rows(x, M, K, 0, M, prep);
-  prep.gen = gen;
-  prep.key = PREP_EXACT;
-}
-
-// x [M, K] prepared into prep (exact: prepare_exact's three pieces, else prepare's int8), kept
-// while gen says x is the same, as the kernels read it.
+// x [M, K] prepared into prep (exact: split_rows' three pieces, else quantize_rows' int8), kept
+// while gen says x is the same, as the kernels read it: the steps threads sharing one preparation
+// take (packed_prep_size, packed_prep_rows, packed_prep_done), here all rows on one thread.
 XView prepared(bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, baton_rows::QuantX& prep) {
-  if (!exact) {
-    prepare(x, M, K, gen, prep);
-    return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
+  if (prep.gen != gen || prep.key != (exact ? PREP_EXACT : PREP_INT8)) {
+    baton_rows::packed_prep_size(exact, M, K, prep);
+    baton_rows::packed_prep_rows(exact, x, M, K, 0, M, prep);
+    baton_rows::packed_prep_done(exact, gen, prep);
   }
-  prepare_exact(x, M, K, gen, prep);
+  if (!exact) return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K};
   return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K, M * K, M * K / QK, prep.xsum.data()};
 }
 
@@ -763,7 +740,7 @@ std::string q8p_path() {
   return q8p_kernel() ? "vnni" : "";
 }
 
-// y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in prepare_exact's three pieces
+// y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in split_rows' three pieces
 // (linear_qp), else quantized as linear_q8a quantizes it (linear_q8p).
 at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
                          const std::optional<at::Tensor>& bias, bool exact) {
@@ -807,7 +784,7 @@ at::Tensor linear_q8p(const at::Tensor& x, const at::Tensor& packed, int64_t qty
 }
 
 // y = x @ dequantize(w)^T (+ bias), w packed by pack_q8p: linear_q's math (float32 x, within a
-// float32 rounding per block) on the packed rows, x in three int8 pieces (prepare_exact).
+// float32 rounding per block) on the packed rows, x in three int8 pieces (split_rows).
 at::Tensor linear_qp(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                      const std::optional<at::Tensor>& bias) {
   return packed_linear("linear_qp", x, packed, qtype, bias, true);
