@@ -115,12 +115,15 @@ def test_kernel_paths_follow_the_build():
     assert p["linear_q"].path.startswith("AVX2")
     assert p["linear_q"].why == "avx512f left out by BATON_KERNEL_ISA=avx2"
     assert p["linear_q8a"].path.startswith("AVX2: vpmaddubsw")
-    assert p["linear_q8p"].path.startswith("not built")
-    assert p["linear_q8p"].why == "avx512_vnni left out by BATON_KERNEL_ISA=avx2"
+    assert p["linear_q8p"].path.startswith("AVX2 on repacked rows")
+    assert p["linear_q8p"].why.startswith("avx512_vnni left out by BATON_KERNEL_ISA=avx2")
+    assert p["linear_qp"].path.startswith("not built")
     # generic build on an AVX2-only CPU
     p = _paths(set(), {"avx2", "fma", "f16c"}, "generic", none)
     assert p["linear_q"].path.startswith("portable")
     assert p["linear_q8a"].path.startswith("portable")
+    assert p["linear_q8p"].path.startswith("not built")
+    assert p["linear_q8p"].why == "avx2 left out by BATON_KERNEL_ISA=generic"
     assert p["bf16 linear (torch)"].path == "emulated through float32"
     # an AMX CPU whose OS refuses tile data: the refusal is the reason, oneDNN is not sent there
     spr = zen4 | {"amx_tile", "amx_int8", "amx_bf16", "avx_vnni"}

@@ -33,8 +33,13 @@ pytestmark = pytest.mark.usefixtures("cpu_kernel_ops")
 
 
 def q8p_built() -> bool:
-    """Whether the kernels have linear_q8p / linear_qp (AVX-512 VNNI)."""
+    """Whether the kernels have linear_q8p (AVX-512 VNNI, or its AVX2 loop)."""
     return bool(torch.ops.baton.q8p_kernel())
+
+
+def qp_built() -> bool:
+    """Whether the kernels have linear_qp (AVX-512 VNNI)."""
+    return bool(torch.ops.baton.qp_kernel())
 
 
 def run_driver(runner, lens, max_tokens, block_size=4, budget=24, seed=1, grow=1) -> Driver:
@@ -91,7 +96,7 @@ def test_many_rows_give_the_tokens_of_the_modules(quantization, activations):
         runner, out = decode_many(path, lens, fast, max_tokens=5, seed=7, **settings)
         assert (runner.fast_decode is not None and runner.fast_decode.steps > 0) is fast
         if fast and activations == "int8" and torch.ops.baton.q8p_kernel():
-            # AVX-512 VNNI: the linears run linear_q8p on their packed rows at every row count
+            # AVX-512 VNNI or AVX2: the linears run linear_q8p on their packed rows at every row count
             # (the 34-row prefill and decode steps too), inside the stack as in the modules
             assert all(p.numel() for p in runner.fast_decode.packed)
             assert runner.fast_decode.packed_max_rows == QuantLinear.PACKED_INT8_MAX_ROWS
@@ -300,7 +305,7 @@ def test_one_parallel_region_is_split_independent_and_runs_the_head(
     fast = runner.fast_decode
     assert fast is not None and fast.cos_table is not None and fast.head_args is not None
     if packed_exact:  # the tiny model's widths fill the packed tiles
-        assert all(bool(p.numel()) for p in fast.packed) == (packed_exact == "1" and q8p_built())
+        assert all(bool(p.numel()) for p in fast.packed) == (packed_exact == "1" and qp_built())
     g = torch.Generator().manual_seed(rows)
     hd = fast.norms[0].numel()
     blocks_per = 5

@@ -1,8 +1,9 @@
 """linear_q8p and linear_qp: weights repacked for AVX-512 VNNI (kernels/packed_q8.cpp).
 
 linear_q8p quantizes x exactly as linear_q8a does, so both give the same values up to float
-summation order. linear_qp (exact) splits x into three int8 pieces: as accurate as linear_q's
-float32 sums. Either way a row's result does not depend on the rows beside it.
+summation order; without VNNI it runs an AVX2 loop with the VNNI loop's bits. linear_qp (exact,
+VNNI only) splits x into three int8 pieces: as accurate as linear_q's float32 sums. Either way a
+row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -26,13 +27,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _vnni() -> bool:
-    return loader.load() and bool(torch.ops.baton.q8p_kernel())
+def _built(kernel: str) -> bool:
+    return loader.load() and bool(getattr(torch.ops.baton, kernel)())
 
 
-needs_vnni = pytest.mark.skipif(
-    not _vnni(), reason="the kernels are built without AVX-512 VNNI: linear_q8p is not compiled"
+needs_q8p = pytest.mark.skipif(
+    not _built("q8p_kernel"),
+    reason="the kernels are built without AVX-512 VNNI or AVX2: linear_q8p is not compiled",
 )
+needs_qp = pytest.mark.skipif(
+    not _built("qp_kernel"),
+    reason="the kernels are built without AVX-512 VNNI: linear_qp is not compiled",
+)
+
+
+def _skip_unbuilt(op: str) -> None:
+    """Skips a test parametrized by op where op's kernel is not built here."""
+    if not _built("qp_kernel" if op == "linear_qp" else "q8p_kernel"):
+        pytest.skip(f"{op} is not compiled in this build of the kernels (baton env says why)")
 
 #: bytes per 32-weight block and the float16 header (d, or d and m) of each packable format
 FORMATS = {
@@ -51,7 +63,7 @@ def random_rows(n: int, k: int, qtype: QType, seed: int = 0) -> torch.Tensor:
     return raw.view(n, -1).contiguous()
 
 
-@needs_vnni
+@needs_q8p
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (192, 1536), (48, 96)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
@@ -74,7 +86,7 @@ def test_pack_refuses_what_it_cannot_lay_out():
     assert not packs_rows(QType.Q4_1, 40)
 
 
-@needs_vnni
+@needs_q8p
 def test_quant_linear_packs_while_int8_activations_are_on(monkeypatch):
     monkeypatch.setenv(PACKED_EXACT_ENV, "0")  # exact calls on ggml's rows: packed only for int8
     w = random_rows(64, 128, QType.Q4_1, seed=9)
@@ -110,7 +122,7 @@ def _relative_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float(((y.double() - ref).abs() / scale.clamp_min(1e-300)).max())
 
 
-@needs_vnni
+@needs_qp
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
 def test_linear_qp_is_as_accurate_as_the_float_kernel(qtype, rows):
@@ -143,10 +155,10 @@ def test_linear_qp_is_as_accurate_as_the_float_kernel(qtype, rows):
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
-@needs_vnni
 @pytest.mark.parametrize("op", ["linear_q8p", "linear_qp"])
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype, op):
+    _skip_unbuilt(op)
     linear = getattr(torch.ops.baton, op)
     w = random_rows(320, 576, qtype, seed=3)
     packed = torch.ops.baton.pack_q8p(w, int(qtype))
@@ -160,7 +172,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype, op):
         assert torch.equal(alone[0], together[i]), i
 
 
-@needs_vnni
+@needs_qp
 def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     monkeypatch.setenv(PACKED_EXACT_ENV, "1")
     w = random_rows(64, 128, QType.Q4_1, seed=9)
@@ -249,6 +261,7 @@ def test_vendor_comes_from_cpuinfo(tmp_path):
 
 def test_no_packing_without_the_kernel(monkeypatch):
     monkeypatch.setattr(torch.ops.baton, "q8p_kernel", lambda: False, raising=False)
+    monkeypatch.setattr(torch.ops.baton, "qp_kernel", lambda: False, raising=False)
     lin = QuantLinear(random_rows(64, 128, QType.Q4_1), QType.Q4_1, 128, 64, kernels=True)
     lin.int8_activations = True
     assert lin.packed is None
@@ -256,13 +269,13 @@ def test_no_packing_without_the_kernel(monkeypatch):
     torch.testing.assert_close(lin(x), torch.ops.baton.linear_q8a(x, lin.raw, int(QType.Q4_1)))
 
 
-@needs_vnni
 @pytest.mark.parametrize("op", ["linear_q8p", "linear_qp"])
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_tiles_and_the_vnni_loop_give_the_same_bits(qtype, op):
     """An AMX build takes tiles from 12 rows (linear_q8p) or 8 (linear_qp), elsewhere the VNNI
     loop again: the integer sums are exact both ways and the float steps the same, so each row
     matches the row computed alone, in a full tile of 16 and in the last, partial ones."""
+    _skip_unbuilt(op)
     linear = getattr(torch.ops.baton, op)
     w = random_rows(96, 1536, qtype, seed=4)
     packed = torch.ops.baton.pack_q8p(w, int(qtype))
@@ -289,7 +302,7 @@ print(torch.ops.baton.q8p_path(), float(y.abs().sum()), float(z.abs().sum()))
 """
 
 
-@needs_vnni
+@needs_qp
 def test_a_library_loaded_without_the_loader_asks_the_os_and_never_faults():
     """The library built here, loaded by a bare process that never ran baton's AMX probe, with
     AMX refused (BATON_NO_AMX, as a hypervisor that does not grant tile data): 16 rows, the tile
@@ -308,3 +321,63 @@ def test_a_library_loaded_without_the_loader_asks_the_os_and_never_faults():
     assert outs[True][0] == "vnni"
     assert outs[False][0] == torch.ops.baton.q8p_path()
     assert outs[True][1:] == outs[False][1:]  # the same bits either way
+
+
+AVX2_RUN = """
+import sys, torch
+from baton.kernels import loader
+assert loader.load()
+cases = torch.load(sys.argv[1])
+ys = [torch.ops.baton.linear_q8p(x, packed, qtype, bias) for packed, qtype, x, bias in cases]
+alone = [torch.ops.baton.linear_q8p(x[i : i + 1], packed, qtype, bias)[0]
+         for packed, qtype, x, bias in cases for i in range(x.shape[0])]
+try:
+    torch.ops.baton.linear_qp(cases[0][2], cases[0][0], cases[0][1])
+    exact = "ran"
+except RuntimeError as e:
+    exact = str(e)
+info = (torch.ops.baton.q8p_path(), bool(torch.ops.baton.qp_kernel()), exact)
+torch.save((ys, alone, info), sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= cpu_features.cpu_features().flags
+    or loader.platform.machine() not in ("x86_64", "AMD64"),
+    reason="the AVX2 build needs a CPU with AVX2, FMA and F16C",
+)
+def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
+    """BATON_KERNEL_ISA=avx2 (what a CPU without AVX-512 builds), in a subprocess: linear_q8p on
+    the same packed rows, each 64-byte vector as two halves of 8 rows (vpmaddubsw + vpmaddwd for
+    vpdpbusd: the same integer sums, Q8_0's bytes through their signs), gives linear_q8a's values,
+    each row the same alone as beside others (1 to 37 rows: every row-count path, partial tiles),
+    and, where this build has the VNNI loop, its bits. linear_qp is not built there."""
+    cases = []
+    for i, qtype in enumerate(FORMATS):
+        for rows, (n, k) in zip((1, 2, 3, 5, 37), [(96, 1536), (48, 96), (576, 576), (64, 128)] * 2):
+            w = random_rows(n, k, qtype, seed=10 * i + rows)
+            g = torch.Generator().manual_seed(rows)
+            x = torch.randn(rows, k, generator=g)
+            bias = torch.randn(n, generator=g)
+            cases.append((torch.ops.baton.pack_q8p(w, int(qtype)), int(qtype), x, bias, w))
+    torch.save([c[:4] for c in cases], tmp_path / "in.pt")
+    proc = subprocess.run(
+        [sys.executable, "-c", AVX2_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env={**os.environ, loader.ISA_ENV: "avx2"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ys, alone, (path, qp_built, exact) = torch.load(tmp_path / "out.pt")
+    assert path == "avx2" and not qp_built
+    assert "AVX-512 VNNI" in exact
+    rows = iter(alone)
+    for (packed, qtype, x, bias, w), y in zip(cases, ys, strict=True):
+        want = torch.ops.baton.linear_q8a(x, w, qtype, bias)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        for i in range(x.shape[0]):
+            assert torch.equal(next(rows), y[i]), (qtype, x.shape[0], i)
+        if _built("q8p_kernel"):  # the VNNI loop (or this same AVX2 loop): the same bits
+            assert torch.equal(torch.ops.baton.linear_q8p(x, packed, qtype, bias), y), qtype

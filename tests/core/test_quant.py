@@ -270,7 +270,7 @@ def test_int8_activations_equal_the_quantized_input_matmul(qtype, rows, kernels)
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_K])
 def test_int8_activations_leave_prefill_rows_in_float32_on_ggml_rows(qtype, cpu_kernel_ops):
     """Prefill-sized calls on ggml's rows keep float32 x (linear_q_tiles); rows packed for
-    linear_q8p (AVX-512 VNNI; Q4_K never packs) quantize it at every row count."""
+    linear_q8p (AVX-512 VNNI or AVX2; Q4_K never packs) quantize it at every row count."""
     n, k = shape_for(qtype, n=64)  # whole tiles of 16 rows: Q4_1 packs where the kernel is built
     raw = random_blocks(qtype, n, k, seed=2)
     lin = QuantLinear(raw, qtype, k, n)

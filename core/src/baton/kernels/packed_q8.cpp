@@ -26,7 +26,10 @@
 // d_c * dx * (q . xq - z * sum(xq)) (z: 8 for Q4_0, 128 for Q8_0, the offset the unsigned
 // bytes carry) + m_c * dx * sum(xq) (Q4_1), the integer part exact.
 //
-// The kernel needs AVX-512 VNNI (vpdpbusd on zmm) and BW; elsewhere pack_q8p still works and
+// The kernels need AVX-512 VNNI (vpdpbusd on zmm) and BW. Where the build has AVX2 (with FMA and
+// F16C) but not those, linear_q8p runs an AVX2 loop on the same layout (each 64-byte vector as two
+// halves of 8 rows, vpmaddubsw + vpmaddwd for vpdpbusd: the same integer sums, so the same bits)
+// and linear_qp is not built (qp_kernel() says False). Elsewhere pack_q8p still works,
 // q8p_kernel() says False, and callers keep linear_q8a.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -60,6 +63,11 @@
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define BATON_Q8P_AMX 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BATON_Q8P_AVX2 1  // linear_q8p only (int8 x): avx2_rows
+#endif
+#if defined(BATON_Q8P) || defined(BATON_Q8P_AVX2)
+#define BATON_Q8P_INT8 1  // linear_q8p is built
 #endif
 
 namespace {
@@ -231,7 +239,7 @@ int64_t packed_k(const at::Tensor& packed) {
   return packed.size(1) / P::BB * QK;
 }
 
-#if defined(BATON_Q8P)
+#if defined(BATON_Q8P_INT8)
 
 // The rows of x a kernel call reads, quantized (baton_rows::QuantX): xq int8, dx and the integer
 // sums of xq per block.
@@ -245,6 +253,16 @@ struct XView {
   int64_t plane = 0, units = 0;
   const float* xs = nullptr;
 };
+
+// x's rows [m, M) as a view of their own (the pieces' planes stay where they are).
+inline XView rows_from(const XView& x, int64_t m) {
+  const int64_t u = m * (x.K / QK);
+  return XView{x.xq + m * x.K, x.dx + u, x.isum + u, x.K, x.plane, x.units, x.xs ? x.xs + u : nullptr};
+}
+
+#endif  // BATON_Q8P_INT8
+
+#if defined(BATON_Q8P)
 
 // A block's 16 scales d (and Q4_1's offsets mn) from its float16 tail.
 template <class P>
@@ -512,12 +530,6 @@ void amx_tile_exact(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, in
 }
 #endif  // BATON_Q8P_AMX
 
-// x's rows [m, M) as a view of their own (the pieces' planes stay where they are).
-inline XView rows_from(const XView& x, int64_t m) {
-  const int64_t u = m * (x.K / QK);
-  return XView{x.xq + m * x.K, x.dx + u, x.isum + u, x.K, x.plane, x.units, x.xs ? x.xs + u : nullptr};
-}
-
 template <class P, bool EX>
 void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
                    int64_t n0, int64_t n1) {
@@ -554,6 +566,147 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   }
 }
 
+#endif  // BATON_Q8P
+
+#if defined(BATON_Q8P_AVX2)
+// The AVX2 loop (no VNNI): a tile's 16 rows run as two halves of 8, a 256-bit vector holding 4
+// bytes of each of 8 rows (the 64-byte vectors' two halves), each half over all of the tile's
+// blocks (its bytes stay in L1 for the second). vpmaddubsw multiplies the unsigned weight bytes by
+// the signed xq and adds pairs into int16, vpmaddwd the pairs of those into int32: vpdpbusd's sums.
+// Q4 nibbles are at most 15, so a block's 8 groups of 4 add up in int16 (8 x 2 x 15 x 127 = 30480
+// < 2^15) before one vpmaddwd; Q8_0's bytes (w + 128) would overflow the int16 pairs, so each group
+// multiplies |w| by xq with w's sign and widens at once (the integer w . xq, no offset term). The
+// float steps are add_block's, lane for lane: the same bits as the VNNI loop, any rows beside.
+
+// A block's 8 scales d (and Q4_1's offsets mn) of half h.
+template <class P>
+inline void half_scales(const uint8_t* blk, int h, __m256& d, __m256& mn) {
+  const uint8_t* scales = blk + P::QV * 64 + 16 * h;
+  d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+  if constexpr (P::MIN) mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * TN)));
+}
+
+// The weights of group g (inputs 4g .. 4g + 3) of a block for the 8 rows of half h: Q4 vector g / 2's
+// low (g even) or high nibbles, Q8_0's vector g.
+template <class P>
+inline __m256i half_group(const uint8_t* blk, int h, int g) {
+  if constexpr (P::NIBBLES) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * (g / 2) + 32 * h));
+    return _mm256_and_si256(g % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * h));
+  }
+}
+
+// The 8 rows' integer sums of a block's weights w (half_group's 8 groups) times the 32 bytes at xq:
+// the unsigned bytes' for Q4 (as vpdpbusd's), the signed w's for Q8_0.
+template <class P>
+inline __m256i half_sum(const __m256i* w, const int8_t* xq) {
+  auto bx = [&](int g) {
+    int32_t a;
+    std::memcpy(&a, xq + 4 * g, 4);
+    return _mm256_set1_epi32(a);
+  };
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (P::NIBBLES) {
+    __m256i s0 = _mm256_maddubs_epi16(w[0], bx(0)), s1 = _mm256_maddubs_epi16(w[1], bx(1));
+    for (int g = 2; g < 8; g += 2) {
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[g], bx(g)));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[g + 1], bx(g + 1)));
+    }
+    return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+  } else {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i q = _mm256_xor_si256(w[g], _mm256_set1_epi8(static_cast<char>(0x80)));  // w, signed
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(bx(g), q)), ones);
+      if (g % 2) s1 = _mm256_add_epi32(s1, p); else s0 = _mm256_add_epi32(s0, p);
+    }
+    return _mm256_add_epi32(s0, s1);
+  }
+}
+
+// acc + one block of one row of x (add_block's steps on 8 rows): s the exact integer sums.
+template <class P>
+inline __m256 half_add(__m256 acc, __m256i s, __m256 d, __m256 mn, const XView& x, int64_t u) {
+  if constexpr (P::Z != 0 && P::NIBBLES) s = _mm256_sub_epi32(s, _mm256_set1_epi32(P::Z * x.isum[u]));
+  const float dx = x.dx[u];
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+  if constexpr (P::MIN) acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(dx * static_cast<float>(x.isum[u])), acc);
+  return acc;
+}
+
+// y[m, n0 + c] = acc[m] + bias for rows m in [0, M) and the 8 outputs from n0, where lo <= n0 + c < hi.
+inline void store_half(const __m256* acc, int64_t M, const float* bias, float* y, int64_t ys, int64_t n0, int64_t lo,
+                       int64_t hi) {
+  const __m256i c = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_and_si256(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(static_cast<int>(lo - n0 - 1))),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(hi - n0)), c));
+  const __m256 bv = bias ? _mm256_maskload_ps(bias + n0, mask) : _mm256_setzero_ps();
+  for (int64_t m = 0; m < M; ++m) _mm256_maskstore_ps(y + m * ys + n0, mask, _mm256_add_ps(acc[m], bv));
+}
+
+// y[m, 16 t + 8 h + c] for rows m of x in [0, MR) and halves h in [h0, h0 + HN), written where
+// lo <= 16 t + 8 h + c < hi.
+template <class P, int MR, int HN>
+void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0, const float* bias, float* y,
+               int64_t ys, int64_t lo, int64_t hi) {
+  __m256 acc[HN][MR];
+  for (int h = 0; h < HN; ++h)
+    for (int m = 0; m < MR; ++m) acc[h][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = pw + (t * nb + b) * P::BB;
+    if (h0 == 0)  // a second pass over the other half reads the tile again from L1
+      for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, 3);
+    for (int h = h0; h < h0 + HN; ++h) {
+      __m256i w[8];
+      for (int g = 0; g < 8; ++g) w[g] = half_group<P>(blk, h, g);
+      __m256 d, mn;
+      half_scales<P>(blk, h, d, mn);
+      for (int m = 0; m < MR; ++m)
+        acc[h - h0][m] =
+            half_add<P>(acc[h - h0][m], half_sum<P>(w, x.xq + m * x.K + b * QK), d, mn, x, m * (x.K / QK) + b);
+    }
+  }
+  for (int h = 0; h < HN; ++h) store_half(acc[h], MR, bias, y, ys, t * TN + 8 * (h0 + h), lo, hi);
+}
+
+// packed_rows_p's int8 work on AVX2: rows of x four at a time (then 3, 2 or 1) over the tiles'
+// halves that hold outputs in [n0, n1). (Each tile's rows of x in turn, the tile kept in L1,
+// measured no faster: 100 rows 94-118 against 86-90 ms.)
+template <class P>
+void avx2_rows(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
+               int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  auto rows = [&](auto mr) {
+    constexpr int MR = decltype(mr)::value;
+    // one or two rows of x: both halves in one pass over the tile (2 threads, 30 Q4_1 layers, AMD
+    // Zen 4 built for AVX2: one row 3.2 against 3.5 ms); more: a half a pass (four rows 5.0 against
+    // 5.7: the halves' accumulators and weights no longer fit 16 registers)
+    constexpr int HN = MR <= 2 ? 2 : 1;
+    const XView xm = rows_from(x, m);
+    for (int64_t t = n0 / TN; t * TN < n1; ++t) {
+      const bool h0 = t * TN + 8 > n0, h1 = t * TN + 8 < n1;  // the halves holding outputs in [n0, n1)
+      if (HN == 2 && h0 && h1) {
+        avx2_half<P, MR, 2>(xm, pw, nb, t, 0, bias, y + m * N, N, n0, n1);
+      } else {
+        if (h0) avx2_half<P, MR, 1>(xm, pw, nb, t, 0, bias, y + m * N, N, n0, n1);
+        if (h1) avx2_half<P, MR, 1>(xm, pw, nb, t, 1, bias, y + m * N, N, n0, n1);
+      }
+    }
+    m += MR;
+  };
+  for (; m + 4 <= M;) rows(std::integral_constant<int, 4>{});
+  switch (M - m) {
+    case 3: rows(std::integral_constant<int, 3>{}); break;
+    case 2: rows(std::integral_constant<int, 2>{}); break;
+    case 1: rows(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+#endif  // BATON_Q8P_AVX2
+
+#if defined(BATON_Q8P_INT8)
 // Rows [r0, r1) of x [M, K] quantized to int8 into prep (laid out for M rows).
 void quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1, baton_rows::QuantX& prep) {
   const int64_t nb = K / QK;
@@ -565,6 +718,9 @@ void quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1, baton_rows
   }
 }
 
+#endif  // BATON_Q8P_INT8
+
+#if defined(BATON_Q8P)
 // The steps between the three pieces: each piece resolves what the one before left in 254 steps,
 // so every piece is an int8 in [-127, 127].
 constexpr double PIECE = 254.0;
@@ -625,6 +781,9 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, ba
   }
 }
 
+#endif  // BATON_Q8P
+
+#if defined(BATON_Q8P_INT8)
 // x [M, K] prepared into prep (exact: split_rows' three pieces, else quantize_rows' int8), kept
 // while gen says x is the same, as the kernels read it: the steps threads sharing one preparation
 // take (packed_prep_size, packed_prep_rows, packed_prep_done), here all rows on one thread.
@@ -638,17 +797,22 @@ XView prepared(bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, b
   return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K, M * K, M * K / QK, prep.xsum.data()};
 }
 
-// packed_rows_p for x as `prepared` gave it.
+// packed_rows_p (avx2_rows for int8 x on AVX2) for x as `prepared` gave it.
 template <class P>
 void packed_rows_x(bool exact, const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y,
                    int64_t N, int64_t n0, int64_t n1) {
+#if defined(BATON_Q8P)
   if (exact)
     packed_rows_p<P, true>(x, M, pw, nb, bias, y, N, n0, n1);
   else
     packed_rows_p<P, false>(x, M, pw, nb, bias, y, N, n0, n1);
+#else
+  TORCH_CHECK(!exact, "linear_qp: this build of the kernels has no AVX-512 VNNI (baton env says why)");
+  avx2_rows<P>(x, M, pw, nb, bias, y, N, n0, n1);
+#endif
 }
 
-#endif  // BATON_Q8P
+#endif  // BATON_Q8P_INT8
 
 // Rows [r0, r1) (whole tiles of 16) of packed as float32 into out [*, K]: dequantize_q's values
 // (q * d, then + m, rounded each: no contraction), so the same bits as on the rows packed.
@@ -723,7 +887,17 @@ at::Tensor linear_qp_tiles(const at::Tensor& x_in, const at::Tensor& packed, int
   return out;
 }
 
+// Whether linear_q8p (int8 x on packed rows) is built: AVX-512 VNNI, or the AVX2 loop.
 bool q8p_kernel() {
+#if defined(BATON_Q8P_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether linear_qp (exact x in three pieces on packed rows) is built: AVX-512 VNNI only.
+bool qp_kernel() {
 #if defined(BATON_Q8P)
   return true;
 #else
@@ -732,19 +906,20 @@ bool q8p_kernel() {
 }
 
 // "amx": AMX_MIN_ROWS or more rows of x take the tiles here; "vnni": every row count takes the VNNI loop;
-// "": linear_q8p is not built.
+// "avx2": linear_q8p's AVX2 loop (no linear_qp); "": linear_q8p is not built.
 std::string q8p_path() {
 #if defined(BATON_Q8P_AMX)
   if (amx_usable()) return "amx";
 #endif
-  return q8p_kernel() ? "vnni" : "";
+  return qp_kernel() ? "vnni" : q8p_kernel() ? "avx2" : "";
 }
 
 // y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in split_rows' three pieces
 // (linear_qp), else quantized as linear_q8a quantizes it (linear_q8p).
 at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
                          const std::optional<at::Tensor>& bias, bool exact) {
-  TORCH_CHECK(q8p_kernel(), op, ": this build of the kernels has no AVX-512 VNNI (baton env says why)");
+  TORCH_CHECK(exact ? qp_kernel() : q8p_kernel(), op, ": this build of the kernels has no ",
+              exact ? "AVX-512 VNNI" : "AVX-512 VNNI or AVX2", " (baton env says why)");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2, op,
               ": x must be a CPU float32 tensor [M, K]");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
@@ -757,7 +932,7 @@ at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tenso
                 op, ": bias must be a contiguous CPU float32 tensor [", N, "]");
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
-#if defined(BATON_Q8P)
+#if defined(BATON_Q8P_INT8)
   dispatch_p(qtype, op, [&]<class P>() {
     const int64_t K = packed_k<P>(packed), M = x.size(0);
     TORCH_CHECK(x.size(1) == K && packed.size(1) % P::BB == 0, op, ": x has ", x.size(1),
@@ -792,19 +967,19 @@ at::Tensor linear_qp(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
 
 }  // namespace
 
-bool baton_rows::packed_supported(int64_t qtype) {
-  return q8p_kernel() && (qtype == P4_0::ID || qtype == P4_1::ID || qtype == P8_0::ID);
+bool baton_rows::packed_supported(int64_t qtype, bool exact) {
+  return (exact ? qp_kernel() : q8p_kernel()) && (qtype == P4_0::ID || qtype == P4_1::ID || qtype == P8_0::ID);
 }
 
 void baton_rows::packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen,
                              QuantX& prep, const uint8_t* packed, const float* bias, float* y, int64_t N, int64_t n0,
                              int64_t n1) {
-#if defined(BATON_Q8P)
+#if defined(BATON_Q8P_INT8)
   dispatch_p(qtype, "packed_rows", [&]<class P>() {
     packed_rows_x<P>(exact, prepared(exact, x, M, K, gen, prep), M, packed, K / QK, bias, y, N, n0, n1);
   });
 #else
-  TORCH_CHECK(false, "packed_rows: this build of the kernels has no AVX-512 VNNI");
+  TORCH_CHECK(false, "packed_rows: this build of the kernels has no AVX-512 VNNI or AVX2");
 #endif
 }
 
@@ -824,8 +999,11 @@ void baton_rows::packed_prep_rows(bool exact, const float* x, int64_t M, int64_t
     split_rows(x, M, K, r0, r1, prep);
   else
     quantize_rows(x, K, r0, r1, prep);
+#elif defined(BATON_Q8P_INT8)
+  TORCH_CHECK(!exact, "packed_prep_rows: linear_qp's pieces need AVX-512 VNNI, which this build has not");
+  quantize_rows(x, K, r0, r1, prep);
 #else
-  TORCH_CHECK(false, "packed_prep_rows: this build of the kernels has no AVX-512 VNNI");
+  TORCH_CHECK(false, "packed_prep_rows: this build of the kernels has no AVX-512 VNNI or AVX2");
 #endif
 }
 
@@ -842,6 +1020,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("unpack_q8p(Tensor packed, int qtype) -> Tensor");
   m.def("dequantize_q8p_rows(Tensor packed, int qtype, Tensor ids) -> Tensor");
   m.def("q8p_kernel() -> bool", &q8p_kernel);
+  m.def("qp_kernel() -> bool", &qp_kernel);
   m.def("q8p_path() -> str", &q8p_path);
 }
 

@@ -141,11 +141,18 @@ def kernel_paths(
             + "; int8 activations repack these formats at load and quantize prefill too"
             + ("" if tiles_too else "; tiles: " + why("amx_int8")),
         )
+    elif {"avx2", "fma", "f16c"} <= build:
+        q8p = KernelPath(
+            "linear_q8p",
+            "AVX2 on repacked rows (Q4_0, Q4_1, Q8_0): 8 outputs per vpmaddubsw + vpmaddwd",
+            why("avx512vnni") + "; int8 activations repack these formats at load and quantize "
+            "prefill too",
+        )
     else:
         q8p = KernelPath(
             "linear_q8p",
             "not built: int8 activations read ggml's rows (linear_q8a)",
-            why("avx512vnni"),
+            why("avx2"),
         )
     qp = _exact_packed_path(q8p.path.startswith("AVX-512"), exact_packed, why("avx512vnni"))
     if "avx2" in build and "f16c" in build:

@@ -19,10 +19,10 @@ layer packed for it takes it up to there (``max_kernel_rows``). Without the kern
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
 (up to KERNEL_MAX_ROWS rows) quantize x to int8 per 32 values (``quantize_activations``)
 and use integer dot products, as llama.cpp does; not exact. Where the kernels have AVX-512 VNNI
-and the format is Q4_0, Q4_1 or Q8_0, turning it on repacks the rows once (``packed``,
-kernels/packed_q8.cpp: 16 output rows per vector) for ``linear_q8p``, ~2x faster than
-``linear_q8a`` on ggml's rows; the same quantized x, so the same values up to float summation
-order. ``linear_q8p`` then takes prefill-sized calls too (PACKED_INT8_MAX_ROWS), as llama.cpp
+or AVX2 and the format is Q4_0, Q4_1 or Q8_0, turning it on repacks the rows once (``packed``,
+kernels/packed_q8.cpp: 16 output rows per vector, two halves of 8 on AVX2) for ``linear_q8p``,
+~2x faster than ``linear_q8a`` on ggml's rows; the same quantized x, so the same values up to
+float summation order. ``linear_q8p`` then takes prefill-sized calls too (PACKED_INT8_MAX_ROWS), as llama.cpp
 quantizes its prompt's activations; on ggml's rows prefill keeps float32 activations
 (``linear_q_tiles``: faster there than ``linear_q8a`` at prefill sizes).
 """
@@ -112,8 +112,10 @@ class QuantLinear(torch.nn.Module):
         wanted = (
             self.kernels
             and self.raw.is_cpu
-            and (on or packed_exact())
-            and packs_rows(self.qtype, self.out_features)
+            and (
+                (on and packs_rows(self.qtype, self.out_features))
+                or (packed_exact() and packs_rows(self.qtype, self.out_features, exact=True))
+            )
         )
         if not wanted:
             self.packed = None
