@@ -355,7 +355,8 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
     and, where this build has the VNNI loop, its bits. linear_qp is not built there."""
     cases = []
     for i, qtype in enumerate(FORMATS):
-        for rows, (n, k) in zip((1, 2, 3, 5, 37), [(96, 1536), (48, 96), (576, 576), (64, 128)] * 2):
+        shapes = [(96, 1536), (48, 96), (576, 576), (64, 128), (96, 1536)]
+        for rows, (n, k) in zip((1, 2, 3, 5, 37), shapes, strict=True):
             w = random_rows(n, k, qtype, seed=10 * i + rows)
             g = torch.Generator().manual_seed(rows)
             x = torch.randn(rows, k, generator=g)
