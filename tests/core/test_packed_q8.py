@@ -46,6 +46,7 @@ def _skip_unbuilt(op: str) -> None:
     if not _built("qp_kernel" if op == "linear_qp" else "q8p_kernel"):
         pytest.skip(f"{op} is not compiled in this build of the kernels (baton env says why)")
 
+
 #: bytes per 32-weight block and the float16 header (d, or d and m) of each packable format
 FORMATS = {
     QType.Q4_0: (18, [0.01]),
