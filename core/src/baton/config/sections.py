@@ -91,9 +91,9 @@ class ModelSection(_Section):
     """Inputs of the quantized layers (model.quantization). "none": float32, exact weight-only
     quantization. "int8": quantized to int8 per 32 values, integer dot products with the weight
     blocks (as llama.cpp computes), faster and not exact (greedy tokens may differ): in
-    decode-sized calls (up to 16 rows) always, in prefill too where the layer's rows are packed
-    for linear_q8p (CPUs with AVX-512 VNNI; Q4_0, Q4_1, Q8_0 blocks), elsewhere prefill keeps
-    float32 inputs. `baton env` names the path."""
+    decode-sized calls (up to 16 rows) always, in prefill too where the layer's rows are
+    packed for linear_q8p (CPUs with AVX-512 VNNI or AVX2; Q4_0, Q4_1, Q8_0 blocks), elsewhere
+    prefill keeps float32 inputs. `baton env` names the path."""
     pooling_type: Literal["auto", "last", "mean", "cls"] = "auto"
     """How a pooling request (embeddings: LLM.embed, /v1/embeddings) turns its prompt's final
     hidden states (after the model's final norm) into one vector, unless the request says:
