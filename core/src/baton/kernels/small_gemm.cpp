@@ -14,6 +14,10 @@
 
 #include "row_kernels.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // The vector width follows the ISA the library is compiled for (-march=native): 16 floats in one
@@ -31,6 +35,28 @@ typedef float vec __attribute__((vector_size(VW * sizeof(float))));
 // memcpy into an aligned vector: an unaligned load (a vector typedef with aligned(4) makes GCC
 // go through the stack).
 inline vec loadv(const float* p) { vec v; __builtin_memcpy(&v, p, sizeof(v)); return v; }
+// c + a * b, one rounding wherever the build has FMA. Left to GCC, `acc += x * w` was contracted in
+// some instantiations of tile and not in others (AVX2 build: tile<1, 1>, the last weight row at
+// one row of x, kept the multiply and the add apart), so a row's sums depended on the rows of x
+// beside it (tests/core/test_batch_invariant.py, built with BATON_KERNEL_ISA=avx2).
+inline vec fmadd(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;  // no FMA instruction: nothing to contract into
+#endif
+}
+
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 inline float hsum(vec v) {
   float s = 0.0f;
   for (int i = 0; i < VW; ++i) s += v[i];
@@ -48,13 +74,13 @@ inline void tile(const float* x, int64_t xs, const float* w, int64_t K, float* y
     for (int r = 0; r < NR; ++r) wv[r] = loadv(w + r * K + k);
     for (int m = 0; m < MR; ++m) {
       const vec xv = loadv(x + m * xs + k);
-      for (int r = 0; r < NR; ++r) acc[m][r] += xv * wv[r];
+      for (int r = 0; r < NR; ++r) acc[m][r] = fmadd(xv, wv[r], acc[m][r]);
     }
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) {
       float s = hsum(acc[m][r]);
-      for (int64_t k = kv; k < K; ++k) s += x[m * xs + k] * w[r * K + k];
+      for (int64_t k = kv; k < K; ++k) s = fmadd(x[m * xs + k], w[r * K + k], s);
       y[m * ys + r] = s;
     }
 }
