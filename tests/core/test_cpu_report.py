@@ -97,7 +97,13 @@ def test_linear_qp_line_says_whether_exact_linears_read_packed_rows(monkeypatch)
     assert qp(False).path.startswith("not used") and "no avx512_vnni" in qp(False).why
     monkeypatch.setenv(PACKED_EXACT_ENV, "0")
     assert qp(True).why == f"{PACKED_EXACT_ENV}=0"
-    assert qp(True, {"avx2", "fma", "f16c"}).path.startswith("not built")
+    # an AVX2 build has linear_qp's AVX2 loop (the choice says whether it runs); generic has none
+    assert qp(True, {"avx2", "fma", "f16c"}).path.startswith("not used")
+    assert qp(True, set()).path.startswith("not built")
+    monkeypatch.setenv(PACKED_EXACT_ENV, "1")
+    assert qp(False, {"avx2", "fma", "f16c"}).path.startswith("exact decode-sized linears")
+    monkeypatch.delenv(PACKED_EXACT_ENV)
+    assert "BATON_PACKED_EXACT=1 runs its AVX2 loop" in qp(False).why
 
 
 def test_kernel_paths_follow_the_build():
@@ -117,7 +123,6 @@ def test_kernel_paths_follow_the_build():
     assert p["linear_q8a"].path.startswith("AVX2: vpmaddubsw")
     assert p["linear_q8p"].path.startswith("AVX2 on repacked rows")
     assert p["linear_q8p"].why.startswith("avx512_vnni left out by BATON_KERNEL_ISA=avx2")
-    assert p["linear_qp"].path.startswith("not built")
     # generic build on an AVX2-only CPU
     p = _paths(set(), {"avx2", "fma", "f16c"}, "generic", none)
     assert p["linear_q"].path.startswith("portable")

@@ -1,9 +1,9 @@
 """linear_q8p and linear_qp: weights repacked for AVX-512 VNNI (kernels/packed_q8.cpp).
 
 linear_q8p quantizes x exactly as linear_q8a does, so both give the same values up to float
-summation order; without VNNI it runs an AVX2 loop with the VNNI loop's bits. linear_qp (exact,
-VNNI only) splits x into three int8 pieces: as accurate as linear_q's float32 sums. Either way a
-row's result does not depend on the rows beside it.
+summation order. linear_qp (exact) splits x into three int8 pieces: as accurate as linear_q's
+float32 sums. Without VNNI both run an AVX2 loop with the VNNI loop's bits. Either way a row's
+result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ needs_q8p = pytest.mark.skipif(
 )
 needs_qp = pytest.mark.skipif(
     not _built("qp_kernel"),
-    reason="the kernels are built without AVX-512 VNNI: linear_qp is not compiled",
+    reason="the kernels are built without AVX-512 VNNI or AVX2: linear_qp is not compiled",
 )
 
 
@@ -319,7 +319,8 @@ def test_a_library_loaded_without_the_loader_asks_the_os_and_never_faults():
         )
         assert proc.returncode == 0, (refused, proc.returncode, proc.stderr[-2000:])
         outs[refused] = proc.stdout.split()
-    assert outs[True][0] == "vnni"
+    here = torch.ops.baton.q8p_path()
+    assert outs[True][0] == ("vnni" if here == "amx" else here)  # never tiles where refused
     assert outs[False][0] == torch.ops.baton.q8p_path()
     assert outs[True][1:] == outs[False][1:]  # the same bits either way
 
@@ -329,16 +330,17 @@ import sys, torch
 from baton.kernels import loader
 assert loader.load()
 cases = torch.load(sys.argv[1])
-ys = [torch.ops.baton.linear_q8p(x, packed, qtype, bias) for packed, qtype, x, bias in cases]
-alone = [torch.ops.baton.linear_q8p(x[i : i + 1], packed, qtype, bias)[0]
-         for packed, qtype, x, bias in cases for i in range(x.shape[0])]
-try:
-    torch.ops.baton.linear_qp(cases[0][2], cases[0][0], cases[0][1])
-    exact = "ran"
-except RuntimeError as e:
-    exact = str(e)
-info = (torch.ops.baton.q8p_path(), bool(torch.ops.baton.qp_kernel()), exact)
-torch.save((ys, alone, info), sys.argv[2])
+out = {}
+for op in ("linear_q8p", "linear_qp"):
+    f = getattr(torch.ops.baton, op)
+    ys = [f(x, packed, qtype, bias) for packed, qtype, x, bias, _ in cases]
+    alone = [f(x[i : i + 1], packed, qtype, bias)[0]
+             for packed, qtype, x, bias, _ in cases for i in range(x.shape[0])]
+    out[op] = (ys, alone)
+tiles = [torch.equal(torch.ops.baton.linear_qp_tiles(x, packed, qtype, bias),
+                     torch.ops.baton.linear_q_tiles(x, w, qtype, bias))
+         for packed, qtype, x, bias, w in cases]
+torch.save((out, tiles, torch.ops.baton.q8p_path()), sys.argv[2])
 """
 
 
@@ -349,11 +351,12 @@ torch.save((ys, alone, info), sys.argv[2])
     reason="the AVX2 build needs a CPU with AVX2, FMA and F16C",
 )
 def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
-    """BATON_KERNEL_ISA=avx2 (what a CPU without AVX-512 builds), in a subprocess: linear_q8p on
-    the same packed rows, each 64-byte vector as two halves of 8 rows (vpmaddubsw + vpmaddwd for
-    vpdpbusd: the same integer sums, Q8_0's bytes through their signs), gives linear_q8a's values,
-    each row the same alone as beside others (1 to 37 rows: every row-count path, partial tiles),
-    and, where this build has the VNNI loop, its bits. linear_qp is not built there."""
+    """BATON_KERNEL_ISA=avx2 (what a CPU without AVX-512 builds), in a subprocess: linear_q8p and
+    linear_qp on the same packed rows, each 64-byte vector as two halves of 8 rows (vpmaddubsw +
+    vpmaddwd for vpdpbusd: the same integer sums, Q8_0's bytes through their signs), give
+    linear_q8a's / linear_q's values, each row the same alone as beside others (1 to 37 rows:
+    every row-count path, partial tiles), and, where this build has the VNNI loop, its bits;
+    linear_qp_tiles (prefill: the AVX2 dequantization) gives linear_q_tiles' bits."""
     cases = []
     for i, qtype in enumerate(FORMATS):
         shapes = [(96, 1536), (48, 96), (576, 576), (64, 128), (96, 1536)]
@@ -363,7 +366,7 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
             x = torch.randn(rows, k, generator=g)
             bias = torch.randn(n, generator=g)
             cases.append((torch.ops.baton.pack_q8p(w, int(qtype)), int(qtype), x, bias, w))
-    torch.save([c[:4] for c in cases], tmp_path / "in.pt")
+    torch.save(cases, tmp_path / "in.pt")
     proc = subprocess.run(
         [sys.executable, "-c", AVX2_RUN, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
         env={**os.environ, loader.ISA_ENV: "avx2"},
@@ -372,14 +375,20 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ys, alone, (path, qp_built, exact) = torch.load(tmp_path / "out.pt")
-    assert path == "avx2" and not qp_built
-    assert "AVX-512 VNNI" in exact
-    rows = iter(alone)
-    for (packed, qtype, x, bias, w), y in zip(cases, ys, strict=True):
-        want = torch.ops.baton.linear_q8a(x, w, qtype, bias)
-        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-        for i in range(x.shape[0]):
-            assert torch.equal(next(rows), y[i]), (qtype, x.shape[0], i)
-        if _built("q8p_kernel"):  # the VNNI loop (or this same AVX2 loop): the same bits
-            assert torch.equal(torch.ops.baton.linear_q8p(x, packed, qtype, bias), y), qtype
+    out, tiles, path = torch.load(tmp_path / "out.pt")
+    assert path == "avx2"
+    assert all(tiles)  # linear_qp_tiles: the same dequantized values and GEMM as linear_q_tiles
+    for op, (ys, alone) in out.items():
+        rows = iter(alone)
+        for (packed, qtype, x, bias, w), y in zip(cases, ys, strict=True):
+            if op == "linear_q8p":
+                want = torch.ops.baton.linear_q8a(x, w, qtype, bias)
+            else:
+                want = torch.ops.baton.linear_q(x, w, qtype, bias)
+            scale = want.abs().max().item()
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * scale)
+            for i in range(x.shape[0]):
+                assert torch.equal(next(rows), y[i]), (op, qtype, x.shape[0], i)
+            if _built("q8p_kernel"):  # the VNNI loop (or this same AVX2 loop): the same bits
+                here = getattr(torch.ops.baton, op)(x, packed, qtype, bias)
+                assert torch.equal(here, y), (op, qtype)

@@ -5,6 +5,8 @@ AVX-512 VNNI and splits x into three int8 pieces per 32 values: the same sums as
 within a float32 rounding per block, 1.8x faster at one row on an Intel Xeon with AMX and 1.2x
 on AMD Zen 4 (30 SmolLM2 layers of Q4_1, two threads, docs/cpu-kernels.md). The packed rows
 replace the GGUF rows (prefill and the embedding unpack them with the same bits): no more memory.
+A build without VNNI runs it on an AVX2 loop with the same bits; that is opt-in
+(``BATON_PACKED_EXACT=1``) until measured on a CPU without AVX-512.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def packed_exact_choice() -> PackedExact:
         return PackedExact(value == "1", f"{PACKED_EXACT_ENV}={value}")
     if packed_exact_default():
         return PackedExact(True, "the CPU has avx512_vnni (the default there)")
-    return PackedExact(False, "the CPU has no avx512_vnni (linear_qp's instruction set)")
+    return PackedExact(
+        False,
+        "the CPU has no avx512_vnni (linear_qp's default there; BATON_PACKED_EXACT=1 runs its AVX2 loop)",
+    )
 
 
 def packed_exact() -> bool:
@@ -52,5 +57,7 @@ def packed_exact_default() -> bool:
     """Wherever the CPU has AVX-512 VNNI (linear_qp's instruction set): three vpdpbusd per block
     beat linear_q's float decode there, at one row by 1.8x on an Intel Xeon with AMX and by 1.2x
     on AMD Zen 4, which runs 512-bit VNNI as two halves (batch-1 exact decode +28% there); equal
-    or ahead up to 16 rows on both (docs/benchmarks.md)."""
+    or ahead up to 16 rows on both (docs/benchmarks.md). The AVX2 loop was faster than linear_q
+    at 1-16 rows too, but measured only as an AVX2 build on Zen 4, whose vpmaddubsw runs on two
+    pipes (one on Zen 2 and Haswell): not the default until a CPU without AVX-512 says so."""
     return "avx512_vnni" in cpu_features().flags

@@ -27,10 +27,10 @@
 // bytes carry) + m_c * dx * sum(xq) (Q4_1), the integer part exact.
 //
 // The kernels need AVX-512 VNNI (vpdpbusd on zmm) and BW. Where the build has AVX2 (with FMA and
-// F16C) but not those, linear_q8p runs an AVX2 loop on the same layout (each 64-byte vector as two
-// halves of 8 rows, vpmaddubsw + vpmaddwd for vpdpbusd: the same integer sums, so the same bits)
-// and linear_qp is not built (qp_kernel() says False). Elsewhere pack_q8p still works,
-// q8p_kernel() says False, and callers keep linear_q8a.
+// F16C) but not those, linear_q8p and linear_qp run an AVX2 loop on the same layout (each 64-byte
+// vector as two halves of 8 rows, vpmaddubsw + vpmaddwd for vpdpbusd: the same integer sums, so
+// the same bits). Elsewhere pack_q8p still works, q8p_kernel() says False, and callers keep
+// linear_q8a / linear_q.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -64,7 +64,7 @@
 #define BATON_Q8P_AMX 1
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define BATON_Q8P_AVX2 1  // linear_q8p only (int8 x): avx2_rows
+#define BATON_Q8P_AVX2 1  // avx2_rows
 #endif
 #if defined(BATON_Q8P) || defined(BATON_Q8P_AVX2)
 #define BATON_Q8P_INT8 1  // linear_q8p is built
@@ -575,8 +575,9 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
 // the signed xq and adds pairs into int16, vpmaddwd the pairs of those into int32: vpdpbusd's sums.
 // Q4 nibbles are at most 15, so a block's 8 groups of 4 add up in int16 (8 x 2 x 15 x 127 = 30480
 // < 2^15) before one vpmaddwd; Q8_0's bytes (w + 128) would overflow the int16 pairs, so each group
-// multiplies |w| by xq with w's sign and widens at once (the integer w . xq, no offset term). The
-// float steps are add_block's, lane for lane: the same bits as the VNNI loop, any rows beside.
+// multiplies |w| by xq with w's sign and widens at once (the integer w . xq, no offset term). Exact
+// x (linear_qp) runs the three pieces so. The float steps are add_block's (add_block_exact's), lane
+// for lane: the same bits as the VNNI loop, any rows beside.
 
 // A block's 8 scales d (and Q4_1's offsets mn) of half h.
 template <class P>
@@ -636,6 +637,24 @@ inline __m256 half_add(__m256 acc, __m256i s, __m256 d, __m256 mn, const XView& 
   return acc;
 }
 
+// acc + one block of one row of x in three pieces (add_block_exact's steps on 8 rows).
+template <class P>
+inline __m256 half_add_exact(__m256 acc, __m256i s0, __m256i s1, __m256i s2, __m256 d, __m256 mn, const XView& x,
+                             int64_t u) {
+  if constexpr (P::Z != 0 && P::NIBBLES) {
+    const int64_t pu = x.units;
+    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(P::Z * x.isum[u]));
+    s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(P::Z * x.isum[pu + u]));
+    s2 = _mm256_sub_epi32(s2, _mm256_set1_epi32(P::Z * x.isum[2 * pu + u]));
+  }
+  const __m256i t = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(s0, 8), _mm256_slli_epi32(s0, 1)), s1);
+  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(x.dx[u]),
+                                   _mm256_mul_ps(_mm256_cvtepi32_ps(s2), _mm256_set1_ps(x.dx[x.units + u])));
+  acc = _mm256_fmadd_ps(v, d, acc);
+  if constexpr (P::MIN) acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xs[u]), acc);
+  return acc;
+}
+
 // y[m, n0 + c] = acc[m] + bias for rows m in [0, M) and the 8 outputs from n0, where lo <= n0 + c < hi.
 inline void store_half(const __m256* acc, int64_t M, const float* bias, float* y, int64_t ys, int64_t n0, int64_t lo,
                        int64_t hi) {
@@ -648,7 +667,7 @@ inline void store_half(const __m256* acc, int64_t M, const float* bias, float* y
 
 // y[m, 16 t + 8 h + c] for rows m of x in [0, MR) and halves h in [h0, h0 + HN), written where
 // lo <= 16 t + 8 h + c < hi.
-template <class P, int MR, int HN>
+template <class P, int MR, int HN, bool EX>
 void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0, const float* bias, float* y,
                int64_t ys, int64_t lo, int64_t hi) {
   __m256 acc[HN][MR];
@@ -663,9 +682,15 @@ void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0,
       for (int g = 0; g < 8; ++g) w[g] = half_group<P>(blk, h, g);
       __m256 d, mn;
       half_scales<P>(blk, h, d, mn);
-      for (int m = 0; m < MR; ++m)
-        acc[h - h0][m] =
-            half_add<P>(acc[h - h0][m], half_sum<P>(w, x.xq + m * x.K + b * QK), d, mn, x, m * (x.K / QK) + b);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xb = x.xq + m * x.K + b * QK;
+        __m256& a = acc[h - h0][m];
+        if constexpr (EX)
+          a = half_add_exact<P>(a, half_sum<P>(w, xb), half_sum<P>(w, xb + x.plane), half_sum<P>(w, xb + 2 * x.plane),
+                                d, mn, x, m * (x.K / QK) + b);
+        else
+          a = half_add<P>(a, half_sum<P>(w, xb), d, mn, x, m * (x.K / QK) + b);
+      }
     }
   }
   for (int h = 0; h < HN; ++h) store_half(acc[h], MR, bias, y, ys, t * TN + 8 * (h0 + h), lo, hi);
@@ -674,7 +699,7 @@ void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0,
 // packed_rows_p's int8 work on AVX2: rows of x four at a time (then 3, 2 or 1) over the tiles'
 // halves that hold outputs in [n0, n1). (Each tile's rows of x in turn, the tile kept in L1,
 // measured no faster: 100 rows 94-118 against 86-90 ms.)
-template <class P>
+template <class P, bool EX>
 void avx2_rows(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
                int64_t n0, int64_t n1) {
   int64_t m = 0;
@@ -688,10 +713,10 @@ void avx2_rows(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const f
     for (int64_t t = n0 / TN; t * TN < n1; ++t) {
       const bool h0 = t * TN + 8 > n0, h1 = t * TN + 8 < n1;  // the halves holding outputs in [n0, n1)
       if (HN == 2 && h0 && h1) {
-        avx2_half<P, MR, 2>(xm, pw, nb, t, 0, bias, y + m * N, N, n0, n1);
+        avx2_half<P, MR, 2, EX>(xm, pw, nb, t, 0, bias, y + m * N, N, n0, n1);
       } else {
-        if (h0) avx2_half<P, MR, 1>(xm, pw, nb, t, 0, bias, y + m * N, N, n0, n1);
-        if (h1) avx2_half<P, MR, 1>(xm, pw, nb, t, 1, bias, y + m * N, N, n0, n1);
+        if (h0) avx2_half<P, MR, 1, EX>(xm, pw, nb, t, 0, bias, y + m * N, N, n0, n1);
+        if (h1) avx2_half<P, MR, 1, EX>(xm, pw, nb, t, 1, bias, y + m * N, N, n0, n1);
       }
     }
     m += MR;
@@ -720,11 +745,23 @@ void quantize_rows(const float* x, int64_t K, int64_t r0, int64_t r1, baton_rows
 
 #endif  // BATON_Q8P_INT8
 
-#if defined(BATON_Q8P)
+#if defined(BATON_Q8P_INT8)
 // The steps between the three pieces: each piece resolves what the one before left in 254 steps,
 // so every piece is an int8 in [-127, 127].
 constexpr double PIECE = 254.0;
 
+// A block's two piece scales for its largest magnitude a: dx1 ~ a / (127 * 254), dx2 ~ dx1 / 254,
+// rounded up so that no piece leaves [-127, 127].
+inline void piece_scales(double a, float& dx1, float& dx2) {
+  dx1 = static_cast<float>(a / (127.0 * PIECE));
+  while (static_cast<double>(dx1) * 127.0 * PIECE < a) dx1 = std::nextafter(dx1, INFINITY);
+  dx2 = static_cast<float>(dx1 / PIECE);
+  while (static_cast<double>(dx2) * PIECE < dx1) dx2 = std::nextafter(dx2, INFINITY);
+}
+
+#endif  // BATON_Q8P_INT8
+
+#if defined(BATON_Q8P)
 // Rounds half to even, 8 doubles.
 inline __m512d round8(__m512d v) { return _mm512_roundscale_pd(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
@@ -747,10 +784,8 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, ba
       sum = _mm512_add_pd(sum, v[i]);
     }
     const double a = _mm512_reduce_max_pd(amax);
-    float dx1 = static_cast<float>(a / (127.0 * PIECE));
-    while (static_cast<double>(dx1) * 127.0 * PIECE < a) dx1 = std::nextafter(dx1, INFINITY);
-    float dx2 = static_cast<float>(dx1 / PIECE);
-    while (static_cast<double>(dx2) * PIECE < dx1) dx2 = std::nextafter(dx2, INFINITY);
+    float dx1, dx2;
+    piece_scales(a, dx1, dx2);
     prep.dx[u] = dx1;
     prep.dx[units + u] = dx2;
     prep.xsum[u] = static_cast<float>(_mm512_reduce_add_pd(sum));
@@ -781,7 +816,65 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, ba
   }
 }
 
-#endif  // BATON_Q8P
+#elif defined(BATON_Q8P_AVX2)
+// split_rows on AVX2: the same steps in vectors of 4 doubles (the same values: each step is exact
+// or one rounding of the same operands; the block's double sum of x is exact for any order but the
+// most extreme ranges, as it is in split_rows).
+void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1, baton_rows::QuantX& prep) {
+  const int64_t units = M * K / QK, plane = M * K;
+  const __m256d sign = _mm256_set1_pd(-0.0), lim = _mm256_set1_pd(127.0), nlim = _mm256_set1_pd(-127.0);
+  auto round4 = [](__m256d v) { return _mm256_round_pd(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); };
+  auto clamp = [&](__m256d q) { return _mm256_max_pd(_mm256_min_pd(q, lim), nlim); };
+  auto bytes = [](__m256d q, int8_t* out) {  // 4 integral doubles in [-127, 127] as int8
+    const __m128i i = _mm256_cvtpd_epi32(q);
+    const int32_t b = _mm_cvtsi128_si32(_mm_packs_epi16(_mm_packs_epi32(i, i), _mm_setzero_si128()));
+    std::memcpy(out, &b, 4);
+    return i;
+  };
+  for (int64_t u = r0 * (K / QK); u < r1 * (K / QK); ++u) {
+    const float* xb = x + u * QK;
+    __m256d v[8];
+    __m256d amax = _mm256_setzero_pd(), sum = _mm256_setzero_pd();
+    for (int i = 0; i < 8; ++i) {
+      v[i] = _mm256_cvtps_pd(_mm_loadu_ps(xb + 4 * i));
+      amax = _mm256_max_pd(amax, _mm256_andnot_pd(sign, v[i]));
+      sum = _mm256_add_pd(sum, v[i]);
+    }
+    alignas(32) double am[4], sm[4];
+    _mm256_store_pd(am, amax);
+    _mm256_store_pd(sm, sum);
+    const double a = std::max(std::max(am[0], am[1]), std::max(am[2], am[3]));
+    float dx1, dx2;
+    piece_scales(a, dx1, dx2);
+    prep.dx[u] = dx1;
+    prep.dx[units + u] = dx2;
+    prep.xsum[u] = static_cast<float>((sm[0] + sm[1]) + (sm[2] + sm[3]));
+    const __m256d s0 = _mm256_set1_pd(static_cast<double>(dx1) * PIECE), s1 = _mm256_set1_pd(dx1);
+    const __m256d i0 = _mm256_set1_pd(a > 0 ? 1.0 / (static_cast<double>(dx1) * PIECE) : 0.0),
+                  i1 = _mm256_set1_pd(a > 0 ? 1.0 / dx1 : 0.0), i2 = _mm256_set1_pd(a > 0 ? 1.0 / dx2 : 0.0);
+    __m128i t0 = _mm_setzero_si128(), t1 = _mm_setzero_si128(), t2 = _mm_setzero_si128();
+    for (int i = 0; i < 8; ++i) {
+      const __m256d q0 = clamp(round4(_mm256_mul_pd(v[i], i0)));
+      const __m256d rr1 = _mm256_fnmadd_pd(q0, s0, v[i]);  // exact: q0 * dx1 * 254 has < 53 bits
+      const __m256d q1 = clamp(round4(_mm256_mul_pd(rr1, i1)));
+      const __m256d rr2 = _mm256_fnmadd_pd(q1, s1, rr1);
+      const __m256d q2 = clamp(round4(_mm256_mul_pd(rr2, i2)));
+      const int64_t o = u * QK + 4 * i;
+      t0 = _mm_add_epi32(t0, bytes(q0, prep.xq.data() + o));
+      t1 = _mm_add_epi32(t1, bytes(q1, prep.xq.data() + plane + o));
+      t2 = _mm_add_epi32(t2, bytes(q2, prep.xq.data() + 2 * plane + o));
+    }
+    auto hadd = [](__m128i t) {
+      alignas(16) int32_t e[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(e), t);
+      return e[0] + e[1] + e[2] + e[3];
+    };
+    prep.isum[u] = hadd(t0);
+    prep.isum[units + u] = hadd(t1);
+    prep.isum[2 * units + u] = hadd(t2);
+  }
+}
+#endif  // BATON_Q8P, BATON_Q8P_AVX2
 
 #if defined(BATON_Q8P_INT8)
 // x [M, K] prepared into prep (exact: split_rows' three pieces, else quantize_rows' int8), kept
@@ -797,7 +890,7 @@ XView prepared(bool exact, const float* x, int64_t M, int64_t K, uint64_t gen, b
   return XView{prep.xq.data(), prep.dx.data(), prep.isum.data(), K, M * K, M * K / QK, prep.xsum.data()};
 }
 
-// packed_rows_p (avx2_rows for int8 x on AVX2) for x as `prepared` gave it.
+// packed_rows_p (avx2_rows on AVX2) for x as `prepared` gave it.
 template <class P>
 void packed_rows_x(bool exact, const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y,
                    int64_t N, int64_t n0, int64_t n1) {
@@ -807,8 +900,10 @@ void packed_rows_x(bool exact, const XView& x, int64_t M, const uint8_t* pw, int
   else
     packed_rows_p<P, false>(x, M, pw, nb, bias, y, N, n0, n1);
 #else
-  TORCH_CHECK(!exact, "linear_qp: this build of the kernels has no AVX-512 VNNI (baton env says why)");
-  avx2_rows<P>(x, M, pw, nb, bias, y, N, n0, n1);
+  if (exact)
+    avx2_rows<P, true>(x, M, pw, nb, bias, y, N, n0, n1);
+  else
+    avx2_rows<P, false>(x, M, pw, nb, bias, y, N, n0, n1);
 #endif
 }
 
@@ -857,6 +952,38 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_packed(const uint8_
         }
       }
     }
+#elif defined(BATON_Q8P_AVX2)
+  // bytes 8p .. 8p + 7 of a group's 32 (one half) are rows 2p and 2p + 1, four values each: widened
+  // to 8 int32, then the two rows' scales, as the VNNI code's lanes
+  for (int64_t t = r0 / TN; t < r1 / TN; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = packed + (t * nb + b) * P::BB;
+      alignas(32) float d[TN], mn[TN] = {};
+      for (int h = 0; h < 2; ++h) {
+        __m256 dh, mh = _mm256_setzero_ps();
+        half_scales<P>(blk, h, dh, mh);
+        _mm256_store_ps(d + 8 * h, dh);
+        _mm256_store_ps(mn + 8 * h, mh);
+      }
+      float* o = out + (t * TN - r0) * K + b * QK;
+      for (int h = 0; h < 2; ++h) {
+        alignas(32) uint8_t wb[8][32];  // the half's groups, Q4's nibbles spread to one per byte
+        for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(wb[g]), half_group<P>(blk, h, g));
+        for (int p = 0; p < 4; ++p) {
+          const int c = 8 * h + 2 * p;  // rows c and c + 1 of the tile
+          const __m256 dl = _mm256_set_m128(_mm_set1_ps(d[c + 1]), _mm_set1_ps(d[c]));
+          const __m256 ml = _mm256_set_m128(_mm_set1_ps(mn[c + 1]), _mm_set1_ps(mn[c]));
+          for (int g = 0; g < 8; ++g) {
+            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb[g] + 8 * p)));
+            if constexpr (P::Z != 0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(P::Z));
+            __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(q), dl);
+            if constexpr (P::MIN) y = _mm256_add_ps(y, ml);
+            _mm_storeu_ps(o + c * K + 4 * g, _mm256_castps256_ps128(y));
+            _mm_storeu_ps(o + (c + 1) * K + 4 * g, _mm256_extractf128_ps(y, 1));
+          }
+        }
+      }
+    }
 #else
   std::vector<uint8_t> rows_raw((r1 - r0) * nb * P::RAW);
   unpack_rows<P>(packed, nb, r0, r1, rows_raw.data());
@@ -896,30 +1023,27 @@ bool q8p_kernel() {
 #endif
 }
 
-// Whether linear_qp (exact x in three pieces on packed rows) is built: AVX-512 VNNI only.
-bool qp_kernel() {
-#if defined(BATON_Q8P)
-  return true;
-#else
-  return false;
-#endif
-}
+// Whether linear_qp (exact x in three pieces on packed rows) is built: where linear_q8p is.
+bool qp_kernel() { return q8p_kernel(); }
 
 // "amx": AMX_MIN_ROWS or more rows of x take the tiles here; "vnni": every row count takes the VNNI loop;
-// "avx2": linear_q8p's AVX2 loop (no linear_qp); "": linear_q8p is not built.
+// "avx2": the AVX2 loop; "": linear_q8p is not built.
 std::string q8p_path() {
 #if defined(BATON_Q8P_AMX)
   if (amx_usable()) return "amx";
 #endif
-  return qp_kernel() ? "vnni" : q8p_kernel() ? "avx2" : "";
+#if defined(BATON_Q8P)
+  return "vnni";
+#else
+  return q8p_kernel() ? "avx2" : "";
+#endif
 }
 
 // y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in split_rows' three pieces
 // (linear_qp), else quantized as linear_q8a quantizes it (linear_q8p).
 at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
                          const std::optional<at::Tensor>& bias, bool exact) {
-  TORCH_CHECK(exact ? qp_kernel() : q8p_kernel(), op, ": this build of the kernels has no ",
-              exact ? "AVX-512 VNNI" : "AVX-512 VNNI or AVX2", " (baton env says why)");
+  TORCH_CHECK(q8p_kernel(), op, ": this build of the kernels has no AVX-512 VNNI or AVX2 (baton env says why)");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2, op,
               ": x must be a CPU float32 tensor [M, K]");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
@@ -1000,8 +1124,10 @@ void baton_rows::packed_prep_rows(bool exact, const float* x, int64_t M, int64_t
   else
     quantize_rows(x, K, r0, r1, prep);
 #elif defined(BATON_Q8P_INT8)
-  TORCH_CHECK(!exact, "packed_prep_rows: linear_qp's pieces need AVX-512 VNNI, which this build has not");
-  quantize_rows(x, K, r0, r1, prep);
+  if (exact)
+    split_rows(x, M, K, r0, r1, prep);
+  else
+    quantize_rows(x, K, r0, r1, prep);
 #else
   TORCH_CHECK(false, "packed_prep_rows: this build of the kernels has no AVX-512 VNNI or AVX2");
 #endif

@@ -154,7 +154,7 @@ def kernel_paths(
             "not built: int8 activations read ggml's rows (linear_q8a)",
             why("avx2"),
         )
-    qp = _exact_packed_path(q8p.path.startswith("AVX-512"), exact_packed, why("avx512vnni"))
+    qp = _exact_packed_path(not q8p.path.startswith("not built"), exact_packed, why("avx2"))
     if "avx2" in build and "f16c" in build:
         attn = KernelPath("paged_decode", "AVX2 + F16C cache conversions", why("f16c"))
     else:
@@ -175,17 +175,17 @@ def kernel_paths(
     return [float_q, q8, q8p, qp, small, attn, tiles, amx_path, *_bf16_paths(build, cpu, amx)]
 
 
-def _exact_packed_path(built: bool, choice: PackedExact, vnni_why: str) -> KernelPath:
+def _exact_packed_path(built: bool, choice: PackedExact, isa_why: str) -> KernelPath:
     """linear_qp's line: exact decode-sized linears on linear_q8p's repacked rows, or not."""
     if not built:
         return KernelPath(
-            "linear_qp", "not built: exact linears read ggml's rows (linear_q)", vnni_why
+            "linear_qp", "not built: exact linears read ggml's rows (linear_q)", isa_why
         )
     if choice.on:
         return KernelPath(
             "linear_qp",
             "exact decode-sized linears on the repacked rows (Q4_0, Q4_1, Q8_0): x in three "
-            "int8 pieces, three vpdpbusd per block",
+            "int8 pieces, three integer dot products per block",
             choice.why,
         )
     return KernelPath(

@@ -31,9 +31,8 @@ struct QuantX {
 // per row); xs (when not null): dx * sum(xq) per G values.
 void quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G);
 
-// Whether the packed kernel for x of that kind is built (exact: linear_qp, AVX-512 VNNI; else
-// linear_q8p, AVX-512 VNNI or AVX2) and reads qtype's packed layout (Q4_0, Q4_1, Q8_0:
-// packed_q8.cpp).
+// Whether the packed kernel for x of that kind is built (exact: linear_qp, else linear_q8p: AVX-512
+// VNNI or AVX2) and reads qtype's packed layout (Q4_0, Q4_1, Q8_0: packed_q8.cpp).
 bool packed_supported(int64_t qtype, bool exact);
 
 // Rows [n0, n1) of y = xhat @ w^T (+ bias), w packed by pack_q8p: exact, linear_qp's code (x in
