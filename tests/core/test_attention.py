@@ -10,11 +10,8 @@ on torch ops and on baton's C++ kernels (``kernels`` fixture).
 
 from __future__ import annotations
 
-import os
 import platform
 import random
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +21,7 @@ from baton.kernels import loader
 from baton.kernels.attention import key_cache_view, model_capabilities, paged_attention
 from baton.protocol import NewRequestData, SchedulerOutput
 from baton.sampling_params import SamplingParams
+from baton.testing.isa_build import pytest_in_build
 from baton.testing.threads import torch_threads
 from baton.worker.input_batch import InputBatch
 from baton.worker.step_inputs import StepInputBuilder
@@ -372,25 +370,13 @@ def test_kernels_refuse_mixed_cache_dtypes(cpu_kernel_ops):
 )
 def test_low_precision_kernels_without_f16c():
     """BATON_KERNEL_ISA=generic (no AVX2, no F16C): the portable conversions pass the same tests."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-m",
-            "not slow",
-            __file__,
-            "-k",
-            "(low_precision and kernels) or rounds_like_torch or mixed_cache_dtypes",
-        ],
-        env={**os.environ, loader.ISA_ENV: "generic"},
-        capture_output=True,
-        text=True,
+    out = pytest_in_build(
+        "generic",
+        __file__,
+        "(low_precision and kernels) or rounds_like_torch or mixed_cache_dtypes",
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    assert "skipped" not in out
 
 
 @pytest.mark.parametrize("group", [3, 4])

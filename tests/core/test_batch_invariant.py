@@ -11,10 +11,7 @@ still sums one and two rows its own way (the test shows the flag is what makes t
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,9 +19,9 @@ import torch
 from baton.config import BatonConfig
 from baton.config.sections import BATCH_INVARIANT_ENV
 from baton.errors import ConfigError, ExecutorError
-from baton.kernels import loader
 from baton.kernels.cpu_features import cpu_features
 from baton.quant import QType
+from baton.testing.isa_build import pytest_in_build
 from baton.testing.tiny_model import tiny_model
 from baton.worker.sampler import Sampler, SamplingMetadata
 
@@ -74,25 +71,7 @@ def test_kernel_rows_alone_in_the_avx2_build():
     """BATON_KERNEL_ISA=avx2 (what a CPU without AVX-512 builds): the kernels' rows and the layer
     stack's, in a subprocess. (linear_small's last weight row once summed without FMA at one row
     of x there and with it beside others.)"""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "rows_do_not_depend or rows_equal_each_row_alone or by_parts",
-        ],
-        env={**os.environ, loader.ISA_ENV: "avx2"},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    pytest_in_build("avx2", __file__, "rows_do_not_depend or rows_equal_each_row_alone or by_parts")
 
 
 @pytest.mark.parametrize("qtype", list(QType))

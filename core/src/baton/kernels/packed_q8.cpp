@@ -260,6 +260,20 @@ inline XView rows_from(const XView& x, int64_t m) {
   return XView{x.xq + m * x.K, x.dx + u, x.isum + u, x.K, x.plane, x.units, x.xs ? x.xs + u : nullptr};
 }
 
+// Calls fn(std::integral_constant<int, MR>{}, m) for x's rows four at a time from m = 0, then the
+// 3, 2 or 1 left: the rows of x a kernel's pass over the weights takes.
+template <class Fn>
+inline void row_blocks(int64_t M, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) fn(std::integral_constant<int, 4>{}, m);
+  switch (M - m) {
+    case 3: fn(std::integral_constant<int, 3>{}, m); break;
+    case 2: fn(std::integral_constant<int, 2>{}, m); break;
+    case 1: fn(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 #endif  // BATON_Q8P_INT8
 
 #if defined(BATON_Q8P)
@@ -551,19 +565,9 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
     return;
   }
 #endif
-  int64_t m = 0;
-  auto rows = [&](auto mr) {
-    constexpr int MR = decltype(mr)::value;
-    tile_range<P, MR, EX>(rows_from(x, m), pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
-    m += MR;
-  };
-  for (; m + 4 <= M;) rows(std::integral_constant<int, 4>{});
-  switch (M - m) {
-    case 3: rows(std::integral_constant<int, 3>{}); break;
-    case 2: rows(std::integral_constant<int, 2>{}); break;
-    case 1: rows(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  row_blocks(M, [&](auto mr, int64_t m) {
+    tile_range<P, decltype(mr)::value, EX>(rows_from(x, m), pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
+  });
 }
 
 #endif  // BATON_Q8P
@@ -702,8 +706,7 @@ void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0,
 template <class P, bool EX>
 void avx2_rows(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
                int64_t n0, int64_t n1) {
-  int64_t m = 0;
-  auto rows = [&](auto mr) {
+  row_blocks(M, [&](auto mr, int64_t m) {
     constexpr int MR = decltype(mr)::value;
     // one or two rows of x: both halves in one pass over the tile (2 threads, 30 Q4_1 layers, AMD
     // Zen 4 built for AVX2: one row 3.2 against 3.5 ms); more: a half a pass (four rows 5.0 against
@@ -719,15 +722,7 @@ void avx2_rows(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const f
         if (h1) avx2_half<P, MR, 1, EX>(xm, pw, nb, t, 1, bias, y + m * N, N, n0, n1);
       }
     }
-    m += MR;
-  };
-  for (; m + 4 <= M;) rows(std::integral_constant<int, 4>{});
-  switch (M - m) {
-    case 3: rows(std::integral_constant<int, 3>{}); break;
-    case 2: rows(std::integral_constant<int, 2>{}); break;
-    case 1: rows(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  });
 }
 #endif  // BATON_Q8P_AVX2
 
