@@ -274,6 +274,73 @@ inline void row_blocks(int64_t M, Fn&& fn) {
   }
 }
 
+// The float steps after a block's integer sums, on W's lanes (one output row each): W16 for the
+// VNNI loop's 16 rows, W8 for the AVX2 loop's 8. One source, so both loops give the same bits.
+#if defined(BATON_Q8P)
+struct W16 {
+  using F = __m512;
+  using I = __m512i;
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I times254(I a) { return _mm512_sub_epi32(_mm512_slli_epi32(a, 8), _mm512_slli_epi32(a, 1)); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F splat(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+// The VNNI loop sums unsigned bytes: Q4_0's and Q8_0's carry their offset.
+template <class P>
+constexpr bool OFF16 = P::Z != 0;
+#else
+struct W8 {
+  using F = __m256;
+  using I = __m256i;
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I times254(I a) { return _mm256_sub_epi32(_mm256_slli_epi32(a, 8), _mm256_slli_epi32(a, 1)); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+// The AVX2 loop sums Q8_0's signed w: only Q4_0's nibbles carry their offset.
+template <class P>
+constexpr bool OFF8 = P::Z != 0 && P::NIBBLES;
+#endif
+
+// acc + one block of one row of x: s its exact integer sums (W's rows of the tile), unit u of x.
+// OFF: s carries the format's offset Z (sums of unsigned bytes), taken out through x's block sum.
+template <class P, class W, bool OFF>
+inline typename W::F add_block(typename W::F acc, typename W::I s, typename W::F d, typename W::F mn, const XView& x,
+                               int64_t u) {
+  if constexpr (OFF) s = W::sub(s, W::set1(P::Z * x.isum[u]));
+  const float dx = x.dx[u];
+  acc = W::fmadd(W::cvt(s), W::mul(d, W::splat(dx)), acc);
+  if constexpr (P::MIN) acc = W::fmadd(mn, W::splat(dx * static_cast<float>(x.isum[u])), acc);
+  return acc;
+}
+
+// acc + one block of one row of x in three pieces (split_rows): s0, s1, s2 the exact integer sums
+// by each piece. The pieces' sum 254 s0 + s1 stays an exact integer (|.| < 2^24 for Q4 formats, so
+// its float is exact too), then one rounding joins s2's term.
+template <class P, class W, bool OFF>
+inline typename W::F add_block_exact(typename W::F acc, typename W::I s0, typename W::I s1, typename W::I s2,
+                                     typename W::F d, typename W::F mn, const XView& x, int64_t u) {
+  if constexpr (OFF) {
+    const int64_t pu = x.units;
+    s0 = W::sub(s0, W::set1(P::Z * x.isum[u]));
+    s1 = W::sub(s1, W::set1(P::Z * x.isum[pu + u]));
+    s2 = W::sub(s2, W::set1(P::Z * x.isum[2 * pu + u]));
+  }
+  const typename W::I t = W::add(W::times254(s0), s1);
+  const typename W::F v = W::fmadd(W::cvt(t), W::splat(x.dx[u]), W::mul(W::cvt(s2), W::splat(x.dx[x.units + u])));
+  acc = W::fmadd(v, d, acc);
+  if constexpr (P::MIN) acc = W::fmadd(mn, W::splat(x.xs[u]), acc);
+  return acc;
+}
+
 #endif  // BATON_Q8P_INT8
 
 #if defined(BATON_Q8P)
@@ -290,36 +357,6 @@ inline void block_scales(const uint8_t* blk, __m512& d, __m512& mn) {
 inline __m512i nibbles(const uint8_t* blk, int j) {
   const __m512i v = _mm512_loadu_si512(blk + 64 * (j / 2)), low = _mm512_set1_epi8(15);
   return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low);
-}
-
-// acc + one block of one row of x: its exact integer sums s (16 rows of the tile), unit u of x.
-template <class P>
-inline __m512 add_block(__m512 acc, __m512i s, __m512 d, __m512 mn, const XView& x, int64_t u) {
-  if constexpr (P::Z != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(P::Z * x.isum[u]));
-  const float dx = x.dx[u];
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
-  if constexpr (P::MIN) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx * static_cast<float>(x.isum[u])), acc);
-  return acc;
-}
-
-// acc + one block of one row of x in three pieces (split_rows): s0, s1, s2 the exact integer sums
-// of the unsigned weight bytes by each piece. The pieces' sum 254 s0 + s1 stays an exact integer
-// (|.| < 2^24 for Q4 formats, so its float is exact too), then one rounding joins s2's term.
-template <class P>
-inline __m512 add_block_exact(__m512 acc, __m512i s0, __m512i s1, __m512i s2, __m512 d, __m512 mn, const XView& x,
-                              int64_t u) {
-  if constexpr (P::Z != 0) {
-    const int64_t pu = x.units;
-    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(P::Z * x.isum[u]));
-    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(P::Z * x.isum[pu + u]));
-    s2 = _mm512_sub_epi32(s2, _mm512_set1_epi32(P::Z * x.isum[2 * pu + u]));
-  }
-  const __m512i t = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(s0, 8), _mm512_slli_epi32(s0, 1)), s1);
-  const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x.dx[u]),
-                                   _mm512_mul_ps(_mm512_cvtepi32_ps(s2), _mm512_set1_ps(x.dx[x.units + u])));
-  acc = _mm512_fmadd_ps(v, d, acc);
-  if constexpr (P::MIN) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.xs[u]), acc);
-  return acc;
 }
 
 // y[m, n0 + c] = acc[m] + bias for rows m in [0, M), where lo <= n0 + c < hi.
@@ -367,10 +404,11 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
       for (int m = 0; m < MR; ++m) {
         const int64_t xb = m * x.K + b * QK, u = m * (x.K / QK) + b;
         if constexpr (EX) {
-          acc[m][c] = add_block_exact<P>(acc[m][c], piece_sum(w, x.xq + xb), piece_sum(w, x.xq + x.plane + xb),
-                                         piece_sum(w, x.xq + 2 * x.plane + xb), d, mn, x, u);
+          acc[m][c] = add_block_exact<P, W16, OFF16<P>>(acc[m][c], piece_sum(w, x.xq + xb),
+                                                        piece_sum(w, x.xq + x.plane + xb),
+                                                        piece_sum(w, x.xq + 2 * x.plane + xb), d, mn, x, u);
         } else {
-          acc[m][c] = add_block<P>(acc[m][c], piece_sum(w, x.xq + xb), d, mn, x, u);
+          acc[m][c] = add_block<P, W16, OFF16<P>>(acc[m][c], piece_sum(w, x.xq + xb), d, mn, x, u);
         }
       }
     }
@@ -482,7 +520,8 @@ void amx_tile(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, int64_t 
     _tile_stored(0, c, 64);
     __m512 d, mn;
     block_scales<P>(blk, d, mn);
-    for (int64_t m = 0; m < M; ++m) acc[m] = add_block<P>(acc[m], _mm512_load_si512(c[m]), d, mn, x, m * units + b);
+    for (int64_t m = 0; m < M; ++m)
+      acc[m] = add_block<P, W16, OFF16<P>>(acc[m], _mm512_load_si512(c[m]), d, mn, x, m * units + b);
   }
   store_tile(acc, 1, M, bias, y, ys, t * TN, lo, hi);
 }
@@ -531,8 +570,9 @@ void amx_tile_exact(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, in
   auto finish = [&](int64_t b) {
     const int h = static_cast<int>(b & 1);
     for (int64_t m = 0; m < M; ++m)
-      acc[m] = add_block_exact<P>(acc[m], _mm512_load_si512(c[h][0][m]), _mm512_load_si512(c[h][1][m]),
-                                  _mm512_load_si512(c[h][2][m]), d[h], mn[h], x, m * units + b);
+      acc[m] = add_block_exact<P, W16, OFF16<P>>(acc[m], _mm512_load_si512(c[h][0][m]),
+                                                 _mm512_load_si512(c[h][1][m]), _mm512_load_si512(c[h][2][m]), d[h],
+                                                 mn[h], x, m * units + b);
   };
   issue(0);
   for (int64_t b = 1; b < nb; ++b) {
@@ -624,39 +664,12 @@ inline __m256i half_sum(const __m256i* w, const int8_t* xq) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int g = 0; g < 8; ++g) {
       const __m256i q = _mm256_xor_si256(w[g], _mm256_set1_epi8(static_cast<char>(0x80)));  // w, signed
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(bx(g), q)), ones);
+      const __m256i p =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(bx(g), q)), ones);
       if (g % 2) s1 = _mm256_add_epi32(s1, p); else s0 = _mm256_add_epi32(s0, p);
     }
     return _mm256_add_epi32(s0, s1);
   }
-}
-
-// acc + one block of one row of x (add_block's steps on 8 rows): s the exact integer sums.
-template <class P>
-inline __m256 half_add(__m256 acc, __m256i s, __m256 d, __m256 mn, const XView& x, int64_t u) {
-  if constexpr (P::Z != 0 && P::NIBBLES) s = _mm256_sub_epi32(s, _mm256_set1_epi32(P::Z * x.isum[u]));
-  const float dx = x.dx[u];
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
-  if constexpr (P::MIN) acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(dx * static_cast<float>(x.isum[u])), acc);
-  return acc;
-}
-
-// acc + one block of one row of x in three pieces (add_block_exact's steps on 8 rows).
-template <class P>
-inline __m256 half_add_exact(__m256 acc, __m256i s0, __m256i s1, __m256i s2, __m256 d, __m256 mn, const XView& x,
-                             int64_t u) {
-  if constexpr (P::Z != 0 && P::NIBBLES) {
-    const int64_t pu = x.units;
-    s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(P::Z * x.isum[u]));
-    s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(P::Z * x.isum[pu + u]));
-    s2 = _mm256_sub_epi32(s2, _mm256_set1_epi32(P::Z * x.isum[2 * pu + u]));
-  }
-  const __m256i t = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(s0, 8), _mm256_slli_epi32(s0, 1)), s1);
-  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(x.dx[u]),
-                                   _mm256_mul_ps(_mm256_cvtepi32_ps(s2), _mm256_set1_ps(x.dx[x.units + u])));
-  acc = _mm256_fmadd_ps(v, d, acc);
-  if constexpr (P::MIN) acc = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.xs[u]), acc);
-  return acc;
 }
 
 // y[m, n0 + c] = acc[m] + bias for rows m in [0, M) and the 8 outputs from n0, where lo <= n0 + c < hi.
@@ -690,10 +703,10 @@ void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0,
         const int8_t* xb = x.xq + m * x.K + b * QK;
         __m256& a = acc[h - h0][m];
         if constexpr (EX)
-          a = half_add_exact<P>(a, half_sum<P>(w, xb), half_sum<P>(w, xb + x.plane), half_sum<P>(w, xb + 2 * x.plane),
-                                d, mn, x, m * (x.K / QK) + b);
+          a = add_block_exact<P, W8, OFF8<P>>(a, half_sum<P>(w, xb), half_sum<P>(w, xb + x.plane),
+                                              half_sum<P>(w, xb + 2 * x.plane), d, mn, x, m * (x.K / QK) + b);
         else
-          a = half_add<P>(a, half_sum<P>(w, xb), d, mn, x, m * (x.K / QK) + b);
+          a = add_block<P, W8, OFF8<P>>(a, half_sum<P>(w, xb), d, mn, x, m * (x.K / QK) + b);
       }
     }
   }
