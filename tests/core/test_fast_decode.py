@@ -33,13 +33,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernel_ops")
 
 
 def q8p_built() -> bool:
-    """Whether the kernels have linear_q8p (AVX-512 VNNI, or its AVX2 loop)."""
+    """Whether the kernels have linear_q8p / linear_qp (AVX-512 VNNI, or their AVX2 loop)."""
     return bool(torch.ops.baton.q8p_kernel())
-
-
-def qp_built() -> bool:
-    """Whether the kernels have linear_qp (AVX-512 VNNI)."""
-    return bool(torch.ops.baton.qp_kernel())
 
 
 def run_driver(runner, lens, max_tokens, block_size=4, budget=24, seed=1, grow=1) -> Driver:
@@ -305,7 +300,7 @@ def test_one_parallel_region_is_split_independent_and_runs_the_head(
     fast = runner.fast_decode
     assert fast is not None and fast.cos_table is not None and fast.head_args is not None
     if packed_exact:  # the tiny model's widths fill the packed tiles
-        assert all(bool(p.numel()) for p in fast.packed) == (packed_exact == "1" and qp_built())
+        assert all(bool(p.numel()) for p in fast.packed) == (packed_exact == "1" and q8p_built())
     g = torch.Generator().manual_seed(rows)
     hd = fast.norms[0].numel()
     blocks_per = 5

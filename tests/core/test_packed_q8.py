@@ -27,24 +27,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _built(kernel: str) -> bool:
-    return loader.load() and bool(getattr(torch.ops.baton, kernel)())
+def _built() -> bool:
+    return loader.load() and bool(torch.ops.baton.q8p_kernel())
 
 
 needs_q8p = pytest.mark.skipif(
-    not _built("q8p_kernel"),
-    reason="the kernels are built without AVX-512 VNNI or AVX2: linear_q8p is not compiled",
+    not _built(),
+    reason="the kernels are built without AVX-512 VNNI or AVX2: linear_q8p / linear_qp are not "
+    "compiled",
 )
-needs_qp = pytest.mark.skipif(
-    not _built("qp_kernel"),
-    reason="the kernels are built without AVX-512 VNNI or AVX2: linear_qp is not compiled",
-)
-
-
-def _skip_unbuilt(op: str) -> None:
-    """Skips a test parametrized by op where op's kernel is not built here."""
-    if not _built("qp_kernel" if op == "linear_qp" else "q8p_kernel"):
-        pytest.skip(f"{op} is not compiled in this build of the kernels (baton env says why)")
 
 
 #: bytes per 32-weight block and the float16 header (d, or d and m) of each packable format
@@ -123,7 +114,7 @@ def _relative_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float(((y.double() - ref).abs() / scale.clamp_min(1e-300)).max())
 
 
-@needs_qp
+@needs_q8p
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 5, 16])
 def test_linear_qp_is_as_accurate_as_the_float_kernel(qtype, rows):
@@ -156,10 +147,10 @@ def test_linear_qp_is_as_accurate_as_the_float_kernel(qtype, rows):
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
+@needs_q8p
 @pytest.mark.parametrize("op", ["linear_q8p", "linear_qp"])
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype, op):
-    _skip_unbuilt(op)
     linear = getattr(torch.ops.baton, op)
     w = random_rows(320, 576, qtype, seed=3)
     packed = torch.ops.baton.pack_q8p(w, int(qtype))
@@ -173,7 +164,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype, op):
         assert torch.equal(alone[0], together[i]), i
 
 
-@needs_qp
+@needs_q8p
 def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     monkeypatch.setenv(PACKED_EXACT_ENV, "1")
     w = random_rows(64, 128, QType.Q4_1, seed=9)
@@ -262,7 +253,6 @@ def test_vendor_comes_from_cpuinfo(tmp_path):
 
 def test_no_packing_without_the_kernel(monkeypatch):
     monkeypatch.setattr(torch.ops.baton, "q8p_kernel", lambda: False, raising=False)
-    monkeypatch.setattr(torch.ops.baton, "qp_kernel", lambda: False, raising=False)
     lin = QuantLinear(random_rows(64, 128, QType.Q4_1), QType.Q4_1, 128, 64, kernels=True)
     lin.int8_activations = True
     assert lin.packed is None
@@ -270,13 +260,13 @@ def test_no_packing_without_the_kernel(monkeypatch):
     torch.testing.assert_close(lin(x), torch.ops.baton.linear_q8a(x, lin.raw, int(QType.Q4_1)))
 
 
+@needs_q8p
 @pytest.mark.parametrize("op", ["linear_q8p", "linear_qp"])
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_tiles_and_the_vnni_loop_give_the_same_bits(qtype, op):
     """An AMX build takes tiles from 12 rows (linear_q8p) or 8 (linear_qp), elsewhere the VNNI
     loop again: the integer sums are exact both ways and the float steps the same, so each row
     matches the row computed alone, in a full tile of 16 and in the last, partial ones."""
-    _skip_unbuilt(op)
     linear = getattr(torch.ops.baton, op)
     w = random_rows(96, 1536, qtype, seed=4)
     packed = torch.ops.baton.pack_q8p(w, int(qtype))
@@ -303,7 +293,7 @@ print(torch.ops.baton.q8p_path(), float(y.abs().sum()), float(z.abs().sum()))
 """
 
 
-@needs_qp
+@needs_q8p
 def test_a_library_loaded_without_the_loader_asks_the_os_and_never_faults():
     """The library built here, loaded by a bare process that never ran baton's AMX probe, with
     AMX refused (BATON_NO_AMX, as a hypervisor that does not grant tile data): 16 rows, the tile
@@ -389,6 +379,6 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * scale)
             for i in range(x.shape[0]):
                 assert torch.equal(next(rows), y[i]), (op, qtype, x.shape[0], i)
-            if _built("q8p_kernel"):  # the VNNI loop (or this same AVX2 loop): the same bits
+            if _built():  # the VNNI loop (or this same AVX2 loop): the same bits
                 here = getattr(torch.ops.baton, op)(x, packed, qtype, bias)
                 assert torch.equal(here, y), (op, qtype)

@@ -302,5 +302,5 @@ def _check_packing(lins: list[QuantLinear]) -> None:
     """Exactly the layers packed_exact packs keep their rows packed (linear_qp's layout), and
     only there (``raw`` None): one copy of every weight either way."""
     for m in lins:
-        packs = packed_exact() and packs_rows(m.qtype, m.out_features, exact=True)
+        packs = packed_exact() and packs_rows(m.qtype, m.out_features)
         assert (m.packed is not None) == packs and (m.raw is None) == packs

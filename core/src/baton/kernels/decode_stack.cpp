@@ -717,10 +717,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& cos, const 
     if (qtypes[j] == BF16_WEIGHTS && packed_in[j].numel() > 0) {
       packed[j] = check_tiles(packed_in[j], weights[j], "a linear");
     } else if (qtypes[j] >= 0 && packed_in[j].numel() > 0) {  // pack_q8p's rows: linear_q8p, or linear_qp (exact)
-      const bool exact = q8a[j] == 0;
-      TORCH_CHECK(baton_rows::packed_supported(qtypes[j], exact), "decode_layers: linear ", j,
-                  " is packed in qtype ", qtypes[j], ", which ", exact ? "linear_qp" : "linear_q8p",
-                  " does not read here");
+      TORCH_CHECK(baton_rows::packed_supported(qtypes[j]), "decode_layers: linear ", j, " is packed in qtype ",
+                  qtypes[j], ", which linear_q8p / linear_qp do not read here");
       packed[j] = packed_in[j].contiguous();
     }
   const bool head_given = head.has_value() && head->defined() && head_packed_in.has_value() &&

@@ -713,8 +713,8 @@ void avx2_half(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, int h0,
   for (int h = 0; h < HN; ++h) store_half(acc[h], MR, bias, y, ys, t * TN + 8 * (h0 + h), lo, hi);
 }
 
-// packed_rows_p's int8 work on AVX2: rows of x four at a time (then 3, 2 or 1) over the tiles'
-// halves that hold outputs in [n0, n1). (Each tile's rows of x in turn, the tile kept in L1,
+// packed_rows_p's work on AVX2 (EX: x in three pieces, else int8): rows of x four at a time (then 3,
+// 2 or 1) over the tiles' halves that hold outputs in [n0, n1). (Each tile's rows of x in turn, the tile kept in L1,
 // measured no faster: 100 rows 94-118 against 86-90 ms.)
 template <class P, bool EX>
 void avx2_rows(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, const float* bias, float* y, int64_t N,
@@ -1022,7 +1022,8 @@ at::Tensor linear_qp_tiles(const at::Tensor& x_in, const at::Tensor& packed, int
   return out;
 }
 
-// Whether linear_q8p (int8 x on packed rows) is built: AVX-512 VNNI, or the AVX2 loop.
+// Whether linear_q8p and linear_qp (int8 / exact x on packed rows) are built: AVX-512 VNNI, or the
+// AVX2 loop.
 bool q8p_kernel() {
 #if defined(BATON_Q8P_INT8)
   return true;
@@ -1030,9 +1031,6 @@ bool q8p_kernel() {
   return false;
 #endif
 }
-
-// Whether linear_qp (exact x in three pieces on packed rows) is built: where linear_q8p is.
-bool qp_kernel() { return q8p_kernel(); }
 
 // "amx": AMX_MIN_ROWS or more rows of x take the tiles here; "vnni": every row count takes the VNNI loop;
 // "avx2": the AVX2 loop; "": linear_q8p is not built.
@@ -1099,8 +1097,8 @@ at::Tensor linear_qp(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
 
 }  // namespace
 
-bool baton_rows::packed_supported(int64_t qtype, bool exact) {
-  return (exact ? qp_kernel() : q8p_kernel()) && (qtype == P4_0::ID || qtype == P4_1::ID || qtype == P8_0::ID);
+bool baton_rows::packed_supported(int64_t qtype) {
+  return q8p_kernel() && (qtype == P4_0::ID || qtype == P4_1::ID || qtype == P8_0::ID);
 }
 
 void baton_rows::packed_rows(int64_t qtype, bool exact, const float* x, int64_t M, int64_t K, uint64_t gen,
@@ -1126,12 +1124,7 @@ void baton_rows::packed_prep_size(bool exact, int64_t M, int64_t K, QuantX& prep
 
 void baton_rows::packed_prep_rows(bool exact, const float* x, int64_t M, int64_t K, int64_t r0, int64_t r1,
                                   QuantX& prep) {
-#if defined(BATON_Q8P)
-  if (exact)
-    split_rows(x, M, K, r0, r1, prep);
-  else
-    quantize_rows(x, K, r0, r1, prep);
-#elif defined(BATON_Q8P_INT8)
+#if defined(BATON_Q8P_INT8)
   if (exact)
     split_rows(x, M, K, r0, r1, prep);
   else
@@ -1154,7 +1147,6 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("unpack_q8p(Tensor packed, int qtype) -> Tensor");
   m.def("dequantize_q8p_rows(Tensor packed, int qtype, Tensor ids) -> Tensor");
   m.def("q8p_kernel() -> bool", &q8p_kernel);
-  m.def("qp_kernel() -> bool", &qp_kernel);
   m.def("q8p_path() -> str", &q8p_path);
 }
 

@@ -31,9 +31,9 @@ struct QuantX {
 // per row); xs (when not null): dx * sum(xq) per G values.
 void quantize_x(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int64_t G);
 
-// Whether the packed kernel for x of that kind is built (exact: linear_qp, else linear_q8p: AVX-512
-// VNNI or AVX2) and reads qtype's packed layout (Q4_0, Q4_1, Q8_0: packed_q8.cpp).
-bool packed_supported(int64_t qtype, bool exact);
+// Whether linear_q8p / linear_qp are built (AVX-512 VNNI or AVX2) and read qtype's packed layout
+// (Q4_0, Q4_1, Q8_0: packed_q8.cpp).
+bool packed_supported(int64_t qtype);
 
 // Rows [n0, n1) of y = xhat @ w^T (+ bias), w packed by pack_q8p: exact, linear_qp's code (x in
 // three int8 pieces, float32-accurate), else linear_q8p's (x quantized as linear_q8a quantizes it);

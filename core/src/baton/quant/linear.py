@@ -112,10 +112,8 @@ class QuantLinear(torch.nn.Module):
         wanted = (
             self.kernels
             and self.raw.is_cpu
-            and (
-                (on and packs_rows(self.qtype, self.out_features))
-                or (packed_exact() and packs_rows(self.qtype, self.out_features, exact=True))
-            )
+            and (on or packed_exact())
+            and packs_rows(self.qtype, self.out_features)
         )
         if not wanted:
             self.packed = None

@@ -30,14 +30,13 @@ PACKED_QTYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q8_0})
 PACKED_ROWS = 16
 
 
-def packs_rows(qtype: QType, out_features: int, exact: bool = False) -> bool:
-    """Whether ``qtype`` rows can be repacked for linear_q8p (int8 x: the kernels built with
-    AVX-512 VNNI or AVX2) or, ``exact``, for linear_qp (AVX-512 VNNI): the kernels are loaded,
-    the format is one they read, the rows fill their tiles."""
+def packs_rows(qtype: QType, out_features: int) -> bool:
+    """Whether ``qtype`` rows can be repacked for linear_q8p / linear_qp: the kernels are loaded
+    and built with AVX-512 VNNI or AVX2, the format is one they read, the rows fill their tiles."""
     if qtype not in PACKED_QTYPES or out_features % PACKED_ROWS or not kernels_loaded():
         return False
     try:
-        return bool(torch.ops.baton.qp_kernel() if exact else torch.ops.baton.q8p_kernel())
+        return bool(torch.ops.baton.q8p_kernel())
     except (AttributeError, RuntimeError):  # a build from before packed_q8.cpp
         return False
 
