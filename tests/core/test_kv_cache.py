@@ -96,6 +96,21 @@ def test_reset_prefix_cache_only_when_nothing_is_held():
     assert pool.get_cached_block(b"H") is None and a.block_hash is None
 
 
+def test_reset_prefix_cache_reuses_the_blocks_it_uncached_first():
+    """Blocks that cache nothing are taken first, the last cached first: after a reset, the blocks
+    just written rather than the pool's never-used ones (whose pages are not mapped yet)."""
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [1, 2, 3]
+    for i, blk in enumerate(blocks):
+        pool.cache_full_block(blk, bytes([i]))
+    pool.free_blocks(blocks)  # cached: to the tail, behind the never-used 4..7
+    assert [b.block_id for b in pool.free_queue][:4] == [4, 5, 6, 7]
+    assert pool.reset_prefix_cache()
+    assert [b.block_id for b in pool.free_queue] == [3, 2, 1, 4, 5, 6, 7]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]
+
+
 def test_evict_drops_lru_entries_first():
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(3)
