@@ -181,9 +181,11 @@ def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     assert torch.equal(lin(x), torch.ops.baton.linear_q8p(x, packed, int(QType.Q4_1), lin.bias))
     lin.int8_activations = False
     assert lin.packed is packed
-    # on AMX tiles linear_qp runs up to 64 rows (ahead of the GEMM there), else up to 16
-    tiles = torch.ops.baton.q8p_path() == "amx"
-    assert lin.max_kernel_rows == (QuantLinear.PACKED_AMX_MAX_ROWS if tiles else 16)
+    # on AMX tiles and the VNNI loop linear_qp runs up to 64 rows (ahead of the GEMM there), on
+    # the AVX2 loop up to 16
+    path = torch.ops.baton.q8p_path()
+    rows = {"amx": QuantLinear.PACKED_AMX_MAX_ROWS, "vnni": QuantLinear.PACKED_VNNI_MAX_ROWS}
+    assert lin.max_kernel_rows == rows.get(path, 16) and rows["amx"] == rows["vnni"] == 64
     most = torch.randn(lin.max_kernel_rows, 128)
     want = torch.ops.baton.linear_qp(most, packed, int(QType.Q4_1), lin.bias)
     assert torch.equal(lin(most), want)

@@ -12,8 +12,9 @@ float32 rounding of linear_q per block (docs/cpu-kernels.md). More rows (prefill
 runs torch's GEMM on it. A layer packed for linear_qp keeps only the packed rows (``raw`` is
 None): prefill (``linear_qp_tiles``) and the embedding dequantize straight from them, with
 linear_q_tiles' and dequantize_q's bits. Where AMX tiles run the packed kernels
-(``q8p_path() == "amx"``) linear_qp stays ahead of the GEMM up to PACKED_AMX_MAX_ROWS rows, so a
-layer packed for it takes it up to there (``max_kernel_rows``). Without the kernels the same math runs on torch ops
+(``q8p_path() == "amx"``) linear_qp stays ahead of the GEMM up to PACKED_AMX_MAX_ROWS rows, on the
+AVX-512 VNNI loop up to PACKED_VNNI_MAX_ROWS, so a layer packed for it takes it up to there
+(``max_kernel_rows``). Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
 
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
@@ -50,6 +51,11 @@ class QuantLinear(torch.nn.Module):
     #: a 2-core Xeon, 30 SmolLM2 layers of Q4_1, linear_qp took 93-97 ms at 64 rows against
     #: linear_qp_tiles' 92-164, 22-33 against 42-101 at 16 (docs/cpu-kernels.md).
     PACKED_AMX_MAX_ROWS = 64
+    #: The same on the AVX-512 VNNI loop: on AMD Zen 4 (2 threads, 30 SmolLM2 layers of Q4_1)
+    #: linear_qp took 31.0 / 40.3 / 59.2 / 77.5 ms at 24 / 32 / 48 / 64 rows against
+    #: linear_qp_tiles' 42.9 / 56.7 / 71.8 / 86.4, and lost at 100 (144.9 / 132.5). The AVX2 loop
+    #: loses from 16 rows (41.9 / 39.6 ms): it keeps KERNEL_MAX_ROWS.
+    PACKED_VNNI_MAX_ROWS = 64
     #: Rows up to which a packed layer with int8 activations runs linear_q8p: any. On AMD Zen 4
     #: (AVX-512 VNNI, 2 threads, 30 SmolLM2 layers of Q4_1) it took 52.5 ms at 100 rows against
     #: the float32 GEMM's (linear_qp_tiles) 127.9, 258 against 595 at 512 (docs/cpu-kernels.md).
@@ -132,12 +138,13 @@ class QuantLinear(torch.nn.Module):
     def max_kernel_rows(self) -> int:
         """Rows up to which forward runs the decode-sized kernels (more: the tiled GEMM), and
         decode_layers with it: KERNEL_MAX_ROWS; on packed rows with int8 activations (linear_q8p)
-        PACKED_INT8_MAX_ROWS, and for exact calls on packed rows on AMX tiles (linear_qp)
-        PACKED_AMX_MAX_ROWS."""
+        PACKED_INT8_MAX_ROWS, and for exact calls on packed rows (linear_qp) PACKED_AMX_MAX_ROWS on
+        AMX tiles, PACKED_VNNI_MAX_ROWS on the AVX-512 VNNI loop."""
         if self.packed is not None and self.int8_activations:
             return self.PACKED_INT8_MAX_ROWS
-        if self.packed is not None and _packed_on_tiles():
-            return max(self.KERNEL_MAX_ROWS, self.PACKED_AMX_MAX_ROWS)
+        if self.packed is not None:
+            exact_rows = {"amx": self.PACKED_AMX_MAX_ROWS, "vnni": self.PACKED_VNNI_MAX_ROWS}
+            return max(self.KERNEL_MAX_ROWS, exact_rows.get(_packed_path(), 0))
         return self.KERNEL_MAX_ROWS
 
     @property
@@ -282,7 +289,7 @@ class QuantEmbedding(torch.nn.Module):
 
 
 @functools.cache
-def _packed_on_tiles() -> bool:
-    """Whether the packed kernels run on AMX tiles in this process (asked once: the answer is the
-    library's and the OS's, fixed for the process)."""
-    return str(torch.ops.baton.q8p_path()) == "amx"
+def _packed_path() -> str:
+    """The packed kernels' loop in this process: "amx", "vnni", "avx2" or "" (asked once: the
+    answer is the library's and the OS's, fixed for the process)."""
+    return str(torch.ops.baton.q8p_path())
