@@ -51,11 +51,13 @@ class QuantLinear(torch.nn.Module):
     #: a 2-core Xeon, 30 SmolLM2 layers of Q4_1, linear_qp took 93-97 ms at 64 rows against
     #: linear_qp_tiles' 92-164, 22-33 against 42-101 at 16 (docs/cpu-kernels.md).
     PACKED_AMX_MAX_ROWS = 64
-    #: The same on the AVX-512 VNNI loop: on AMD Zen 4 (2 threads, 30 SmolLM2 layers of Q4_1)
-    #: linear_qp took 31.0 / 40.3 / 59.2 / 77.5 ms at 24 / 32 / 48 / 64 rows against
-    #: linear_qp_tiles' 42.9 / 56.7 / 71.8 / 86.4, and lost at 100 (144.9 / 132.5). The AVX2 loop
-    #: loses from 16 rows (41.9 / 39.6 ms): it keeps KERNEL_MAX_ROWS.
-    PACKED_VNNI_MAX_ROWS = 64
+    #: The same on the AVX-512 VNNI loop: any. On AMD Zen 4 (2 threads, 30 SmolLM2 layers of Q4_1)
+    #: linear_qp took 31.0 / 40.3 / 59.2 / 77.5 / 120.9 / 305.1 / 609.3 ms at 24 / 32 / 48 / 64 /
+    #: 100 / 256 / 512 rows against linear_qp_tiles' 42.9 / 56.7 / 71.8 / 86.4 / 128.9 / 305.6 /
+    #: 594.6; within the limit decode_layers runs the whole step in its one parallel region, which
+    #: took a 100-token exact prefill from 143 to 114 ms and a 300-token one from 441-468 to 366-406
+    #: (docs/benchmarks.md). The AVX2 loop loses from 16 rows (41.9 / 39.6 ms): KERNEL_MAX_ROWS.
+    PACKED_VNNI_MAX_ROWS = 1 << 30
     #: Rows up to which a packed layer with int8 activations runs linear_q8p: any. On AMD Zen 4
     #: (AVX-512 VNNI, 2 threads, 30 SmolLM2 layers of Q4_1) it took 52.5 ms at 100 rows against
     #: the float32 GEMM's (linear_qp_tiles) 127.9, 258 against 595 at 512 (docs/cpu-kernels.md).
