@@ -141,7 +141,9 @@ def _silu_inputs() -> torch.Tensor:
     scales = (0.5, 3.0, 20.0, 60.0)  # past +-88 exp(-x) overflows / underflows float
     special = [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 89.0, -89.0, 104.0, -104.0, 110.0, -110.0]
     special += [1e30, -1e30, float("inf"), float("-inf"), float("nan")]
-    return torch.cat([torch.randn(1 << 18, generator=g) * s for s in scales] + [torch.tensor(special)])
+    return torch.cat(
+        [torch.randn(1 << 18, generator=g) * s for s in scales] + [torch.tensor(special)]
+    )
 
 
 def test_silu_mul_is_silu_times_up_with_exp_rounded_correctly(cpu_kernel_ops):
@@ -178,7 +180,9 @@ def test_silu_mul_refuses_what_it_cannot_read(cpu_kernel_ops):
     with pytest.raises(RuntimeError, match="contiguous float32 tensors of one shape"):
         torch.ops.baton.silu_mul(torch.zeros(4), torch.zeros(5))
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        torch.ops.baton.silu_mul(torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64))
+        torch.ops.baton.silu_mul(
+            torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+        )
 
 
 @pytest.mark.slow

@@ -192,7 +192,9 @@ def test_exact_quant_linear_runs_linear_qp_on_rows_packed_once(monkeypatch):
     # prefill past the limit, the embedding and dequantized(): the bits of ggml's rows
     if path != "vnni":
         big = torch.randn(lin.max_kernel_rows + 1, 128)
-        assert torch.equal(lin(big), torch.ops.baton.linear_q_tiles(big, w, int(QType.Q4_1), lin.bias))
+        assert torch.equal(
+            lin(big), torch.ops.baton.linear_q_tiles(big, w, int(QType.Q4_1), lin.bias)
+        )
     full = torch.empty(64, 128)
     torch.ops.baton.dequantize_q(w, int(QType.Q4_1), full)
     assert torch.equal(lin.dequantized(), full) and torch.equal(lin.dequantized(5, 21), full[5:21])

@@ -13,8 +13,8 @@ runs torch's GEMM on it. A layer packed for linear_qp keeps only the packed rows
 None): prefill (``linear_qp_tiles``) and the embedding dequantize straight from them, with
 linear_q_tiles' and dequantize_q's bits. Where AMX tiles run the packed kernels
 (``q8p_path() == "amx"``) linear_qp stays ahead of the GEMM up to PACKED_AMX_MAX_ROWS rows, on the
-AVX-512 VNNI loop up to PACKED_VNNI_MAX_ROWS, so a layer packed for it takes it up to there
-(``max_kernel_rows``). Without the kernels the same math runs on torch ops
+AVX-512 VNNI loop at every row count (PACKED_VNNI_MAX_ROWS), so a layer packed for it takes it up
+to there (``max_kernel_rows``). Without the kernels the same math runs on torch ops
 (dequantize a slice of output rows, F.linear on it): same results, slower.
 
 ``int8_activations`` (``model.activation_quantization = "int8"``): decode-sized calls
