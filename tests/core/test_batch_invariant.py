@@ -11,17 +11,14 @@ still sums one and two rows its own way (the test shows the flag is what makes t
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
 from baton.config import BatonConfig
 from baton.config.sections import BATCH_INVARIANT_ENV
 from baton.errors import ConfigError, ExecutorError
-from baton.kernels.cpu_features import cpu_features
 from baton.quant import QType
-from baton.testing.isa_build import pytest_in_build
+from baton.testing.isa_build import AVX2_BUILD_SKIP, avx2_build_beside, pytest_in_build
 from baton.testing.tiny_model import tiny_model
 from baton.worker.sampler import Sampler, SamplingMetadata
 
@@ -61,12 +58,7 @@ def test_linear_small_rows_do_not_depend_on_the_rows_beside_them():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64")
-    or not {"avx2", "fma", "f16c"} <= cpu_features().flags
-    or "avx512f" not in cpu_features().flags,
-    reason="an AVX-512 host checks the AVX2 build here (an AVX2-only host runs it natively)",
-)
+@pytest.mark.skipif(not avx2_build_beside(), reason=AVX2_BUILD_SKIP)
 def test_kernel_rows_alone_in_the_avx2_build():
     """BATON_KERNEL_ISA=avx2 (what a CPU without AVX-512 builds): the kernels' rows and the layer
     stack's, in a subprocess. (linear_small's last weight row once summed without FMA at one row

@@ -7,21 +7,19 @@ test_attention.py (every case runs on torch ops and on the kernels).
 from __future__ import annotations
 
 import logging
-import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from baton.kernels import loader
-from baton.kernels.cpu_features import cpu_features
 from baton.kernels.cpu_linear import (
     KERNEL_MAX_ROWS,
     CpuLMHead,
     SmallBatchLinear,
     use_small_batch_linears,
 )
-from baton.testing.isa_build import pytest_in_build
+from baton.testing.isa_build import AVX2_BUILD_SKIP, avx2_build_beside, pytest_in_build
 
 needs_cxx = pytest.mark.skipif(loader.compiler() is None, reason="no C++ compiler")
 
@@ -186,12 +184,7 @@ def test_silu_mul_refuses_what_it_cannot_read(cpu_kernel_ops):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64")
-    or not {"avx2", "fma", "f16c"} <= cpu_features().flags
-    or "avx512f" not in cpu_features().flags,
-    reason="an AVX-512 host checks the AVX2 build here (an AVX2-only host runs it natively)",
-)
+@pytest.mark.skipif(not avx2_build_beside(), reason=AVX2_BUILD_SKIP)
 def test_silu_mul_in_the_avx2_build():
     """BATON_KERNEL_ISA=avx2: the 4-double loop rounds as the 8-double one, in a subprocess."""
     pytest_in_build("avx2", __file__, "silu_mul")

@@ -251,21 +251,59 @@ constexpr std::array<double, EXP2_DEGREE + 1> exp2_taylor() {
 constexpr auto EXP2_C = exp2_taylor();
 #endif
 
+// Doubles at the build's vector width, the operations exp_pd needs.
+#if defined(__AVX512F__)
+struct SiluD {
+  using V = __m512d;
+  static V set1(double v) { return _mm512_set1_pd(v); }
+  static V min(V a, V b) { return _mm512_min_pd(a, b); }
+  static V max(V a, V b) { return _mm512_max_pd(a, b); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  // 2^n for kd = n + ROUND_MAGIC (n in kd's low mantissa bits), n + 1023 into the exponent bits
+  static V pow2(V kd) {
+    const __m512i n = _mm512_sub_epi64(_mm512_castpd_si512(kd), _mm512_castpd_si512(set1(ROUND_MAGIC)));
+    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(n, _mm512_set1_epi64(1023)), 52));
+  }
+};
+#elif defined(BATON_SILU_SIMD)
+struct SiluD {
+  using V = __m256d;
+  static V set1(double v) { return _mm256_set1_pd(v); }
+  static V min(V a, V b) { return _mm256_min_pd(a, b); }
+  static V max(V a, V b) { return _mm256_max_pd(a, b); }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_pd(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V pow2(V kd) {
+    const __m256i n = _mm256_sub_epi64(_mm256_castpd_si256(kd), _mm256_castpd_si256(set1(ROUND_MAGIC)));
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(n, _mm256_set1_epi64x(1023)), 52));
+  }
+};
+#endif
+
+#if defined(BATON_SILU_SIMD)
+// exp of a vector of doubles, clamped to [-150, 150] (float's range and past it: 0 and inf once
+// rounded to float)
+inline SiluD::V exp_pd(SiluD::V x) {
+  using D = SiluD;
+  x = D::min(D::max(x, D::set1(-150.0)), D::set1(150.0));
+  const D::V t = D::mul(x, D::set1(LOG2E));
+  const D::V kd = D::add(t, D::set1(ROUND_MAGIC));
+  const D::V f = D::sub(t, D::sub(kd, D::set1(ROUND_MAGIC)));
+  D::V p = D::set1(EXP2_C[EXP2_DEGREE]);
+  for (int k = EXP2_DEGREE - 1; k >= 0; --k) p = D::fmadd(p, f, D::set1(EXP2_C[k]));
+  return D::mul(p, D::pow2(kd));
+}
+#endif
+
+// One step of silu_mul: W floats of gate and up, as two vectors of doubles for the exp.
 #if defined(__AVX512F__)
 struct SiluSimd {
-  static constexpr int64_t W = 16;  // floats per step
-  // exp of 8 doubles, clamped to [-150, 150] (float's range and past it: 0 and inf once rounded)
-  static __m512d exp_pd(__m512d x) {
-    x = _mm512_min_pd(_mm512_max_pd(x, _mm512_set1_pd(-150.0)), _mm512_set1_pd(150.0));
-    const __m512d t = _mm512_mul_pd(x, _mm512_set1_pd(LOG2E));
-    const __m512d kd = _mm512_add_pd(t, _mm512_set1_pd(ROUND_MAGIC));
-    const __m512d f = _mm512_sub_pd(t, _mm512_sub_pd(kd, _mm512_set1_pd(ROUND_MAGIC)));
-    __m512d p = _mm512_set1_pd(EXP2_C[EXP2_DEGREE]);
-    for (int k = EXP2_DEGREE - 1; k >= 0; --k) p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(EXP2_C[k]));
-    const __m512i n = _mm512_sub_epi64(_mm512_castpd_si512(kd), _mm512_castpd_si512(_mm512_set1_pd(ROUND_MAGIC)));
-    const __m512i scale = _mm512_slli_epi64(_mm512_add_epi64(n, _mm512_set1_epi64(1023)), 52);
-    return _mm512_mul_pd(p, _mm512_castsi512_pd(scale));
-  }
+  static constexpr int64_t W = 16;
   static void step(float* g, const float* u) {
     const __m512 gv = _mm512_loadu_ps(g);
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(gv));
@@ -281,17 +319,6 @@ struct SiluSimd {
 #elif defined(BATON_SILU_SIMD)
 struct SiluSimd {
   static constexpr int64_t W = 8;
-  static __m256d exp_pd(__m256d x) {
-    x = _mm256_min_pd(_mm256_max_pd(x, _mm256_set1_pd(-150.0)), _mm256_set1_pd(150.0));
-    const __m256d t = _mm256_mul_pd(x, _mm256_set1_pd(LOG2E));
-    const __m256d kd = _mm256_add_pd(t, _mm256_set1_pd(ROUND_MAGIC));
-    const __m256d f = _mm256_sub_pd(t, _mm256_sub_pd(kd, _mm256_set1_pd(ROUND_MAGIC)));
-    __m256d p = _mm256_set1_pd(EXP2_C[EXP2_DEGREE]);
-    for (int k = EXP2_DEGREE - 1; k >= 0; --k) p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(EXP2_C[k]));
-    const __m256i n = _mm256_sub_epi64(_mm256_castpd_si256(kd), _mm256_castpd_si256(_mm256_set1_pd(ROUND_MAGIC)));
-    const __m256i scale = _mm256_slli_epi64(_mm256_add_epi64(n, _mm256_set1_epi64x(1023)), 52);
-    return _mm256_mul_pd(p, _mm256_castsi256_pd(scale));
-  }
   static void step(float* g, const float* u) {
     const __m256 gv = _mm256_loadu_ps(g);
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(gv));
