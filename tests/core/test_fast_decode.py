@@ -129,6 +129,46 @@ def test_prefill_and_mixed_steps_of_few_tokens_run_the_stack(quantization, monke
     assert outputs[default] == outputs[0] == outputs[20]
 
 
+def test_prompt_rows_over_long_contexts_keep_the_modules(monkeypatch):
+    """A prefill or mixed step whose prompt rows attend over more than STACK_MAX_PROMPT_KEYS keys
+    each on average runs transformers' modules (their flash attention reuses the chunk's keys,
+    the stack reads them once a row); the others run the stack. The same greedy tokens."""
+    path = tiny_model("llama")
+    lens = (5, 17, 1, 30, 9, 45, 12)
+    real = FastDecode.step_logits
+    monkeypatch.setattr(model_runner, "STACK_MAX_PROMPT_KEYS", 12)
+    ran: list[float] = []  # the mean keys of the prompt rows of each step the stack ran
+
+    def counted(fast, inputs):
+        decodes = sum(g.n for g in inputs.attn.decode_groups)
+        prompt = inputs.positions[decodes:] + 1
+        ran.append(float(prompt.float().mean()) if prompt.numel() else 0.0)
+        return real(fast, inputs)
+
+    monkeypatch.setattr(FastDecode, "step_logits", counted)
+    runner = make_runner(path, block_size=4, budget=24, max_seqs=8)
+    steps: list[float] = []  # the same for every step with prompt rows
+    builder_build = runner.inputs.build
+
+    def build(so, skip=()):
+        inputs = builder_build(so, skip)
+        decodes = sum(g.n for g in inputs.attn.decode_groups)
+        prompt = inputs.positions[decodes:] + 1
+        if prompt.numel():
+            steps.append(float(prompt.float().mean()))
+        return inputs
+
+    monkeypatch.setattr(runner.inputs, "build", build)
+    d = run_driver(runner, lens, max_tokens=12)
+    limited = [d.all[f"r{i}"].output for i in range(len(lens))]
+    assert ran and max(ran) <= 12  # the stack ran the short contexts' steps
+    assert sum(1 for k in steps if k > 12) > 0  # and left the others to the modules
+    assert len(ran) == sum(1 for k in steps if k <= 12)
+    monkeypatch.setattr(model_runner, "STACK_MAX_PROMPT_KEYS", 0)
+    modules = run_driver(make_runner(path, block_size=4, budget=24, max_seqs=8), lens, max_tokens=12)
+    assert limited == [modules.all[f"r{i}"].output for i in range(len(lens))]
+
+
 def decode_many(path, lens, fast, max_tokens, seed, **settings):
     """A runner (blocks of 3, every request at once) and the greedy tokens of requests of prompt
     lengths ``lens``, ``max_tokens`` each."""

@@ -217,8 +217,8 @@ class ExecutorSection(_Section):
     """On CPU in float32, run decode attention and decode-sized linears through baton's C++ kernels
     (compiled once with the system's C++ compiler; without one, a warning and torch ops)."""
     fast_decode: bool = True
-    """Run decode-only steps (and a float32 model's prefill and mixed steps of up to 512 tokens)
-    of Llama-block models (Llama, Qwen2, Mistral without sliding window) through one native call
+    """Run decode-only steps (and a float32 model's prefill and mixed steps of up to 2048 tokens whose
+    prompt rows read short contexts) of Llama-block models (Llama, Qwen2, Mistral without sliding window) through one native call
     for the whole layer stack (needs cpu_kernels; CPU, float32 or bfloat16: a bfloat16 model's
     linears run as oneDNN's bf16 GEMMs, the rest in float32)."""
     batch_invariant: bool = Field(default_factory=lambda: _env_flag(BATCH_INVARIANT_ENV))

@@ -57,11 +57,21 @@ if TYPE_CHECKING:
 
 
 #: Prefill and mixed steps of up to this many tokens run the native stack too (``step_logits``),
-#: every token a row attending over its own context: the per-op Python of transformers' modules
-#: costs more there than the row-by-row attention (longer steps: their modules, flash attention).
-#: The latency-aware budget's small chunks live here: on the 16-request grounded workload a
-#: 30-token mixed step took ~105 ms through the modules and ~60 ms through the stack.
-STACK_MAX_TOKENS = 512
+#: every token a row attending over its own context, when their prompt rows attend over at most
+#: STACK_MAX_PROMPT_KEYS keys each on average: the per-op Python of transformers' modules and
+#: their linears cost more than the row-by-row attention there. The latency-aware budget's small
+#: chunks live here (on the 16-request grounded workload a 30-token mixed step took ~105 ms
+#: through the modules and ~60 ms through the stack), and so does a whole 2048-token step of
+#: short prompts: AMD Zen 4, 2 threads, exact Q4_1, prefill of 8 prompts of 256 tokens 3.00 /
+#: 3.18 s through the modules, 2.65 / 2.45 s here; 4 of 512 3.30 -> 2.89 s.
+STACK_MAX_TOKENS = 2048
+#: The most keys a step's prompt rows may attend over on average for the stack to run it: each
+#: row reads its keys on its own, where the modules' flash attention reuses a block of keys
+#: across a chunk's rows. Same host: one 1536-token prompt (768 keys a row) 2.89-2.94 s here
+#: against 2.92-3.08 through the modules, 2 of 1024 (512) 3.38 against 3.82; a 3000-token prompt
+#: (its second chunk 2524 keys a row) 7.82 against 7.24 s, 6000 tokens in chunks of 512 25.4
+#: against 22.1 s.
+STACK_MAX_PROMPT_KEYS = 768
 
 
 @dataclass

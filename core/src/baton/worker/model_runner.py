@@ -44,7 +44,7 @@ from baton.protocol import (
     TokenLogprobs,
 )
 from baton.worker.containment import describe, log_contained
-from baton.worker.fast_decode import STACK_MAX_TOKENS, FastDecode
+from baton.worker.fast_decode import STACK_MAX_PROMPT_KEYS, STACK_MAX_TOKENS, FastDecode
 from baton.worker.fast_decode_build import build_fast_decode
 from baton.worker.input_batch import BatchContractError, InputBatch
 from baton.worker.kv_cache import KVCacheMixin
@@ -170,27 +170,32 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             self._cpu_linears()
         self.fast_decode = self._fast_decode()
         self.lora = self._lora()  # after fast_decode: it took the layers' weights as they are
+        tables, table_keys = self._token_tables()
         self.inputs = StepInputBuilder(
             self.input_batch,
             self.max_num_tokens,
             self.device,
             kernels=self.attention_kernels,
-            token_tables=self._token_tables(),
+            token_tables=tables,
+            token_table_keys=table_keys,
         )
         self.sampler = Sampler(self.device, self.settings.model.seed)
 
-    def _token_tables(self) -> int:
-        """The most tokens of a step the native stack runs as rows (StepInputBuilder's
-        token_tables): any in batch-invariant mode, else a prefill or mixed step of up to
-        STACK_MAX_TOKENS where fast decode runs a float32 model alone (no tensor parallelism).
-        A 16-bit model keeps its modules there: the stack rounds less than they do, so its
-        tokens would move, and that trade is not measured yet."""
+    def _token_tables(self) -> tuple[int, int | None]:
+        """The steps the native stack runs as rows (StepInputBuilder's token_tables and
+        token_table_keys): any in batch-invariant mode, else a prefill or mixed step of up to
+        STACK_MAX_TOKENS whose prompt rows attend over STACK_MAX_PROMPT_KEYS keys on average at
+        most, where fast decode runs a float32 model alone (no tensor parallelism). A 16-bit
+        model keeps its modules there: the stack rounds less than they do, so its tokens would
+        move, and that trade is not measured yet."""
         fast = self.fast_decode
         if fast is None:
-            return 0
+            return 0, None
         if self.invariant:
-            return 1 << 62
-        return STACK_MAX_TOKENS if fast.tp is None and fast.dtype is torch.float32 else 0
+            return 1 << 62, None
+        if fast.tp is None and fast.dtype is torch.float32:
+            return STACK_MAX_TOKENS, STACK_MAX_PROMPT_KEYS
+        return 0, None
 
     def _apply_kv_shape(self) -> None:
         """The layers and heads this runner holds: the model's, or what its hooks say."""

@@ -117,6 +117,7 @@ class StepInputBuilder:
         device: torch.device,
         kernels: bool = False,
         token_tables: int = 0,
+        token_table_keys: int | None = None,
     ) -> None:
         self.batch = batch
         self.device = device
@@ -125,6 +126,9 @@ class StepInputBuilder:
         #: build StepInputs.token_blocks for steps of at most this many tokens (0: never; every
         #: step in batch-invariant mode, prefill and mixed steps the native stack runs otherwise)
         self.token_tables = int(token_tables)
+        #: ... and whose prompt rows attend over at most this many keys each on average (None:
+        #: any; decode rows read their whole context whichever path runs them)
+        self.token_table_keys = token_table_keys
         self.max_num_tokens = max_num_tokens
         pin = device.type == "cuda"
         # CPU staging buffers; on CPU they are the step tensors themselves (sliced).
@@ -159,7 +163,8 @@ class StepInputBuilder:
         positions, token_rows = self._flatten(seg, total)
         lora_ids = b.lora_id[token_rows] if b.lora_id[sch.rows].any() else None
         token_blocks = None
-        if total <= self.token_tables:  # blocks up to the step's longest context, per token
+        if total <= self.token_tables and self._prompt_keys_fit(seg):
+            # blocks up to the step's longest context, per token
             nb = int(positions.max()) // b.block_size + 1
             token_blocks = self._to_device(torch.from_numpy(b.block_table[token_rows, :nb]))
         samples = seg.end >= sch.num_tokens[seg.order]  # the last token, or a verifying row
@@ -280,6 +285,15 @@ class StepInputBuilder:
             nd=len(seg_req),
             num_decodes=len(dec),
         )
+
+    def _prompt_keys_fit(self, seg: _Segments) -> bool:
+        """Whether the step's prompt rows attend over at most token_table_keys keys on average
+        (a chunk's rows at positions start .. end - 1 read start + 1 .. end keys)."""
+        if self.token_table_keys is None:
+            return True
+        q, start, end = seg.q[seg.nd :], seg.start[seg.nd :], seg.end[seg.nd :]
+        keys = int((q * (start + end + 1)).sum()) // 2
+        return keys <= self.token_table_keys * int(q.sum())
 
     def _flatten(self, seg: _Segments, total: int) -> tuple[np.ndarray, np.ndarray]:
         """Write the step's token ids, positions and KV slots into the staging buffers; return
