@@ -29,10 +29,13 @@
 #include <torch/library.h>
 #include <omp.h>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "row_kernels.h"
@@ -493,7 +496,23 @@ struct Stack {
   QuantX* shared_prep;
   bool prep_exact;
   float* xn;  // [M, Hd] the normed input where shared_prep is set
+  // per layer, the next (request, kv head) pair whose attention a thread takes (take_pairs)
+  std::atomic<int64_t>* next_pair;
 };
+
+// The next pairs [first, first + count) of n a thread attends, from the layer's shared counter:
+// a share of what is left (guided: big early, one pair at the end), so that the threads finish
+// together whatever each pair costs. A static split by the keys each pair reads left the thread
+// with the decode rows (keys from memory) ~2x the attention of the one with the prompt rows
+// (a chunk's keys in cache after its first row): AMD Zen 4, workload.json, exact.
+inline std::pair<int64_t, int64_t> take_pairs(std::atomic<int64_t>& next, int64_t n, int64_t nt) {
+  int64_t first = next.load(std::memory_order_relaxed);
+  for (;;) {
+    if (first >= n) return {n, 0};
+    const int64_t count = std::max<int64_t>(1, (n - first) / (2 * nt));
+    if (next.compare_exchange_weak(first, first + count, std::memory_order_relaxed)) return {first, count};
+  }
+}
 
 void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
   const int64_t M = s.M, Hd = s.Hd, D = s.D, H = s.H, KVH = s.KVH, G = H / KVH, I = s.I;
@@ -515,9 +534,6 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     }
   };
   const bool partial = s.part >= 0 && s.part < 2 * s.L;
-  // the (request, kv head) pairs split by the keys they read (a prompt chunk's rows read 1..n)
-  const std::vector<int64_t> attend_cut = baton_rows::split_by_work(
-      M * KVH, nt, [&](int64_t u) { return s.ctx_lens[u / KVH] + baton_rows::ATTEND_ROW_COST; });
   // a new input `in` [M, K] of the layers' linears: with a shared preparation this thread's rows
   // of it, then every thread waits for every row
   auto next_input = [&](const float* in, int64_t K) {
@@ -561,8 +577,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
         }
       }
       barrier();
-      {  // this thread's (request, kv head) pairs: rotary, cache write, attention of the head group
-        const int64_t a = attend_cut[tid], b = attend_cut[tid + 1];
+      {  // (request, kv head) pairs: rotary, cache write, attention of the head group
         auto write = [&](int64_t u) {
           const int64_t m = u / KVH, j = u % KVH;
           float* q = s.q + m * QW;
@@ -578,16 +593,18 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
                                    s.block_table + m * s.max_blocks, s.ctx_lens[m], 0, cd, s.scale, s.attn + m * QW, D,
                                    j, j + 1, scores, qbuf);
         };
-        if (s.shared_context) {
+        const int64_t pairs = M * KVH;
+        if (s.shared_context) {  // every pair's keys written before any pair attends
+          const auto [a, b] = share(pairs, nt, tid, 1);
           for (int64_t u = a; u < b; ++u) write(u);
           barrier();
-          for (int64_t u = a; u < b; ++u) attend(u);
-        } else {
-          for (int64_t u = a; u < b; ++u) {
-            write(u);
+        }
+        // each pair on one thread (its bits do not depend on which), taken as the threads free up
+        for (auto [u, n] = take_pairs(s.next_pair[l], pairs, nt); n > 0; std::tie(u, n) = take_pairs(s.next_pair[l], pairs, nt))
+          for (int64_t e = u + n; u < e; ++u) {
+            if (!s.shared_context) write(u);  // a row that reads only its own context: written just before
             attend(u);
           }
-        }
       }
       barrier();
       residual(lw[O], s.attn, QW);
@@ -734,6 +751,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
     xn = at::empty({M, Hd}, hidden.options());
   }
   at::Tensor work = at::empty({M * (2 * QW + 2 * KW + 2 * I + Hd)}, hidden.options());
+  const std::unique_ptr<std::atomic<int64_t>[]> next_pair(new std::atomic<int64_t>[L]);
+  for (int64_t l = 0; l < L; ++l) next_pair[l].store(0, std::memory_order_relaxed);
   at::Tensor out = head != nullptr ? at::Tensor() : at::empty_like(h);
   float* wp = work.data_ptr<float>();
   float* q = wp;
@@ -781,7 +800,8 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            align,
            share_prep ? &shared_prep : nullptr,
            prep_exact,
-           share_prep ? xn.data_ptr<float>() : nullptr};
+           share_prep ? xn.data_ptr<float>() : nullptr,
+           next_pair.get()};
   at::internal::lazy_init_num_threads();
   const int64_t want = at::get_num_threads();
   if (want <= 1 || at::in_parallel_region()) {
