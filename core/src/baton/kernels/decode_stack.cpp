@@ -99,6 +99,31 @@ struct Bf16X {
   uint64_t gen = ~uint64_t{0};
 };
 
+// A float buffer kept from call to call that only grows (never zeroed): the one region's
+// buffers, so that their pages are faulted in once, not every step. In a virtual machine a first
+// touch costs far more than the page's zeroing (AMD Zen 4 guest, workload.json exact: 3.2% of
+// the run's samples in clear_page_erms, three quarters of the faults in these buffers).
+struct Scratch {
+  std::unique_ptr<float[]> data;
+  int64_t size = 0;
+  float* get(int64_t n) {
+    if (n > size) {  // at least doubled: a step of one row more must not fault in a new buffer
+      size = std::max(n, 2 * size);
+      data.reset(new float[size]);
+    }
+    return data.get();
+  }
+};
+
+// What each thread of the one region keeps from call to call (Scratch); its preparations
+// invalidated at the start of every call (their gen counts from 0 in each).
+struct ThreadBuffers {
+  Scratch x;
+  std::vector<float> scores, qbuf;
+  baton_rows::QuantX prep;
+  Bf16X xb;
+};
+
 c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
@@ -518,14 +543,18 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
   const int64_t M = s.M, Hd = s.Hd, D = s.D, H = s.H, KVH = s.KVH, G = H / KVH, I = s.I;
   const int64_t QW = H * D, KW = KVH * D;
   const CacheDims cd{H, KVH, D, s.BS};
-  std::vector<float> x(M * Hd);  // this thread's normed input (each thread norms for itself)
-  std::vector<float> scores, qbuf;
-  QuantX prep;
+  thread_local ThreadBuffers buffers;
+  float* const x = buffers.x.get(M * Hd);  // this thread's normed input (each thread norms for itself)
+  std::vector<float>& scores = buffers.scores;
+  std::vector<float>& qbuf = buffers.qbuf;
+  QuantX& prep = buffers.prep;
+  prep.gen = ~uint64_t{0};
   const bool sp = s.shared_prep != nullptr && nt > 1;
   QuantX& lp = sp ? *s.shared_prep : prep;  // the preparation the layers' linears read
-  const float* xin = sp ? s.xn : x.data();  // their normed input
+  const float* xin = sp ? s.xn : x;  // their normed input
   const auto [r0, r1] = share(M, nt, tid, 1);  // this thread's rows of a shared preparation
-  Bf16X xb;
+  Bf16X& xb = buffers.xb;
+  xb.gen = ~uint64_t{0};
   uint64_t gen = 0;
   const Lin* lins = s.lins->data();
   auto barrier = [nt]() {
@@ -549,7 +578,7 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     if (sp)
       rms_norm(s.h + r0 * Hd, w, s.xn + r0 * Hd, r1 - r0, Hd, s.eps);
     else
-      rms_norm(s.h, w, x.data(), M, Hd, s.eps);
+      rms_norm(s.h, w, x, M, Hd, s.eps);
     next_input(xin, Hd);
   };
   // the o_proj / down_proj output: added into the residual stream, or (one part) the result
@@ -624,11 +653,11 @@ void stack_thread(const Stack& s, int64_t tid, int64_t nt) {
     barrier();
   }
   if (partial) return;
-  rms_norm(s.h, (*s.norms)[2 * s.L], x.data(), M, Hd, s.eps);
-  if (s.out != nullptr && tid == 0) std::memcpy(s.out, x.data(), M * Hd * sizeof(float));
+  rms_norm(s.h, (*s.norms)[2 * s.L], x, M, Hd, s.eps);
+  if (s.out != nullptr && tid == 0) std::memcpy(s.out, x, M * Hd * sizeof(float));
   if (s.head != nullptr) {
     const auto [a, b] = share(s.head->N, nt, tid, s.align);
-    lin_rows(*s.head, x.data(), M, ++gen, prep, xb, s.logits, a, b, s.invariant);
+    lin_rows(*s.head, x, M, ++gen, prep, xb, s.logits, a, b, s.invariant);
   }
 #ifdef BATON_BF16_TILES
   if (xb.gen != ~uint64_t{0}) at::native::cpublas::brgemm_release(true);  // this thread's AMX tile state
@@ -736,7 +765,13 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
     head_lin = make_lin(*head, head_bias, head_qtype, head_q8a, Hd, head_packed);
     logits = at::empty({M, head_lin.N}, hidden.options());
   }
-  at::Tensor h = hidden.contiguous().clone();
+  // the residual stream, the shared preparation and the phases' outputs: the calling thread's
+  // buffers, kept from call to call (Scratch)
+  thread_local Scratch h_buf, xn_buf, work_buf;
+  thread_local QuantX shared_prep;
+  const at::Tensor hc = hidden.contiguous();
+  float* const h = h_buf.get(M * Hd);
+  std::memcpy(h, hc.data_ptr<float>(), M * Hd * sizeof(float));
   const int64_t QW = H * D, KW = KVH * D;
   // every layer's linears packed for one kind of x (linear_q8p's int8 or linear_qp's three pieces)
   // and enough rows: the threads share x's preparation, each doing its rows
@@ -744,17 +779,15 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
   const bool prep_exact = packed_all && !lins[0].q8a;
   for (const Lin& l : lins) packed_all = packed_all && l.packed && !l.q8a == prep_exact;
   const bool share_prep = packed_all && M >= SHARED_PREP_MIN_ROWS && at::get_num_threads() > 1;
-  QuantX shared_prep;
-  at::Tensor xn;
+  float* xn = nullptr;
   if (share_prep) {
     baton_rows::packed_prep_size(prep_exact, M, std::max({Hd, QW, I}), shared_prep);
-    xn = at::empty({M, Hd}, hidden.options());
+    xn = xn_buf.get(M * Hd);
   }
-  at::Tensor work = at::empty({M * (2 * QW + 2 * KW + 2 * I + Hd)}, hidden.options());
+  float* const wp = work_buf.get(M * (2 * QW + 2 * KW + 2 * I + Hd));
   const std::unique_ptr<std::atomic<int64_t>[]> next_pair(new std::atomic<int64_t>[L]);
   for (int64_t l = 0; l < L; ++l) next_pair[l].store(0, std::memory_order_relaxed);
-  at::Tensor out = head != nullptr ? at::Tensor() : at::empty_like(h);
-  float* wp = work.data_ptr<float>();
+  at::Tensor out = head != nullptr ? at::Tensor() : at::empty_like(hc);
   float* q = wp;
   float* k = q + M * QW;
   float* v = k + M * KW;
@@ -783,7 +816,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            block_table.data_ptr<int64_t>(),
            lens,
            max_blocks,
-           h.data_ptr<float>(),
+           h,
            q,
            k,
            v,
@@ -800,7 +833,7 @@ at::Tensor one_region(const at::Tensor& hidden, const float* cp, const float* sp
            align,
            share_prep ? &shared_prep : nullptr,
            prep_exact,
-           share_prep ? xn.data_ptr<float>() : nullptr,
+           xn,
            next_pair.get()};
   at::internal::lazy_init_num_threads();
   const int64_t want = at::get_num_threads();
