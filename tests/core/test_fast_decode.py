@@ -165,7 +165,9 @@ def test_prompt_rows_over_long_contexts_keep_the_modules(monkeypatch):
     assert sum(1 for k in steps if k > 12) > 0  # and left the others to the modules
     assert len(ran) == sum(1 for k in steps if k <= 12)
     monkeypatch.setattr(model_runner, "STACK_MAX_PROMPT_KEYS", 0)
-    modules = run_driver(make_runner(path, block_size=4, budget=24, max_seqs=8), lens, max_tokens=12)
+    modules = run_driver(
+        make_runner(path, block_size=4, budget=24, max_seqs=8), lens, max_tokens=12
+    )
     assert limited == [modules.all[f"r{i}"].output for i in range(len(lens))]
 
 
