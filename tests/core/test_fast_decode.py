@@ -129,6 +129,14 @@ def test_prefill_and_mixed_steps_of_few_tokens_run_the_stack(quantization, monke
     assert outputs[default] == outputs[0] == outputs[20]
 
 
+def prompt_keys(inputs) -> float | None:
+    """The mean keys a step's prompt rows attend over (the rows after its decode rows), or None
+    for a step without prompt rows."""
+    decodes = sum(g.n for g in inputs.attn.decode_groups)
+    prompt = inputs.positions[decodes:] + 1
+    return float(prompt.float().mean()) if prompt.numel() else None
+
+
 def test_prompt_rows_over_long_contexts_keep_the_modules(monkeypatch):
     """A prefill or mixed step whose prompt rows attend over more than STACK_MAX_PROMPT_KEYS keys
     each on average runs transformers' modules (their flash attention reuses the chunk's keys,
@@ -140,9 +148,8 @@ def test_prompt_rows_over_long_contexts_keep_the_modules(monkeypatch):
     ran: list[float] = []  # the mean keys of the prompt rows of each step the stack ran
 
     def counted(fast, inputs):
-        decodes = sum(g.n for g in inputs.attn.decode_groups)
-        prompt = inputs.positions[decodes:] + 1
-        ran.append(float(prompt.float().mean()) if prompt.numel() else 0.0)
+        keys = prompt_keys(inputs)
+        ran.append(keys if keys is not None else 0.0)
         return real(fast, inputs)
 
     monkeypatch.setattr(FastDecode, "step_logits", counted)
@@ -152,10 +159,9 @@ def test_prompt_rows_over_long_contexts_keep_the_modules(monkeypatch):
 
     def build(so, skip=()):
         inputs = builder_build(so, skip)
-        decodes = sum(g.n for g in inputs.attn.decode_groups)
-        prompt = inputs.positions[decodes:] + 1
-        if prompt.numel():
-            steps.append(float(prompt.float().mean()))
+        keys = prompt_keys(inputs)
+        if keys is not None:
+            steps.append(keys)
         return inputs
 
     monkeypatch.setattr(runner.inputs, "build", build)
