@@ -161,3 +161,15 @@ def test_a_fault_while_scoring_fails_only_that_request(
     monkeypatch.undo()
     again = run(llm, prompt_of(12, seed=9), prompt_logprobs=1)  # the engine serves on
     assert again.prompt_logprobs is not None and len(again.prompt_logprobs) == 12
+
+
+def test_a_last_chunk_of_one_token_still_returns_the_scores(llm: LLM, path: str) -> None:
+    # 21 tokens 5 at a time: the last chunk is the last prompt token alone, which scores
+    # nothing itself; the earlier chunks' scores come back with it
+    prompt = prompt_of(21, seed=2)
+    out = run(llm, prompt, prompt_logprobs=0)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    ref = reference(path, prompt)
+    got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    want = [float(ref[i, t]) for i, t in enumerate(prompt[1:])]
+    assert got == pytest.approx(want, abs=TOLERANCE)

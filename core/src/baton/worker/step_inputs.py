@@ -36,7 +36,8 @@ class PromptRows:
     """Logits rows past the sampling ones that score prompt tokens (prompt_logprobs).
 
     Request ``req_ids[j]`` has ``counts[j]`` rows in a row: row p of its chunk scores the
-    prompt token at position p + 1 (``targets``), with the top ``num_logprobs[j]``.
+    prompt token at position p + 1 (``targets``), with the top ``num_logprobs[j]``. A chunk
+    of the last prompt token alone has none (that step hands back the earlier chunks').
     """
 
     req_ids: list[str]
@@ -348,15 +349,14 @@ class StepInputBuilder:
         for i in np.nonzero(want)[0].tolist():
             row = int(rows_o[i])
             lo, hi = int(start_o[i]), min(int(end_o[i]), int(b.num_prompt_tokens[row]) - 1)
-            if hi <= lo:
-                continue
+            # a last chunk of the last prompt token alone scores nothing, but it is listed
+            # (with no rows): the step that samples hands back the earlier chunks' scores
+            hi = max(hi, lo)
             ids.append(req_ids[int(order[i])])
             counts.append(hi - lo)
             ks.append(int(b.num_prompt_logprobs[row]))
             flats.append(int(q_start[i]) + self._arange[: hi - lo])
             targets.append(b.token_ids[row, lo + 1 : hi + 1])
-        if not ids:
-            return None
         rows = PromptRows(ids, counts, ks, np.concatenate(targets))
         return rows, np.concatenate(flats)
 
