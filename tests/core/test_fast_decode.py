@@ -18,6 +18,7 @@ from baton.errors import ExecutorError
 from baton.kernels import loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV
 from baton.quant import QuantLinear
+from baton.sampling_params import SamplingParams
 from baton.testing.runner_driver import Driver
 from baton.testing.threads import torch_threads
 from baton.testing.tiny_model import tiny_model
@@ -514,3 +515,59 @@ def test_batch_invariant_refuses_bfloat16_weights():
     assert build_fast_decode(model, torch.device("cpu"), True, 64) is not None
     with pytest.raises(ExecutorError, match="bfloat16 weights"):
         build_fast_decode(model, torch.device("cpu"), True, 64, invariant=True)
+
+
+#: requests whose sampler reads more of the logits than the argmax
+NOT_ARGMAX_ONLY = [
+    SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.0, presence_penalty=0.5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    SamplingParams(temperature=0.0, logit_bias={7: 3.0}),
+    SamplingParams(temperature=0.0, min_tokens=4),
+]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_greedy_steps_screen_the_exact_head_with_the_same_tokens(quantization, monkeypatch):
+    """A step whose sampler reads only each row's argmax runs the exact packed head screened
+    (linear_qp_argmax: -inf where a logit cannot be its row's largest): the tokens of the whole
+    head. A step with a request that samples, wants logprobs, penalties, a bias or min_tokens
+    runs the whole head."""
+    if not q8p_built():
+        pytest.skip("linear_qp is not built here (no AVX-512 VNNI, no AVX2)")
+    monkeypatch.setenv(PACKED_EXACT_ENV, "1")  # the exact linears (and head) on packed rows
+    path = tiny_model("llama")
+    lens = (5, 17, 1, 30, 9, 45, 12)
+    seen: list[tuple[list[str], bool]] = []
+    real = FastDecode._screens
+
+    def recorded(fast, inputs):
+        screens = real(fast, inputs)
+        seen.append((list(inputs.sample_req_ids), screens))
+        return screens
+
+    monkeypatch.setattr(FastDecode, "_screens", recorded)
+    settings = {"model.quantization": quantization}
+    outputs = []
+    for screen in (True, False):
+        runner = make_runner(path, block_size=4, budget=24, max_seqs=8, **settings)
+        assert runner.fast_decode is not None and runner.fast_decode.head_bounds is not None
+        if not screen:
+            runner.fast_decode.head_bounds = None
+        seen.clear()
+        d = run_driver(runner, lens, max_tokens=12)
+        outputs.append([d.all[f"r{i}"].output for i in range(len(lens))])
+        assert any(s for _, s in seen) is screen
+    assert outputs[0] == outputs[1]
+    for params in NOT_ARGMAX_ONLY:
+        runner = make_runner(path, block_size=4, budget=24, max_seqs=8, **settings)
+        seen.clear()
+        d = Driver(runner, NUM_BLOCKS, 4, budget=24)
+        for i, p in enumerate(prompts(seed=1, lens=(5, 9, 12))):
+            special = i == 1  # done after 2 tokens: the others decode on without it
+            d.add(f"r{i}", p, max_tokens=2 if special else 6, params=params if special else None)
+        d.run()
+        with_it = [s for rids, s in seen if "r1" in rids]
+        assert with_it and not any(with_it), params
+        assert any(s for rids, s in seen if "r1" not in rids)  # the others' steps after it

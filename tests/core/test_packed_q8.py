@@ -387,3 +387,66 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
             if _built():  # the VNNI loop (or this same AVX2 loop): the same bits
                 here = getattr(torch.ops.baton, op)(x, packed, qtype, bias)
                 assert torch.equal(here, y), (op, qtype)
+
+
+def _argmax_case(qtype: QType, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows of 48 tiles whose rows 5 and 700 repeat row 3 (exact ties for the first index
+    to win), and x of ``rows`` rows: plain, heavy-tailed, zeros, huge values."""
+    w = random_rows(768, 576, qtype, seed=seed)
+    w[5] = w[3]
+    w[700] = w[3]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 576, generator=g) * torch.randn(rows, 576, generator=g).exp()
+    x[0] = torch.randn(576, generator=g)  # no outliers: the bound screens out most tiles
+    if rows > 2:
+        x[1] = 0.0  # every column 0, exactly (without a bias every tile stays)
+        x[2] *= 1e30
+    return torch.ops.baton.pack_q8p(w, int(qtype)), x
+
+
+@needs_q8p
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 6, 17])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_qp_argmax_keeps_linear_qp_where_a_row_can_peak(qtype, rows, with_bias):
+    """x's first int8 piece screens the columns with a rigorous bound; every tile that can hold a
+    row's largest value (ties included) gets linear_qp's bits, the rest -inf: the same argmax,
+    first index on ties, and few tiles computed exactly."""
+    packed, x = _argmax_case(qtype, rows, seed=rows)
+    bounds = torch.ops.baton.packed_row_bounds(packed, int(qtype))
+    assert bounds.shape == (48, 576 // 32, 16) and bool((bounds >= 0).all())
+    bias = torch.randn(768, generator=torch.Generator().manual_seed(1)) if with_bias else None
+    want = torch.ops.baton.linear_qp(x, packed, int(qtype), bias)
+    got = torch.ops.baton.linear_qp_argmax(x, packed, int(qtype), bias, bounds)
+    kept = torch.isfinite(got)
+    assert torch.equal(got[kept], want[kept])
+    assert bool((got[~kept] == float("-inf")).all())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert bool(kept.view(rows, 48, 16).all(-1).eq(kept.view(rows, 48, 16).any(-1)).all())
+    for m in range(rows):
+        top = want[m] == want[m].max()
+        assert bool(kept[m][top].all())  # every column tying the largest is exact
+    if rows > 2 and bias is None:
+        assert bool(kept[1].all())  # x = 0: nothing to tell the columns apart
+    assert float(kept[0].float().mean()) < 0.5  # a plain row: most tiles screened out
+    with torch_threads(1):
+        assert torch.equal(
+            torch.ops.baton.linear_qp_argmax(x, packed, int(qtype), bias, bounds), got
+        )
+
+
+@needs_q8p
+def test_linear_qp_argmax_ties_and_nan():
+    packed, _ = _argmax_case(QType.Q8_0, 1, seed=2)
+    bounds = torch.ops.baton.packed_row_bounds(packed, int(QType.Q8_0))
+    w = torch.ops.baton.dequantize_q8p_rows(packed, int(QType.Q8_0), torch.arange(768))
+    x = w[3:4].clone()  # row 3 (and its copies 5 and 700) is the largest: a tie of three
+    got = torch.ops.baton.linear_qp_argmax(x, packed, int(QType.Q8_0), None, bounds)
+    want = torch.ops.baton.linear_qp(x, packed, int(QType.Q8_0))
+    assert int(got.argmax()) == int(want.argmax()) == 3
+    assert torch.equal(got[0, [3, 5, 700]], want[0, [3, 5, 700]])
+    x[0, 7] = float("nan")  # NaN: no bound holds, every tile computed
+    got = torch.ops.baton.linear_qp_argmax(x, packed, int(QType.Q8_0), None, bounds)
+    assert torch.equal(got.isnan(), torch.ops.baton.linear_qp(x, packed, int(QType.Q8_0)).isnan())
+    with pytest.raises(RuntimeError, match="packed_row_bounds"):
+        torch.ops.baton.linear_qp_argmax(x, packed, int(QType.Q8_0), None, bounds[:-1])

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -79,6 +80,9 @@ constexpr int64_t PREP_INT8 = 3000, PREP_EXACT = 3001;
 // Blocks ahead that tiles() prefetches (Xeon with AMX, 30 layers of Q4_1 at one row: 5.8 -> 4.3
 // ms on one thread, medians of 3 alternating runs; two threads are held by memory bandwidth).
 constexpr int PREFETCH = 8;
+// Tiles a pass of packed_rows_p takes before the next four rows of x come (32 tiles of Q8_0 at
+// K = 576: 313 KB, in L2).
+constexpr int64_t CHUNK_TILES = 32;
 
 // Z: the offset of the unsigned bytes (q - Z are the format's integers, Q4_1's q need none).
 struct P4_0 {
@@ -605,9 +609,15 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
     return;
   }
 #endif
-  row_blocks(M, [&](auto mr, int64_t m) {
-    tile_range<P, decltype(mr)::value, EX>(rows_from(x, m), pw, nb, t0, t1, bias, y + m * N, N, n0, n1);
-  });
+  // more than four rows of x pass over the tiles several times: CHUNK_TILES at a time, so that
+  // the passes after the first read them from L2 (an LM head is tens of MB)
+  const int64_t step = M > 4 ? CHUNK_TILES : t1 - t0;
+  for (int64_t c0 = t0; c0 < t1; c0 += step) {
+    const int64_t c1 = std::min(t1, c0 + step);
+    row_blocks(M, [&](auto mr, int64_t m) {
+      tile_range<P, decltype(mr)::value, EX>(rows_from(x, m), pw, nb, c0, c1, bias, y + m * N, N, n0, n1);
+    });
+  }
 }
 
 #endif  // BATON_Q8P
@@ -1150,6 +1160,174 @@ at::Tensor linear_qp(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
   return packed_linear("linear_qp", x, packed, qtype, bias, true);
 }
 
+// Per output row and block of packed (rows [T * 16, K] in format P): the sum of |w| over the
+// block's 32 dequantized weights, rounded up to a float32 ([T, K / 32, 16], a tile's blocks in
+// order, 16 rows each): what bounds a block's error when x is known only to within some e.
+at::Tensor packed_row_bounds(const at::Tensor& packed, int64_t qtype) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              "packed_row_bounds: packed must be pack_q8p's contiguous uint8 tensor");
+  at::Tensor out;
+  dispatch_p(qtype, "packed_row_bounds", [&]<class P>() {
+    check_packed<P>("packed_row_bounds", packed);
+    const int64_t T = packed.size(0), nb = packed.size(1) / P::BB, K = nb * QK;
+    out = at::empty({T, nb, TN}, packed.options().dtype(at::kFloat));
+    const uint8_t* pp = packed.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<float> w(TN * K);
+      for (int64_t t = t0; t < t1; ++t) {
+        dequantize_packed<P>(pp, nb, t * TN, (t + 1) * TN, w.data());
+        for (int64_t b = 0; b < nb; ++b)
+          for (int c = 0; c < TN; ++c) {
+            double sum = 0.0;  // 32 terms of at most 2^24 ulps: exact in double
+            for (int j = 0; j < QK; ++j) sum += std::abs(static_cast<double>(w[c * K + b * QK + j]));
+            float f = static_cast<float>(sum);
+            if (static_cast<double>(f) < sum) f = std::nextafter(f, INFINITY);
+            op[(t * nb + b) * TN + c] = f;
+          }
+      }
+    });
+  });
+  return out;
+}
+
+#if defined(BATON_Q8P_INT8)
+// How far the screening pass's bound is widened: it covers x's first piece exactly in real
+// numbers; the float roundings of the screened sums and of linear_qp's own sums are each below
+// ~2^-12 of it (|x| . |w| is at most 254 bounds, times 2^-24 per block), so 1/64 is ample.
+constexpr float SCREEN_SLACK = 1.0f + 1.0f / 64.0f;
+
+// 16 float lanes (one tile's columns): one zmm on AVX-512, two ymm on AVX2.
+typedef float F16 __attribute__((vector_size(64)));
+
+// v's lanes joined by op (a tree of halves).
+template <class Op>
+inline float across16(F16 v, Op op) {
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+  return v[0];
+}
+
+// For rows m of the screened sums y [M, N] and tiles [t0, t1): each tile's largest upper bound
+// (hi) and largest lower bound (lo) over its columns, a column's bound sum_b err[m, b] *
+// bounds[t, b, c]. A NaN makes both NaN (its row then keeps every tile). Four rows at a time:
+// four chains of additions in flight.
+void screen_bounds(const float* y, int64_t N, int64_t T, int64_t M, int64_t nb, int64_t t0, int64_t t1,
+                   const float* bounds, const float* err, float* hi, float* lo) {
+  auto load = [](const float* p) {
+    F16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  auto vmax = [](F16 a, F16 b) { return a > b ? a : b; };
+  auto finish = [&](int64_t m, int64_t t, F16 acc) {
+    const F16 v = load(y + m * N + t * TN), e = acc * SCREEN_SLACK, up = v + e, down = v - e;
+    // a NaN lane (or infinite bounds) makes the sum NaN: then the row keeps every tile
+    const bool nan = std::isnan(across16(up + down, [](F16 a, F16 b) { return a + b; }));
+    hi[m * T + t] = nan ? NAN : across16(up, vmax);
+    lo[m * T + t] = nan ? NAN : across16(down, vmax);
+  };
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* bt = bounds + t * nb * TN;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      F16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      const float* e = err + m * nb;
+      for (int64_t b = 0; b < nb; ++b) {
+        const F16 v = load(bt + b * TN);
+        a0 += v * e[b];
+        a1 += v * e[nb + b];
+        a2 += v * e[2 * nb + b];
+        a3 += v * e[3 * nb + b];
+      }
+      finish(m, t, a0);
+      finish(m + 1, t, a1);
+      finish(m + 2, t, a2);
+      finish(m + 3, t, a3);
+    }
+    for (; m < M; ++m) {
+      F16 acc = {};
+      for (int64_t b = 0; b < nb; ++b) acc += load(bt + b * TN) * err[m * nb + b];
+      finish(m, t, acc);
+    }
+  }
+}
+
+// y = x @ w^T (+ bias) as linear_qp gives it, on the columns whose value can be their row's
+// largest; -inf on every other (the row's argmax, first index on ties, is linear_qp's). x's first
+// int8 piece (split_rows: |x - 254 dx1 q0| <= 127 dx1 + 127 dx2 < 128 dx1 per 32 values) screens
+// every column through linear_q8p's loop, each column with a bound sum_b 128 dx1_b * bounds_b (its
+// |w| per block, packed_row_bounds); a 16-column tile with a column that can reach the row's
+// largest lower bound then runs linear_qp. A greedy step on the SmolLM2 head (49152 columns)
+// keeps ~3.5 of 3072 tiles on average.
+at::Tensor linear_qp_argmax(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& bounds) {
+  const char* op = "linear_qp_argmax";
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2, op,
+              ": x must be a CPU float32 tensor [M, K]");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              op, ": packed must be pack_q8p's contiguous uint8 tensor");
+  const int64_t N = packed.size(0) * TN;
+  if (bias)
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                    bias->size(0) == N && bias->is_contiguous(),
+                op, ": bias must be a contiguous CPU float32 tensor [", N, "]");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  dispatch_p(qtype, op, [&]<class P>() {
+    const int64_t K = packed_k<P>(packed), M = x.size(0), nb = K / QK, T = N / TN;
+    TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " inputs, the packed weights ", K);
+    TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() && bounds.dim() == 3 &&
+                    bounds.size(0) == T && bounds.size(1) == nb && bounds.size(2) == TN,
+                op, ": bounds must be packed_row_bounds' float32 tensor [", T, ", ", nb, ", 16]");
+    if (M == 0 || N == 0) return;
+    baton_rows::QuantX prep;
+    const XView xv = prepared(true, x.data_ptr<float>(), M, K, 0, prep);
+    // the first piece alone, as linear_q8p reads int8 x: plane 0, its unit 254 dx1
+    std::vector<float> dx0(M * nb), err(M * nb);
+    for (int64_t u = 0; u < M * nb; ++u) {
+      dx0[u] = static_cast<float>(PIECE) * xv.dx[u];
+      err[u] = 128.0f * SCREEN_SLACK * xv.dx[u];
+    }
+    const XView x0{xv.xq, dx0.data(), xv.isum, K};
+    const uint8_t* pw = packed.data_ptr<uint8_t>();
+    const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+    const float* bd = bounds.data_ptr<float>();
+    float* yp = out.data_ptr<float>();
+    // per row and tile: the largest upper bound of its columns (hi) and the largest lower one (lo)
+    std::vector<float> hi(M * T), lo(M * T);
+    at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t c0 = t0; c0 < t1; c0 += CHUNK_TILES) {  // the bounds while y is in cache
+        const int64_t c1 = std::min(t1, c0 + CHUNK_TILES);
+        packed_rows_x<P>(false, x0, M, pw, nb, bp, yp, N, c0 * TN, c1 * TN);
+        screen_bounds(yp, N, T, M, nb, c0, c1, bd, err.data(), hi.data(), lo.data());
+      }
+    });
+    std::vector<float> floor(M);  // each row's largest lower bound: its largest value is at least that
+    for (int64_t m = 0; m < M; ++m) {
+      float f = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) f = std::isnan(lo[m * T + t]) || std::isnan(f) ? NAN : std::max(f, lo[m * T + t]);
+      floor[m] = f;
+    }
+    at::parallel_for(0, M * T, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t m = i / T, t = i % T;
+        float* row = yp + m * N;
+        if (!(hi[i] < floor[m]))  // NaN on either side keeps the tile
+          packed_rows_x<P>(true, rows_from(xv, m), 1, pw, nb, bp, row, N, t * TN, (t + 1) * TN);
+        else
+          std::fill(row + t * TN, row + (t + 1) * TN, -INFINITY);
+      }
+    });
+  });
+  return out;
+}
+#endif  // BATON_Q8P_INT8
+
 }  // namespace
 
 bool baton_rows::packed_supported(int64_t qtype) {
@@ -1201,6 +1379,10 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
   m.def("linear_qp_tiles(Tensor x, Tensor packed, int qtype, Tensor? bias=None) -> Tensor");
   m.def("unpack_q8p(Tensor packed, int qtype) -> Tensor");
   m.def("dequantize_q8p_rows(Tensor packed, int qtype, Tensor ids) -> Tensor");
+  m.def("packed_row_bounds(Tensor packed, int qtype) -> Tensor");
+#if defined(BATON_Q8P_INT8)
+  m.def("linear_qp_argmax(Tensor x, Tensor packed, int qtype, Tensor? bias, Tensor bounds) -> Tensor");
+#endif
   m.def("q8p_kernel() -> bool", &q8p_kernel);
   m.def("q8p_path() -> str", &q8p_path);
 }
@@ -1212,4 +1394,8 @@ TORCH_LIBRARY_IMPL(baton, CPU, m) {
   m.impl("linear_qp_tiles", linear_qp_tiles);
   m.impl("unpack_q8p", unpack_q8p);
   m.impl("dequantize_q8p_rows", dequantize_q8p_rows);
+  m.impl("packed_row_bounds", packed_row_bounds);
+#if defined(BATON_Q8P_INT8)
+  m.impl("linear_qp_argmax", linear_qp_argmax);
+#endif
 }

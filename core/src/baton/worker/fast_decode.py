@@ -103,6 +103,9 @@ class FastDecode:
     head_args: tuple[torch.Tensor, int, int, torch.Tensor | None, int] | None = None
     #: the head's rows repacked (QuantLinear.packed) or bfloat16 tiles, or None
     head_packed: torch.Tensor | None = None
+    #: packed_row_bounds of an exact packed head: steps that need only each row's argmax run it
+    #: screened (``linear_qp_argmax``); None where the head is not one
+    head_bounds: torch.Tensor | None = None
     #: cos/sin [max positions, head_dim] computed once by ``rotary`` when its rope type does not
     #: depend on the sequence length; None: ``rotary`` runs every step.
     cos_table: torch.Tensor | None = None
@@ -151,8 +154,11 @@ class FastDecode:
     def logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [sampling requests, vocab] of a decode-only step (``applies(inputs)``)."""
         g = inputs.attn.decode_groups[0]
-        fused_head = self.head_args is not None and (
-            inputs.logits_indices.numel() == g.n and g.n <= self.head_args[4]
+        screen = self._screens(inputs)
+        fused_head = (
+            not screen
+            and self.head_args is not None
+            and (inputs.logits_indices.numel() == g.n and g.n <= self.head_args[4])
         )
         hidden = self._stack(
             inputs, g.blocks.view(g.n, -1), g.ctx_lens, fused_head, inputs.rows_share_context
@@ -161,7 +167,7 @@ class FastDecode:
             return hidden  # the logits: decode_layers ran the head too
         if inputs.logits_indices.numel() != g.n:
             hidden = hidden.index_select(0, inputs.logits_indices)
-        return self.head(hidden.to(self.dtype))
+        return self._head(hidden, screen)
 
     def step_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [logits_indices, vocab] of a prefill or mixed step (``takes_rows(inputs)``):
@@ -170,15 +176,38 @@ class FastDecode:
         blocks = inputs.token_blocks
         assert blocks is not None and self.tp is None
         n = int(inputs.input_ids.shape[0])
+        screen = self._screens(inputs)
         fused = (
-            self.head_args is not None
+            not screen
+            and self.head_args is not None
             and inputs.logits_indices.numel() == n  # every row samples, in order
             and n <= self.head_args[4]
         )
         out = self._stack(inputs, blocks, inputs.positions + 1, fused, True)
         if fused:
             return out
-        return self.head(out.index_select(0, inputs.logits_indices).to(self.dtype))
+        return self._head(out.index_select(0, inputs.logits_indices), screen)
+
+    def _screens(self, inputs: StepInputs) -> bool:
+        """Whether the step's head runs screened: its sampler reads only argmaxes and the head
+        would run linear_qp at its row count (so the argmaxes are linear_qp's)."""
+        return (
+            inputs.argmax_only
+            and self.head_bounds is not None
+            and self.head_args is not None
+            and inputs.logits_indices.numel() <= self.head_args[4]
+        )
+
+    def _head(self, hidden: torch.Tensor, screen: bool) -> torch.Tensor:
+        """The LM head on the sampling rows' hidden states: its module, or screened (exact logits
+        where one can be its row's largest, -inf elsewhere)."""
+        if not screen:
+            return self.head(hidden.to(self.dtype))
+        assert self.head_args is not None and self.head_bounds is not None
+        _, qtype, _, bias, _ = self.head_args
+        return torch.ops.baton.linear_qp_argmax(
+            hidden.float().contiguous(), self.head_packed, qtype, bias, self.head_bounds
+        )
 
     def invariant_logits(
         self, inputs: StepInputs, want_hidden: bool = False

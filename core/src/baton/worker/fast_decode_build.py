@@ -202,6 +202,7 @@ def _build(model: torch.nn.Module, device: torch.device, kernels: bool) -> FastD
         dtype=dtype,
         head_args=head_args,
         head_packed=_head_packed(head, head_args),
+        head_bounds=_head_bounds(head) if tp is None else None,
         embed=embed,
         rotary=inner.rotary_emb,
         head=head,
@@ -272,6 +273,19 @@ def _head_packed(
         tiles = bf16_tiles(head_args[0])
         return tiles if tiles.numel() else None
     return None
+
+
+def _head_bounds(head: torch.nn.Module) -> torch.Tensor | None:
+    """packed_row_bounds of a head that runs linear_qp (exact, on packed rows), or None."""
+    if (
+        type(head) is not QuantLinear
+        or head.packed is None
+        or head.int8_activations
+        or not head.kernels
+        or not hasattr(torch.ops.baton, "linear_qp_argmax")
+    ):
+        return None
+    return torch.ops.baton.packed_row_bounds(head.packed, int(head.qtype))
 
 
 def _one_group(

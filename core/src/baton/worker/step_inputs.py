@@ -73,6 +73,9 @@ class StepInputs:
     #: [T, blocks] int64 each token's request's blocks (batch-invariant steps: every token is a
     #: row of the native layer stack); None where the builder's token_tables leaves it out
     token_blocks: torch.Tensor | None = None
+    #: the sampler reads only each sampling row's argmax (``argmax_only``): the forward may give
+    #: -inf where a logit cannot be its row's largest
+    argmax_only: bool = False
 
     @property
     def num_sample_rows(self) -> int:
@@ -203,6 +206,9 @@ class StepInputBuilder:
             prompt_rows=prompt_rows[0] if prompt_rows is not None else None,
             lora_ids=lora_ids,
             token_blocks=token_blocks,
+            argmax_only=prompt_rows is None
+            and not so.structured_output_req_ids
+            and argmax_only(b, seg.rows[sample_idx]),
         )
 
     def _scheduled(self, so: SchedulerOutput, skip: Collection[str]) -> _Scheduled:
@@ -390,6 +396,22 @@ class StepInputBuilder:
             )
             i = j
         return groups
+
+
+def argmax_only(batch: InputBatch, rows: np.ndarray) -> bool:
+    """Whether sampling ``rows`` reads nothing of their logits but each row's argmax: every row
+    greedy, without logprobs, penalties, min_tokens, logit_bias, allowed tokens or bad words
+    (a grammar's bitmask is the caller's to rule out)."""
+    return bool(
+        len(rows)
+        and (batch.temperature[rows] == 0.0).all()
+        and (batch.num_logprobs[rows] < 0).all()
+        and not batch.constrained[rows].any()
+        and (batch.presence_penalty[rows] == 0.0).all()
+        and (batch.frequency_penalty[rows] == 0.0).all()
+        and (batch.repetition_penalty[rows] == 1.0).all()
+        and (batch.min_tokens[rows] == 0).all()
+    )
 
 
 def sampling_metadata(
