@@ -537,6 +537,7 @@ def test_greedy_steps_screen_the_exact_head_with_the_same_tokens(quantization, m
     if not q8p_built():
         pytest.skip("linear_qp is not built here (no AVX-512 VNNI, no AVX2)")
     monkeypatch.setenv(PACKED_EXACT_ENV, "1")  # the exact linears (and head) on packed rows
+    monkeypatch.setattr(FastDecode, "SCREEN_MIN_ROWS", 1)  # steps of a few rows too
     path = tiny_model("llama")
     lens = (5, 17, 1, 30, 9, 45, 12)
     seen: list[tuple[list[str], bool]] = []
