@@ -1110,11 +1110,9 @@ std::string q8p_path() {
 #endif
 }
 
-// y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in split_rows' three pieces
-// (linear_qp), else quantized as linear_q8a quantizes it (linear_q8p).
-at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
-                         const std::optional<at::Tensor>& bias, bool exact) {
-  TORCH_CHECK(q8p_kernel(), op, ": this build of the kernels has no AVX-512 VNNI or AVX2 (baton env says why)");
+// The arguments of an op on packed rows checked (x [M, K] float32, packed uint8, bias [N]): N.
+int64_t check_linear_args(const char* op, const at::Tensor& x_in, const at::Tensor& packed,
+                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2, op,
               ": x must be a CPU float32 tensor [M, K]");
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
@@ -1125,6 +1123,15 @@ at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tenso
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
                     bias->size(0) == N && bias->is_contiguous(),
                 op, ": bias must be a contiguous CPU float32 tensor [", N, "]");
+  return N;
+}
+
+// y = x @ w^T (+ bias) for w packed by pack_q8p; exact: x in split_rows' three pieces
+// (linear_qp), else quantized as linear_q8a quantizes it (linear_q8p).
+at::Tensor packed_linear(const char* op, const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
+                         const std::optional<at::Tensor>& bias, bool exact) {
+  TORCH_CHECK(q8p_kernel(), op, ": this build of the kernels has no AVX-512 VNNI or AVX2 (baton env says why)");
+  const int64_t N = check_linear_args(op, x_in, packed, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
 #if defined(BATON_Q8P_INT8)
@@ -1266,16 +1273,7 @@ void screen_bounds(const float* y, int64_t N, int64_t T, int64_t M, int64_t nb, 
 at::Tensor linear_qp_argmax(const at::Tensor& x_in, const at::Tensor& packed, int64_t qtype,
                             const std::optional<at::Tensor>& bias, const at::Tensor& bounds) {
   const char* op = "linear_qp_argmax";
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2, op,
-              ": x must be a CPU float32 tensor [M, K]");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
-                  packed.is_contiguous(),
-              op, ": packed must be pack_q8p's contiguous uint8 tensor");
-  const int64_t N = packed.size(0) * TN;
-  if (bias)
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
-                    bias->size(0) == N && bias->is_contiguous(),
-                op, ": bias must be a contiguous CPU float32 tensor [", N, "]");
+  const int64_t N = check_linear_args(op, x_in, packed, bias);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   dispatch_p(qtype, op, [&]<class P>() {
