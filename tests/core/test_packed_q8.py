@@ -335,7 +335,10 @@ for op in ("linear_q8p", "linear_qp"):
 tiles = [torch.equal(torch.ops.baton.linear_qp_tiles(x, packed, qtype, bias),
                      torch.ops.baton.linear_q_tiles(x, w, qtype, bias))
          for packed, qtype, x, bias, w in cases]
-torch.save((out, tiles, torch.ops.baton.q8p_path()), sys.argv[2])
+screened = [torch.ops.baton.linear_qp_argmax(
+                x, packed, qtype, bias, torch.ops.baton.packed_row_bounds(packed, qtype))
+            for packed, qtype, x, bias, _ in cases]
+torch.save((out, tiles, screened, torch.ops.baton.q8p_path()), sys.argv[2])
 """
 
 
@@ -351,7 +354,8 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
     vpmaddwd for vpdpbusd: the same integer sums, Q8_0's bytes through their signs), give
     linear_q8a's / linear_q's values, each row the same alone as beside others (1 to 37 rows:
     every row-count path, partial tiles), and, where this build has the VNNI loop, its bits;
-    linear_qp_tiles (prefill: the AVX2 dequantization) gives linear_q_tiles' bits."""
+    linear_qp_tiles (prefill: the AVX2 dequantization) gives linear_q_tiles' bits, and
+    linear_qp_argmax linear_qp's where it keeps a tile (the same tiles as the VNNI build)."""
     cases = []
     for i, qtype in enumerate(FORMATS):
         shapes = [(96, 1536), (48, 96), (576, 576), (64, 128), (96, 1536)]
@@ -370,9 +374,15 @@ def test_the_avx2_loop_gives_the_bits_of_the_vnni_loop(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out, tiles, path = torch.load(tmp_path / "out.pt")
+    out, tiles, screened, path = torch.load(tmp_path / "out.pt")
     assert path == "avx2"
     assert all(tiles)  # linear_qp_tiles: the same dequantized values and GEMM as linear_q_tiles
+    for (packed, qtype, x, bias, _), y, s in zip(cases, out["linear_qp"][0], screened, strict=True):
+        kept = torch.isfinite(s)  # the screened head: linear_qp's bits where kept, its argmax
+        assert torch.equal(s[kept], y[kept]) and torch.equal(s.argmax(-1), y.argmax(-1))
+        if _built():
+            bounds = torch.ops.baton.packed_row_bounds(packed, qtype)
+            assert torch.equal(torch.ops.baton.linear_qp_argmax(x, packed, qtype, bias, bounds), s)
     for op, (ys, alone) in out.items():
         rows = iter(alone)
         for (packed, qtype, x, bias, w), y in zip(cases, ys, strict=True):
