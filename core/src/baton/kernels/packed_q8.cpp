@@ -1171,9 +1171,6 @@ at::Tensor linear_qp(const at::Tensor& x, const at::Tensor& packed, int64_t qtyp
 // block's 32 dequantized weights, rounded up to a float32 ([T, K / 32, 16], a tile's blocks in
 // order, 16 rows each): what bounds a block's error when x is known only to within some e.
 at::Tensor packed_row_bounds(const at::Tensor& packed, int64_t qtype) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
-                  packed.is_contiguous(),
-              "packed_row_bounds: packed must be pack_q8p's contiguous uint8 tensor");
   at::Tensor out;
   dispatch_p(qtype, "packed_row_bounds", [&]<class P>() {
     check_packed<P>("packed_row_bounds", packed);
@@ -1277,6 +1274,7 @@ at::Tensor linear_qp_argmax(const at::Tensor& x_in, const at::Tensor& packed, in
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   dispatch_p(qtype, op, [&]<class P>() {
+    check_packed<P>(op, packed);
     const int64_t K = packed_k<P>(packed), M = x.size(0), nb = K / QK, T = N / TN;
     TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " inputs, the packed weights ", K);
     TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() && bounds.dim() == 3 &&

@@ -407,11 +407,18 @@ def argmax_only(batch: InputBatch, rows: np.ndarray) -> bool:
         and (batch.temperature[rows] == 0.0).all()
         and (batch.num_logprobs[rows] < 0).all()
         and not batch.constrained[rows].any()
-        and (batch.presence_penalty[rows] == 0.0).all()
-        and (batch.frequency_penalty[rows] == 0.0).all()
-        and (batch.repetition_penalty[rows] == 1.0).all()
+        and not penalised(
+            batch.presence_penalty[rows],
+            batch.frequency_penalty[rows],
+            batch.repetition_penalty[rows],
+        ).any()
         and (batch.min_tokens[rows] == 0).all()
     )
+
+
+def penalised(presence: np.ndarray, frequency: np.ndarray, repetition: np.ndarray) -> np.ndarray:
+    """Per row: whether its presence, frequency or repetition penalty changes its logits."""
+    return (presence != 0) | (frequency != 0) | (repetition != 1)
 
 
 def sampling_metadata(
@@ -459,7 +466,7 @@ def sampling_metadata(
         batch.frequency_penalty[rows],
         batch.repetition_penalty[rows],
     )
-    pen = (pres != 0) | (freq != 0) | (rep != 1)
+    pen = penalised(pres, freq, rep)
     if pen.any():
         p_idx = np.nonzero(pen)[0]
         p_rows = rows[p_idx]
