@@ -354,18 +354,34 @@ def _req(rid: str, n_prompt: int = 200, max_tokens: int = 8) -> EngineCoreReques
     )
 
 
-def test_engine_core_feeds_each_step_time_to_the_budget():
-    config = BatonConfig.load(max_model_len=512, **{"scheduler.target_step_ms": 200})
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_engine_core_feeds_each_step_time_to_the_budget(decode_steps):
+    """Every step that ran is observed, but one the scheduler let run several decode steps
+    (``scheduler.decode_steps``; four requests fit MAX_ROWS): its time is not one step's."""
+    config = BatonConfig.load(
+        max_model_len=512,
+        **{"scheduler.target_step_ms": 200, "scheduler.decode_steps": decode_steps},
+    )
     core = EngineCore(config, executor=FakeExecutor(block_size=16, latency_s=0.0), info=INFO)
     ticks = iter(range(10_000))
     core.step_clock = lambda: next(ticks) * 0.05  # each reading 50 ms after the previous
     for i in range(4):
         core.add_request(_req(f"r{i}"))
-    ran = 0
+    ran = multi = 0
+    schedule = core.scheduler.schedule
+
+    def counting() -> SchedulerOutput:
+        nonlocal multi
+        so = schedule()
+        multi += so.decode_steps > 1
+        return so
+
+    core.scheduler.schedule = counting  # type: ignore[method-assign]
     while core.has_work():
         ran += core.step()[1]
     budget = core.scheduler.prefill_budget
-    assert budget is not None and budget.model.num_observed == ran > 0
+    assert budget is not None and budget.model.num_observed == ran - multi > 0
+    assert (multi > 0) == (decode_steps > 1)
 
 
 def test_engine_core_ignores_the_target_with_a_batch_queue(caplog):

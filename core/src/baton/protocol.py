@@ -283,6 +283,11 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     #: The KV connector's orders for this step (its scheduler half's ``build_connector_meta``),
     #: for every worker's half; None: no connector.
     kv_connector_metadata: bytes | None = None
+    #: Decode steps the runner may run for this step (``scheduler.decode_steps``): when > 1 every
+    #: scheduled request decodes one token greedily and has KV slots for this many; the runner
+    #: feeds each token it picks back and returns up to this many per request (fewer: the
+    #: scheduler counts what it returns).
+    decode_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -382,6 +387,9 @@ class ModelCapabilities(msgspec.Struct, **_STRUCT):
 
     supports_chunked_prefill: bool = True
     supports_prefix_caching: bool = True
+    #: Whether the runner can run several decode steps in one call (``SchedulerOutput.decode_steps``):
+    #: False where its forward is shared with other ranks.
+    supports_decode_steps: bool = True
     #: Why a capability is off (logged when the core turns the matching setting off); "" if none.
     reason: str = ""
 

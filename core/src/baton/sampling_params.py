@@ -294,6 +294,19 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         return self.temperature == 0.0
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether sampling reads nothing of the logits but their argmax: greedy, without
+        logprobs, penalties, min_tokens, logit bias, allowed tokens, bad words or a grammar."""
+        return (
+            self.temperature == 0.0
+            and self.logprobs is None
+            and not self.needs_penalties
+            and self.min_tokens == 0
+            and not self.constrains_tokens
+            and self.structured_outputs is None
+        )
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -188,6 +188,19 @@ class SchedulerSection(_Section):
     step's shapes, so a budget that follows the clock would change tokens from run to run (a
     number is kept there)."""
 
+    decode_steps: int = Field(4, ge=1, le=64)
+    """Most decode steps one engine step runs (vLLM's num_scheduler_steps): when every scheduled
+    request decodes greedily with nothing else reading its logits (``SamplingParams.argmax_only``:
+    no logprobs, penalties, min_tokens, logit bias, allowed tokens, bad words or grammar), no
+    request waits, and at most ``baton.sched.decode_steps.MAX_ROWS`` (4) requests run, the model runner feeds
+    each token it picks back for up to this many tokens a request, capped by each request's
+    max_tokens and max_model_len. The engine's per-step work (scheduling, the hand-off to the
+    executor, sampling, output processing) is then paid once for them; outputs stream that many
+    tokens at a time, and an abort or a new request waits for the steps in flight. The same
+    tokens as one step at a time. 1: one decode step per engine step. Off with a pipeline batch
+    queue, speculative decoding, a KV connector, and runners that share their forward with other
+    ranks (tensor, pipeline and expert parallel)."""
+
     @pydantic.field_validator("target_step_ms", mode="before")
     @classmethod
     def _none_is_off(cls, value: Any) -> Any:

@@ -106,6 +106,9 @@ class EngineCore:
             scheduler_section = effective_step_target(
                 config.scheduler, config.executor.device, self.info, self.batch_queue_size
             )
+            if self.batch_queue_size > 1 and scheduler_section.decode_steps > 1:
+                # each batch in flight needs the tokens of the one before, a step at a time
+                scheduler_section = scheduler_section.model_copy(update={"decode_steps": 1})
             self.config = config = config.model_copy(update={"scheduler": scheduler_section})
             # with a batch queue, cap each batch so that the running requests fill every batch in flight
             per_batch = (
@@ -189,6 +192,9 @@ class EngineCore:
         if changes:
             log.warning("disabling %s: %s", ", ".join(changes), caps.reason)
             config = config.replace(**changes)
+        if not caps.supports_decode_steps and config.scheduler.decode_steps > 1:
+            log.debug("scheduler.decode_steps = 1: the runner's forward involves other ranks")
+            config = config.replace(**{"scheduler.decode_steps": 1})
         return config
 
     def _initialize_kv_cache(self) -> int:
@@ -297,7 +303,9 @@ class EngineCore:
             model_output = self.executor.sample_tokens(grammar_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         ran = scheduler_output.total_num_scheduled_tokens > 0
-        if ran:  # the latency-aware budget learns from it (a no-op when target_step_ms is off)
+        # the latency-aware budget learns from one step's time (a no-op when target_step_ms is
+        # off); several decode steps in one are not one step's
+        if ran and scheduler_output.decode_steps == 1:
             scheduler.observe_step_time(scheduler_output.step_id, self.step_clock() - start)
         return self._outputs(errors + outputs), ran
 

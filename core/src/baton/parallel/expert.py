@@ -290,6 +290,9 @@ class ExpertParallelHooks(ModelRunnerHooks):
             n,
         )
 
+    def runs_alone(self) -> bool:
+        return False  # the engines of the expert group run their forwards together
+
 
 def expert_parallel_runner(config: BatonConfig, device: torch.device) -> Any:
     """A runner factory (``baton.interfaces.RunnerFactory``: it takes the whole config): the

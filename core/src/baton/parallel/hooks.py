@@ -46,6 +46,9 @@ class TensorParallelHooks(ModelRunnerHooks):
     def samples(self) -> bool:
         return self.ctx.is_driver  # other ranks hold a slice of the vocabulary's logits
 
+    def runs_alone(self) -> bool:
+        return False
+
 
 class PipelineStageHooks(ModelRunnerHooks):
     """One stage: receives the previous stage's hidden states, runs its layers, sends them on.
@@ -98,6 +101,9 @@ class PipelineStageHooks(ModelRunnerHooks):
 
     def samples(self) -> bool:
         return self.ctx.is_driver  # earlier stages have no logits; other tp ranks a slice of them
+
+    def runs_alone(self) -> bool:
+        return False
 
 
 def parallel_runner(tp_size: int, pp_size: int) -> RunnerFactory:

@@ -74,6 +74,7 @@ from baton.protocol import (
 from baton.request import Request, RequestStatus
 from baton.sched.admission import admit_waiting, check_request
 from baton.sched.counters import SchedulerCounters
+from baton.sched.decode_steps import plan_decode_steps
 from baton.sched.forks import KVForks
 from baton.sched.kv_transfer import KVTransfer, finish_output
 from baton.sched.preemption import allocate_or_preempt, preempt
@@ -203,6 +204,8 @@ class Scheduler:
             if target_ms != "off"
             else None
         )
+        #: Most decode steps one step runs (``sched/decode_steps.py``); 1: one.
+        self.decode_steps = section.decode_steps
         self.enable_caching = cache.enable_prefix_caching
         #: Whether requests' block hashes are kept (the prefix cache's and a KV connector's keys).
         self.hash_blocks = self.enable_caching
@@ -385,6 +388,7 @@ class Scheduler:
             self._running_dirty = False
         if not plan.preempted:  # blocks ran short: admitting more would only preempt again
             admit_waiting(self, plan, now)
+        plan.decode_steps = plan_decode_steps(self, plan)
         if self.prefill_budget is not None:
             prefill = prefill_cap - plan.prefill
             decode = budget - plan.budget - prefill
@@ -533,7 +537,14 @@ class Scheduler:
                 continue
             try:
                 out = apply_step(
-                    self, req, n, step_id, runner, spec.get(rid) if spec else None, now
+                    self,
+                    req,
+                    n,
+                    step_id,
+                    runner,
+                    spec.get(rid) if spec else None,
+                    now,
+                    scheduler_output.decode_steps,
                 )
                 if out is None:
                     continue

@@ -12,6 +12,7 @@ class StepPlan:
     __slots__ = (
         "budget",
         "cached",
+        "decode_steps",
         "new_reqs",
         "num_scheduled",
         "preempted",
@@ -36,6 +37,8 @@ class StepPlan:
         self.preempted: list[str] = []
         #: Draft tokens scheduled for verification: req id -> drafts.
         self.spec: dict[str, list[int]] = {}
+        #: Decode steps the runner may run (``sched/decode_steps.py``).
+        self.decode_steps = 1
 
     def take_back(self, req: Request) -> None:
         """Unschedule a running request scheduled earlier in this step (it was preempted)."""
@@ -82,4 +85,5 @@ class StepPlan:
             structured_output_req_ids=self.so_ids,
             scheduled_spec_decode_tokens=self.spec,
             kv_block_copies=copies,
+            decode_steps=self.decode_steps,
         )

@@ -11,7 +11,9 @@ counted in the budget and given KV slots like any others, its
 ``num_computed_tokens`` advanced by all of them. The runner verifies the drafts
 and returns those it accepted plus one token of its own; ``apply_step`` then
 takes the rejected ones back from ``num_computed_tokens`` (their slots are
-overwritten later; their blocks stay the request's).
+overwritten later; their blocks stay the request's). A step of several decode steps
+(``sched/decode_steps.py``) returns up to that many tokens a request; the positions of all but
+the last of those kept after the stop checks count as computed.
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ def apply_step(
     runner: RunnerStep,
     drafts: list[int] | None,
     now: float,
+    decode_steps: int = 1,
 ) -> EngineCoreOutput | None:
-    """Apply the step that computed ``n`` tokens of ``req`` (with ``drafts`` verified, if any);
-    its output, or None for a prompt chunk. The caller releases a finished request."""
+    """Apply the step that computed ``n`` tokens of ``req`` (with ``drafts`` verified, if any;
+    in up to ``decode_steps`` decode steps, ``sched/decode_steps.py``); its output, or None for
+    a prompt chunk. The caller releases a finished request."""
     rid = req.request_id
     tokens = req.all_token_ids
     computed = req.num_computed_tokens
@@ -87,7 +91,15 @@ def apply_step(
             req.error = f"the model runner returned no token for request {rid!r} at step {step_id}"
             new = []
         else:
+            if not drafts and len(new) > decode_steps:
+                raise ExecutorError(
+                    f"request {rid!r}: the runner returned {len(new)} tokens for a step of "
+                    f"{decode_steps} decode step(s)"
+                )
             new = append_and_check_stop(req, new, sched.max_model_len)
+            if len(new) > 1 and not drafts:  # it computed the positions of the tokens it fed back
+                req.num_computed_tokens = computed = computed + len(new) - 1
+                n += len(new) - 1
             if req.first_token_time is None:
                 req.first_token_time = now
         if sched.hash_blocks and len(tokens) // bs > len(req.block_hashes):

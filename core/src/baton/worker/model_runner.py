@@ -44,6 +44,7 @@ from baton.protocol import (
     TokenLogprobs,
 )
 from baton.worker.containment import describe, log_contained
+from baton.worker.decode_steps import decode_ahead
 from baton.worker.fast_decode import STACK_MAX_PROMPT_KEYS, STACK_MAX_TOKENS, FastDecode
 from baton.worker.fast_decode_build import build_fast_decode
 from baton.worker.input_batch import BatchContractError, InputBatch
@@ -226,7 +227,10 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
             chunked, prefix = False, False
             reason = f"{type(self.model).__name__} attends both ways (an encoder)"
         return ModelCapabilities(
-            supports_chunked_prefill=chunked, supports_prefix_caching=prefix, reason=reason
+            supports_chunked_prefill=chunked,
+            supports_prefix_caching=prefix,
+            supports_decode_steps=self.hooks.runs_alone(),
+            reason=reason,
         )
 
     def _use_kernels(self) -> bool:
@@ -375,7 +379,10 @@ class ModelRunner(KVCacheMixin, SamplingMixin):
         if scheduler_output.structured_output_req_ids:
             self._pending = step
             return None
-        return self._sample_step(step, None)
+        out = self._sample_step(step, None)
+        if scheduler_output.decode_steps > 1 and step.inputs is not None:
+            out = decode_ahead(self, scheduler_output, step.inputs, out)
+        return out
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

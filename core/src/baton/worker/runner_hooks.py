@@ -61,5 +61,11 @@ class ModelRunnerHooks:
         """Whether this runner samples: False for ranks whose logits are partial or absent."""
         return True
 
+    def runs_alone(self) -> bool:
+        """Whether this runner's forward involves no other rank, so that it may run several
+        decode steps in one call (``SchedulerOutput.decode_steps``): False for hooks whose
+        forward other ranks take part in (tensor, pipeline and expert parallel)."""
+        return True
+
 
 HooksFactory = Callable[[], ModelRunnerHooks]

@@ -12,7 +12,8 @@ arrays and written into preallocated buffers.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,6 +210,35 @@ class StepInputBuilder:
             argmax_only=prompt_rows is None
             and not so.structured_output_req_ids
             and argmax_only(b, seg.rows[sample_idx]),
+        )
+
+    def advance(self, prev: StepInputs, tokens: Sequence[int]) -> StepInputs:
+        """The decode step after ``prev``, a step of decodes alone in which every request
+        sampled: each request's entry of ``tokens`` (aligned with ``prev.sample_req_ids``) at
+        the position after its last, in the blocks the batch holds (``decode_steps``). It
+        rewrites the staging buffers that ``prev``'s tensors view on CPU."""
+        b, bs = self.batch, self.batch.block_size
+        n = prev.num_sample_rows
+        rows = prev.sample_rows
+        pos = self._pos_np[:n]
+        pos += 1
+        self._ids_np[:n] = tokens
+        np.add(b.block_table[rows, pos // bs] * bs, pos % bs, out=self._slots_np[:n])
+        token_blocks = None
+        if prev.token_blocks is not None:  # blocks up to the step's longest context, per token
+            nb = int(pos.max()) // bs + 1
+            token_blocks = self._to_device(torch.from_numpy(b.block_table[rows, :nb]))
+        attn = dataclasses.replace(
+            prev.attn,
+            slot_mapping=self._to_device(self._slots[:n]),
+            decode_groups=self._decode_groups(rows, pos + 1),
+        )
+        return dataclasses.replace(
+            prev,
+            input_ids=self._to_device(self._ids[:n]),
+            positions=self._to_device(self._pos[:n]),
+            attn=attn,
+            token_blocks=token_blocks,
         )
 
     def _scheduled(self, so: SchedulerOutput, skip: Collection[str]) -> _Scheduled:
