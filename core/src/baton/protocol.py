@@ -387,11 +387,11 @@ class ModelCapabilities(msgspec.Struct, **_STRUCT):
 
     supports_chunked_prefill: bool = True
     supports_prefix_caching: bool = True
-    #: Whether the runner can run several decode steps in one call (``SchedulerOutput.decode_steps``):
-    #: False where its forward is shared with other ranks.
-    supports_decode_steps: bool = True
     #: Why a capability is off (logged when the core turns the matching setting off); "" if none.
     reason: str = ""
+    #: Whether the runner can run several decode steps in one call (``SchedulerOutput.decode_steps``):
+    #: False where other ranks take part in its forward (``ModelRunnerHooks.runs_alone``).
+    supports_decode_steps: bool = True
 
 
 class WorkerMemory(msgspec.Struct, **_STRUCT):
