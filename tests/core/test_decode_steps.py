@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from transformers import AutoTokenizer
 
 from baton import LLM, SamplingParams
-from baton.protocol import ModelRunnerOutput, SchedulerOutput
+from baton.frontend.output_processor import OutputProcessor
+from baton.metrics.stats import IterationStats
+from baton.protocol import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from baton.request import RequestStatus
-from baton.sampling_params import StructuredOutputSpec
+from baton.sampling_params import RequestOutputKind, StructuredOutputSpec
 from baton.sched.decode_steps import MAX_ROWS
 from baton.sched.scheduler import Scheduler
 from baton.testing.tiny_model import tiny_model
@@ -235,6 +238,14 @@ def test_the_engine_gives_the_same_tokens(cpu_kernels):
                 SamplingParams(temperature=0, max_tokens=23, stop_token_ids=[stop_at]),
                 use_tqdm=False,
             )[0].outputs[0]
+            # a stop string that ends inside a step of several decode steps
+            stop_str = llm.tokenizer.decode(batch[2][9:11])
+            by_str = llm.generate(
+                {"prompt_token_ids": PROMPTS[2]},
+                SamplingParams(temperature=0, max_tokens=23, stop=[stop_str]),
+                use_tqdm=False,
+            )[0].outputs[0]
+            assert by_str.finish_reason == "stop" and len(by_str.token_ids) < 23
             # a continuation that hits blocks written in decode steps
             longer = PROMPTS[1] + batch[1][:20]
             cont = llm.generate(
@@ -243,12 +254,19 @@ def test_the_engine_gives_the_same_tokens(cpu_kernels):
                 use_tqdm=False,
             )[0]
             assert cont.num_cached_tokens >= len(PROMPTS[1]) + 16  # 4-token blocks of output
-            got[k] = (batch, alone, again, list(stopped.token_ids), list(cont.outputs[0].token_ids))
+            got[k] = (
+                batch,
+                alone,
+                again,
+                list(stopped.token_ids),
+                list(cont.outputs[0].token_ids),
+                (by_str.text, list(by_str.token_ids)),
+            )
             assert (max(steps) > 1) == (k > 1)
             if k > 1:
                 assert max(steps) == k
     assert got[4] == got[1] and got[7] == got[1]
-    batch, alone, again, stopped, _ = got[1]
+    batch, alone, again, stopped, _, _ = got[1]
     assert batch == alone == again
     assert stopped == batch[0][: batch[0].index(batch[0][9]) + 1]
 
@@ -267,3 +285,36 @@ def test_a_sampled_companion_keeps_every_step_single():
         )
         assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
         assert max(steps) == 1
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_several_tokens_at_once_stop_where_one_at_a_time_would(kind):
+    """A stop string completed by a token inside an output of several (decode steps,
+    speculation): the tokens after it are not the output's, nor counted."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    ids = tokenizer.encode(" one two three four five six", add_special_tokens=False)
+    sp = SamplingParams(stop=[" three"], output_kind=kind, logprobs=0)
+
+    def run(chunks: list[list[int]]) -> tuple[list[int], str, int]:
+        proc = OutputProcessor(tokenizer)
+        proc.add_request("r", "x", [5], sp, 0.0)
+        stats = IterationStats(timestamp=0.0)
+        tokens, text = [], ""
+        for chunk in chunks:
+            lps = [TokenLogprobs(token_ids=[t], logprobs=[-1.0], sampled_rank=1) for t in chunk]
+            out = EngineCoreOutput(request_id="r", new_token_ids=chunk, new_logprobs=lps)
+            [ro] = proc.process_outputs([out], stats).request_outputs
+            c = ro.outputs[0]
+            tokens = (
+                tokens + list(c.token_ids) if kind == RequestOutputKind.DELTA else list(c.token_ids)
+            )
+            text = text + c.text if kind == RequestOutputKind.DELTA else c.text
+            assert len(c.logprobs or ()) == len(c.token_ids) or kind == RequestOutputKind.DELTA
+            if ro.finished:
+                assert c.finish_reason == "stop" and c.stop_reason == " three"
+                return tokens, text, stats.num_generation_tokens
+        raise AssertionError("no stop")
+
+    one_by_one = run([[t] for t in ids])
+    assert one_by_one == run([ids[:2], ids[2:6]]) == run([ids])
+    assert one_by_one[1] == " one two" and one_by_one[2] == len(one_by_one[0])

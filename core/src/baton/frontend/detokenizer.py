@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         "_stop_lookback",
         "_stream",
         "_tokenizer",
+        "num_kept",
         "output_text",
         "sent_offset",
         "stop_reason",
@@ -43,10 +44,26 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.sent_offset = 0  # how much of output_text was handed out as deltas
         self.stop_reason: str | None = None
+        #: How many of the last ``update``'s tokens the sequence keeps (all but past a stop string).
+        self.num_kept = 0
 
     def update(self, new_token_ids: list[int]) -> bool:
-        """Decode new tokens; return True when a stop string ended the sequence."""
+        """Decode new tokens; return True when a stop string ended the sequence, after
+        ``num_kept`` of them (the one that completed it and those before: several tokens at
+        once, from speculation or several decode steps, stop where one at a time would)."""
         text = self.output_text
+        self.num_kept = len(new_token_ids)
+        if self._stop and len(new_token_ids) > 1:
+            for i, tid in enumerate(new_token_ids):
+                start = len(text)
+                text += self._stream.step(self._tokenizer, tid) or ""
+                hit = self._find_stop(text, start) if len(text) > start else None
+                if hit is not None:
+                    self.output_text = text[:hit]
+                    self.num_kept = i + 1
+                    return True
+            self.output_text = text
+            return False
         start = len(text)
         parts = []
         for tid in new_token_ids:

@@ -239,15 +239,18 @@ class OutputProcessor:
                 state.prompt_logprobs = [None, *map(self._position, out.new_prompt_logprobs)]
             elif new and len(state.prompt_token_ids) == 1:
                 state.prompt_logprobs = [None]  # nothing to score
+        stopped = state.detokenizer is not None and bool(new) and state.detokenizer.update(new)
+        if stopped:  # tokens past the stop string (several came at once) are not the output's
+            new = new[: state.detokenizer.num_kept]  # type: ignore[union-attr]
         if new:
             state.token_ids.extend(new)
             if out.new_logprobs is not None and state.logprobs is not None:
-                self._add_logprobs(state, out.new_logprobs)
-        if state.detokenizer is not None and new and state.detokenizer.update(new):
+                self._add_logprobs(state, out.new_logprobs[: len(new)])
+        if stopped:
             if finish_reason is None:  # the engine still runs it
                 to_abort.append(out.request_id)
-            finish_reason, stop_reason = FinishReason.STOP, state.detokenizer.stop_reason
-        self._update_metrics(state, out, now, iteration_stats)
+            finish_reason, stop_reason = FinishReason.STOP, state.detokenizer.stop_reason  # type: ignore[union-attr]
+        self._update_metrics(state, out, len(new), now, iteration_stats)
         finished = finish_reason is not None
         if finished:
             del self.states[out.request_id]
@@ -307,7 +310,7 @@ class OutputProcessor:
         iteration_stats: IterationStats | None,
     ) -> PoolingRequestOutput | None:
         """A pooling request's output: its vector once it finished, nothing before."""
-        self._update_metrics(state, out, now, iteration_stats)
+        self._update_metrics(state, out, len(out.new_token_ids), now, iteration_stats)
         if out.finish_reason is None:
             return None
         del self.states[out.request_id]
@@ -358,8 +361,14 @@ class OutputProcessor:
         return pos
 
     def _update_metrics(
-        self, state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats | None
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        n_new: int,
+        now: float,
+        stats: IterationStats | None,
     ) -> None:
+        """Events, TTFT / ITL and token counts of ``out``, of which ``n_new`` tokens are kept."""
         m = state.metrics
         for ev in out.events or ():
             if ev.type == EngineCoreEventType.QUEUED:
@@ -370,7 +379,6 @@ class OutputProcessor:
                 m.num_preemptions += 1
                 if stats is not None:
                     stats.num_preemptions += 1
-        n_new = len(out.new_token_ids)
         if n_new:
             if m.first_token_time is None:
                 m.first_token_time = now
