@@ -11,7 +11,7 @@ from baton.sampling_params import SamplingParams
 from baton.worker import sampler as sampler_mod
 from baton.worker.input_batch import InputBatch
 from baton.worker.sampler import Sampler, apply_bitmask, step_seed
-from baton.worker.step_inputs import sampling_metadata
+from baton.worker.sampling_metadata import sampling_metadata
 
 V = 1000
 

@@ -16,7 +16,8 @@ import torch
 from baton.protocol import GrammarOutput, ModelRunnerOutput, TokenLogprobs
 from baton.worker.containment import describe, log_contained
 from baton.worker.sampler import Sampler, apply_bitmask
-from baton.worker.step_inputs import StepInputs, sampling_metadata
+from baton.worker.sampling_metadata import sampling_metadata
+from baton.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from baton.worker.input_batch import InputBatch
