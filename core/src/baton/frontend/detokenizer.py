@@ -49,34 +49,22 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> bool:
         """Decode new tokens; return True when a stop string ended the sequence, after
-        ``num_kept`` of them (the one that completed it and those before: several tokens at
-        once, from speculation or several decode steps, stop where one at a time would)."""
+        ``num_kept`` of them: the one whose text completed it and those before, so that several
+        tokens at once (speculation, several decode steps) stop where one at a time would."""
         text = self.output_text
         self.num_kept = len(new_token_ids)
-        if self._stop and len(new_token_ids) > 1:
-            for i, tid in enumerate(new_token_ids):
-                start = len(text)
-                text += self._stream.step(self._tokenizer, tid) or ""
-                hit = self._find_stop(text, start) if len(text) > start else None
+        for i, tid in enumerate(new_token_ids):
+            piece = self._stream.step(self._tokenizer, tid)
+            if not piece:
+                continue
+            start = len(text)
+            text += piece
+            if self._stop:
+                hit = self._find_stop(text, start)
                 if hit is not None:
                     self.output_text = text[:hit]
                     self.num_kept = i + 1
                     return True
-            self.output_text = text
-            return False
-        start = len(text)
-        parts = []
-        for tid in new_token_ids:
-            piece = self._stream.step(self._tokenizer, tid)
-            if piece:
-                parts.append(piece)
-        if parts:
-            text += "".join(parts)
-        if self._stop and len(text) > start:
-            hit = self._find_stop(text, start)
-            if hit is not None:
-                self.output_text = text[:hit]
-                return True
         self.output_text = text
         return False
 

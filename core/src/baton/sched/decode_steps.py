@@ -60,7 +60,7 @@ def plan_decode_steps(sched: Scheduler, plan: StepPlan) -> int:
         ntok = req.num_tokens
         if (
             n != 1
-            or plan.cached[rid][2] != ntok - 1  # a prompt's last chunk of one token
+            or plan.cached[rid][2] != ntok - 1  # not its last token (a prompt chunk)
             or req.grammar is not None
             or req.pooling_params is not None
             or not req.sampling_params.argmax_only
