@@ -63,6 +63,8 @@ class InputBatch:
         #: rows with logit_bias, allowed_token_ids or bad words (their params in ``constraints``)
         self.constrained = np.zeros(n, dtype=bool)
         self.constraints: list[SamplingParams | None] = [None] * n
+        #: rows whose sampling reads only the argmax (``SamplingParams.argmax_only``)
+        self.argmax_only = np.zeros(n, dtype=bool)
         #: the LoRA adapter id of each row (0: none; LoRARequest.lora_int_id)
         self.lora_id = np.zeros(n, dtype=np.int64)
 
@@ -137,6 +139,7 @@ class InputBatch:
         self.num_prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         self.constrained[row] = sp.constrains_tokens
         self.constraints[row] = sp if sp.constrains_tokens else None
+        self.argmax_only[row] = sp.argmax_only
 
     def update_cached(
         self,
@@ -231,6 +234,7 @@ class InputBatch:
             self.min_tokens,
             self.num_prompt_logprobs,
             self.constrained,
+            self.argmax_only,
             self.lora_id,
         ):
             arr[dst] = arr[src]

@@ -12,21 +12,10 @@ from baton.worker.token_constraints import token_constraints
 
 
 def argmax_only(batch: InputBatch, rows: np.ndarray) -> bool:
-    """Whether sampling ``rows`` reads nothing of their logits but each row's argmax: every row
-    greedy, without logprobs, penalties, min_tokens, logit_bias, allowed tokens or bad words
-    (a grammar's bitmask is the caller's to rule out)."""
-    return bool(
-        len(rows)
-        and (batch.temperature[rows] == 0.0).all()
-        and (batch.num_logprobs[rows] < 0).all()
-        and not batch.constrained[rows].any()
-        and not penalised(
-            batch.presence_penalty[rows],
-            batch.frequency_penalty[rows],
-            batch.repetition_penalty[rows],
-        ).any()
-        and (batch.min_tokens[rows] == 0).all()
-    )
+    """Whether sampling ``rows`` reads nothing of their logits but each row's argmax
+    (``SamplingParams.argmax_only`` of every row: greedy, without logprobs, penalties,
+    min_tokens, logit_bias, allowed tokens, bad words or a grammar)."""
+    return bool(len(rows) and batch.argmax_only[rows].all())
 
 
 def penalised(presence: np.ndarray, frequency: np.ndarray, repetition: np.ndarray) -> np.ndarray:
