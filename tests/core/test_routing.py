@@ -257,8 +257,18 @@ def test_one_engine_dying(policy):
             a = asyncio.create_task(one("a"))  # round-robin: engine 0
             b = asyncio.create_task(one("b"))  # engine 1
             await first_token.wait()
-            os.kill(llm.engine.resources.procs[1].pid, signal.SIGKILL)  # type: ignore[attr-defined]
-            got_a, got_b = await asyncio.gather(a, b, return_exceptions=True)
+            procs = llm.engine.resources.procs  # type: ignore[attr-defined]
+            # fail-server: engine 0 is held (SIGSTOP) so that "a" is surely unfinished when
+            # engine 1 dies; 300 tokens of the tiny model can outrun the death notice
+            held = policy == "fail-server"
+            if held:
+                os.kill(procs[0].pid, signal.SIGSTOP)
+            try:
+                os.kill(procs[1].pid, signal.SIGKILL)
+                got_a, got_b = await asyncio.gather(a, b, return_exceptions=True)
+            finally:
+                if held:
+                    os.kill(procs[0].pid, signal.SIGCONT)
             assert isinstance(got_b, EngineDeadError), got_b
             if policy == "fail-requests":
                 assert "engine 1" in str(got_b)

@@ -72,9 +72,13 @@ async def greedy(llm: AsyncLLM) -> list[list[int]]:
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
 
 
-async def kill_mid_generation(llm: AsyncLLM) -> tuple[Any, Any, float]:
+async def kill_mid_generation(llm: AsyncLLM, hold_a: bool = False) -> tuple[Any, Any, float]:
     """Requests "a" (engine 0) and "b" (engine 1, round-robin); engine 1's actor is killed
-    once both have a token. What each ended with, and when the kill was answered (s)."""
+    once both have a token. What each ended with, and when the kill was answered (s).
+
+    ``hold_a`` stops engine 0's process (SIGSTOP) before the kill and resumes it after, so
+    that "a" is surely still running when engine 1 dies: 300 tokens of the tiny model can
+    take less time than ``ray.kill`` does."""
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     started = {"a": asyncio.Event(), "b": asyncio.Event()}
     ended: dict[str, float] = {}
@@ -91,8 +95,15 @@ async def kill_mid_generation(llm: AsyncLLM) -> tuple[Any, Any, float]:
 
     a, b = asyncio.create_task(one("a")), asyncio.create_task(one("b"))
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
-    killed_at = await asyncio.get_running_loop().run_in_executor(None, kill_engine_actor, 1)
-    got_a, got_b = await asyncio.gather(a, b, return_exceptions=True)
+    held = llm.engine.resources.procs[0].pid if hold_a else None  # type: ignore[attr-defined]
+    if held is not None:
+        os.kill(held, signal.SIGSTOP)
+    try:
+        killed_at = await asyncio.get_running_loop().run_in_executor(None, kill_engine_actor, 1)
+        got_a, got_b = await asyncio.gather(a, b, return_exceptions=True)
+    finally:
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
     return got_a, got_b, ended["b"] - killed_at
 
 
@@ -148,7 +159,7 @@ def test_a_killed_ray_engine_fails_the_server_within_5_s(ray_cluster):
             "ray", routing={"router": "round-robin", "on_engine_death": "fail-server"}
         )
         try:
-            got_a, got_b, noticed_s = await kill_mid_generation(llm)
+            got_a, got_b, noticed_s = await kill_mid_generation(llm, hold_a=True)
             assert isinstance(got_a, EngineDeadError) and isinstance(got_b, EngineDeadError)
             assert noticed_s < 5.0, f"the dead engine was noticed after {noticed_s:.1f} s"
             assert llm.errored
