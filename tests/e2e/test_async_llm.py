@@ -13,6 +13,7 @@ from baton import AsyncLLM, SamplingParams
 from baton.errors import EngineDeadError, EngineShuttingDownError, InvalidRequestError
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+LONGER = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
 
 
 class Recorder:
@@ -51,13 +52,14 @@ async def test_a_live_request_id_cannot_be_reused(model_dir):
 
 
 async def test_cancelled_consumer_is_counted_as_abort_and_engine_goes_idle(model_dir):
-    llm = await AsyncLLM.create(model=model_dir, max_model_len=512, transport="zmq")
+    llm = await AsyncLLM.create(model=model_dir, max_model_len=2048, transport="zmq")
     rec = Recorder()
     llm.stat_loggers.loggers.append(rec)
     try:
 
         async def consume():
-            async for _ in llm.generate("story", LONG):
+            # 2000 tokens: still running well after the stats say so (polled every 10 ms)
+            async for _ in llm.generate("story", LONGER):
                 pass
 
         task = asyncio.ensure_future(consume())

@@ -104,7 +104,8 @@ async def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
         model=model_dir, max_model_len=256, transport="zmq", **{"server.shutdown_timeout": timeout}
     )
     try:
-        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
+        # 200 tokens: far more than the steps between the first output and SIGTERM's arrival
+        params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
         started = asyncio.Event()
 
         async def run(prompt):
@@ -120,10 +121,10 @@ async def test_sigterm_drains_or_aborts(mode, model_dir, no_leaks):
         outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
         if mode == "drain":
             assert [o.finish_reason for o in outs] == ["length"] * 3
-            assert all(len(o.token_ids) == 60 for o in outs)
+            assert all(len(o.token_ids) == 200 for o in outs)
         else:
             assert [o.finish_reason for o in outs] == ["abort"] * 3
-            assert all(len(o.token_ids) < 60 for o in outs)
+            assert all(len(o.token_ids) < 200 for o in outs)
     finally:
         llm.shutdown()
 
@@ -135,7 +136,7 @@ def test_new_requests_are_refused_while_draining(model_dir, no_leaks):
         model=model_dir, max_model_len=2048, transport="zmq", **{"server.shutdown_timeout": 600.0}
     )
     try:
-        # long enough to be still draining 0.3 s after SIGTERM (240 tokens could finish first)
+        # long enough to be still draining when SIGTERM has arrived (240 tokens could finish first)
         params = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0)
         done: list = []
         t = threading.Thread(
@@ -145,9 +146,13 @@ def test_new_requests_are_refused_while_draining(model_dir, no_leaks):
         while not llm.engine.call_utility("list_requests"):
             time.sleep(0.01)
         os.kill(_engine_pid(llm), signal.SIGTERM)
-        time.sleep(0.3)
+        # the signal is read between steps: refused from then on, while the request drains
+        deadline = time.monotonic() + 10
         with pytest.raises(EngineShuttingDownError):
-            llm.engine.call_utility("get_stats")
+            while time.monotonic() < deadline:
+                llm.engine.call_utility("get_stats")
+                time.sleep(0.01)
+        assert not done, "the request finished before new calls were refused"
         t.join(timeout=120)
         assert done and done[0][0].outputs[0].finish_reason == "length"
     finally:

@@ -27,7 +27,10 @@ from tests.plugins.ray.conftest import ray
 
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [42] * 9, [5, 100, 200, 300]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-BASE: dict[str, Any] = {"max_model_len": 400, "device": "cpu", "num_threads": 1}
+BASE: dict[str, Any] = {"max_model_len": 2048, "device": "cpu", "num_threads": 1}
+#: a request long enough (~1 s of the tiny model) to be unfinished when its engine is killed
+#: (``ray.kill`` and node removal take some hundreds of ms)
+LONG = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 TCP = {"transport": "zmq", "transport.zmq": {"protocol": "tcp", "host": "127.0.0.1"}}
 
 
@@ -77,16 +80,14 @@ async def kill_mid_generation(llm: AsyncLLM, hold_a: bool = False) -> tuple[Any,
     once both have a token. What each ended with, and when the kill was answered (s).
 
     ``hold_a`` stops engine 0's process (SIGSTOP) before the kill and resumes it after, so
-    that "a" is surely still running when engine 1 dies: 300 tokens of the tiny model can
-    take less time than ``ray.kill`` does."""
-    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    that "a" is surely still running when engine 1 dies."""
     started = {"a": asyncio.Event(), "b": asyncio.Event()}
     ended: dict[str, float] = {}
 
     async def one(rid: str) -> int:
         n = 0
         try:
-            async for o in llm.generate({"prompt_token_ids": [1, 2, 3]}, params, rid):
+            async for o in llm.generate({"prompt_token_ids": [1, 2, 3]}, LONG, rid):
                 n = len(o.outputs[0].token_ids)
                 started[rid].set()
         finally:
@@ -135,7 +136,7 @@ def test_ray_engines_match_one_engine_and_local_processes_and_fail_requests_alon
             assert isinstance(got_b, EngineDeadError), got_b
             assert "engine 1" in str(got_b)
             assert noticed_s < 5.0, f"the dead engine was noticed after {noticed_s:.1f} s"
-            assert got_a == 300 and not llm.errored
+            assert got_a == LONG.max_tokens and not llm.errored
             assert [e.engine_index for e in llm.engine.engine_loads()] == [0]  # type: ignore[attr-defined]
             assert await greedy(llm) == one_engine  # engine 0 serves on
             # the last engine stops answering (its process stopped, its pid alive): dead once
@@ -210,11 +211,10 @@ def test_the_death_of_the_engines_node_is_engine_dead_within_5_s(ray_cluster):
     async def go() -> None:
         llm = await start("ray", **{"executor.ray": {"engine_resources": {"baton_dp_victim": 1}}})
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
             first = asyncio.Event()
 
             async def one(rid: str) -> None:
-                async for _ in llm.generate({"prompt_token_ids": [1, 2, 3]}, params, rid):
+                async for _ in llm.generate({"prompt_token_ids": [1, 2, 3]}, LONG, rid):
                     first.set()
 
             task = asyncio.create_task(one("a"))
