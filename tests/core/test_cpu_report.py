@@ -14,6 +14,7 @@ from baton.kernels import loader, os_grant, report
 from baton.kernels.cpu_features import features_from
 from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact_choice
 from baton.kernels.os_grant import Grant, probe_amx
+from baton.kernels.packed_stream import PackedStream
 
 AMX = frozenset({"avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16"})
 X86 = loader.platform.machine() in ("x86_64", "AMD64")
@@ -115,7 +116,14 @@ def test_kernel_paths_follow_the_build():
     assert p["linear_q8a"].path.startswith("AVX-512 VNNI")
     assert "avx512_vnni" in p["linear_q8a"].why
     assert p["linear_q8p"].path.startswith("AVX-512 VNNI on repacked rows")
+    assert "four tiles at a time, prefetched into L1" in p["linear_q8p"].path
     assert p["bf16 linear (torch)"].path == "oneDNN AVX512-BF16 dot products"
+    # how the loop streams the weights, and why (an AMD CPU: one tile at a time into L2)
+    amd = PackedStream("l2", "an AMD CPU (the default there)")
+    paths = report.kernel_paths(frozenset(build), frozenset(zen4), "native", none, stream=amd)
+    q8p = {k.kernel: k for k in paths}
+    assert "one tile at a time, prefetched into L2" in q8p["linear_q8p"].path
+    assert "streaming: an AMD CPU (the default there)" in q8p["linear_q8p"].why
     # the same CPU with BATON_KERNEL_ISA=avx2: AVX-512 left out, and the report says by what
     p = _paths({"avx2", "fma", "f16c"}, zen4, "avx2", none)
     assert p["linear_q"].path.startswith("AVX2")

@@ -18,6 +18,7 @@ import torch
 from baton.errors import ConfigError
 from baton.kernels import cpu_features, loader
 from baton.kernels.exact_packing import PACKED_EXACT_ENV, packed_exact, packed_exact_default
+from baton.kernels.packed_stream import AMD_VENDOR, PACKED_STREAM_ENV, packed_stream_choice
 from baton.quant import QType, QuantEmbedding, QuantLinear
 from baton.quant.ops import packs_rows
 from baton.testing.threads import torch_threads
@@ -246,6 +247,72 @@ def test_packed_exact_follows_the_variable_then_the_cpu(monkeypatch):
         feats = cpu_features.features_from("x86_64", frozenset(flags), vendor)
         monkeypatch.setattr("baton.kernels.exact_packing.cpu_features", lambda f=feats: f)
         assert packed_exact_default() is want, (vendor, flags)
+
+
+def test_packed_stream_follows_the_variable_then_the_vendor(monkeypatch):
+    monkeypatch.setenv(PACKED_STREAM_ENV, "l3")
+    with pytest.raises(ConfigError, match=f"{PACKED_STREAM_ENV}='l3'"):
+        packed_stream_choice()
+    for value in ("l1", "l2"):
+        monkeypatch.setenv(PACKED_STREAM_ENV, value)
+        assert packed_stream_choice("GenuineIntel").mode == value
+    monkeypatch.delenv(PACKED_STREAM_ENV)
+    assert packed_stream_choice(AMD_VENDOR).mode == "l2"
+    assert packed_stream_choice("GenuineIntel").mode == "l1"
+    assert packed_stream_choice("").mode == "l1"
+    # the library decides by cpuid the way this does by /proc/cpuinfo
+    want = packed_stream_choice().mode
+    assert torch.ops.baton.packed_stream() == want
+
+
+STREAM_RUN = """
+import sys, torch
+from baton.kernels import loader
+assert loader.load()
+cases = torch.load(sys.argv[1])
+out = [getattr(torch.ops.baton, op)(x, packed, qtype, bias)
+       for op in ("linear_q8p", "linear_qp") for packed, qtype, x, bias in cases]
+torch.save((out, torch.ops.baton.packed_stream()), sys.argv[2])
+"""
+
+
+@needs_q8p
+def test_both_ways_of_streaming_give_the_same_bits(tmp_path):
+    """BATON_PACKED_STREAM=l1 (four tiles at a time) and l2 (one at a time), each in a process
+    of its own (the library reads it once): every output is summed in the same order, so 1 to 37
+    rows (every row-count path, the passes over L2-sized chunks) give the same bits."""
+    cases = []
+    for i, qtype in enumerate(FORMATS):
+        for rows, (n, k) in zip(
+            (1, 2, 3, 4, 9, 37), [(96, 1536), (48, 96), (576, 576)] * 2, strict=True
+        ):
+            w = random_rows(n, k, qtype, seed=10 * i + rows)
+            g = torch.Generator().manual_seed(rows)
+            x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+            cases.append((torch.ops.baton.pack_q8p(w, int(qtype)), int(qtype), x, bias))
+    torch.save(cases, tmp_path / "in.pt")
+    got = {}
+    for mode in ("l1", "l2"):
+        out = tmp_path / f"{mode}.pt"
+        proc = subprocess.run(
+            [sys.executable, "-c", STREAM_RUN, str(tmp_path / "in.pt"), str(out)],
+            env={**os.environ, PACKED_STREAM_ENV: mode},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ys, said = torch.load(out)
+        assert said == mode
+        got[mode] = ys
+    for a, b in zip(got["l1"], got["l2"], strict=True):
+        assert torch.equal(a, b)
+    here = [
+        getattr(torch.ops.baton, op)(x, packed, qtype, bias)
+        for op in ("linear_q8p", "linear_qp")
+        for packed, qtype, x, bias in cases
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(here, got["l1"], strict=True))
 
 
 def test_vendor_comes_from_cpuinfo(tmp_path):

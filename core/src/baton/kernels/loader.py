@@ -41,6 +41,7 @@ import torch
 
 from baton.errors import BatonError
 from baton.kernels.os_grant import amx_grant
+from baton.kernels.packed_stream import packed_stream_choice
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,7 @@ def load(build_missing: bool = True) -> bool:
         except KernelBuildError:
             return False
     if _loaded is None:
+        packed_stream_choice()  # a bad BATON_PACKED_STREAM is an error here, not a silent default
         try:
             torch.ops.load_library(str(build()))
             _loaded = True

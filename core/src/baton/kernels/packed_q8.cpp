@@ -48,6 +48,7 @@
 #include "row_kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #if defined(__linux__) && defined(__x86_64__)
@@ -80,6 +81,30 @@ constexpr int64_t PREP_INT8 = 3000, PREP_EXACT = 3001;
 // Blocks ahead that tiles() prefetches (Xeon with AMX, 30 layers of Q4_1 at one row: 5.8 -> 4.3
 // ms on one thread, medians of 3 alternating runs; two threads are held by memory bandwidth).
 constexpr int PREFETCH = 8;
+// How the VNNI loop streams the weights at decode sizes: "l2", one tile at a time with its blocks
+// prefetched into L2, or "l1", four (two) tiles at a time prefetched into L1. A core has few L1
+// miss buffers, and four interleaved streams of a few KB each leave the hardware prefetchers
+// little to follow: on AMD Zen 4 (2 threads, a 30 MB Q8_0 head streamed from memory at one row)
+// "l2" took the loop from 19.4 to 28.2 GB/s (int8: 21.6 to 30.0; medians of 15 interleaved runs of
+// a stand-alone copy of the loop; batch-1 exact decode 1.26x). The default is "l2" on AMD CPUs,
+// "l1" elsewhere (the Xeon's figures above were measured with "l1"); BATON_PACKED_STREAM=l1|l2
+// overrides it (kernels/packed_stream.py checks the value when the library loads).
+const char* packed_stream() {
+  static const char* const choice = [] {
+    const char* env = std::getenv("BATON_PACKED_STREAM");
+    if (env != nullptr && (std::strcmp(env, "l1") == 0 || std::strcmp(env, "l2") == 0))
+      return std::strcmp(env, "l1") == 0 ? "l1" : "l2";
+#if defined(__x86_64__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u)
+      return "l2";  // "AuthenticAMD"
+#endif
+    return "l1";
+  }();
+  return choice;
+}
+inline bool stream_into_l2() { return packed_stream()[1] == '2'; }
+
 // Tiles a pass of packed_rows_p takes before the next four rows of x come (32 tiles of Q8_0 at
 // K = 576: 313 KB, in L2).
 constexpr int64_t CHUNK_TILES = 32;
@@ -389,7 +414,7 @@ inline __m512i piece_sum(const __m512i* w, const int8_t* xq) {
 // y[m, 16 t + c] for rows m of x in [0, MR) and COLS tiles from tile t, written where
 // lo <= 16 t + c < hi (a thread's share need not start on a tile). EX: x in three pieces
 // (split_rows), else quantized to int8.
-template <class P, int MR, int COLS, bool EX>
+template <class P, int MR, int COLS, bool EX, bool L2>
 inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, const float* bias, float* y, int64_t ys,
                   int64_t lo, int64_t hi) {
   __m512 acc[MR][COLS];
@@ -400,7 +425,7 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
       const uint8_t* blk = pw + ((t + c) * nb + b) * P::BB;
       // a tile's blocks are one stream, COLS streams at once; past a tile's end the next tile's
       // blocks follow in memory, so the prefetch runs on into them (it never faults past the end)
-      for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, 3);
+      for (int l = 0; l < P::BB; l += 64) __builtin_prefetch(blk + PREFETCH * P::BB + l, 0, L2 ? 1 : 3);
       __m512i w[8];
       for (int i = 0; i < 8; ++i) w[i] = P::NIBBLES ? nibbles(blk, i) : _mm512_loadu_si512(blk + 64 * i);
       __m512 d, mn;
@@ -420,15 +445,16 @@ inline void tiles(const XView& x, const uint8_t* pw, int64_t nb, int64_t t, cons
   for (int c = 0; c < COLS; ++c) store_tile(&acc[0][c], COLS, MR, bias, y, ys, (t + c) * TN, lo, hi);
 }
 
-// Rows [0, MR) of x over tiles [t0, t1): four tiles at a time at one or two rows (the x
-// broadcasts shared), two at three or four rows (accumulators stay in registers).
-template <class P, int MR, bool EX>
+// Rows [0, MR) of x over tiles [t0, t1). L2 (stream_into_l2): one tile at a time, its blocks
+// prefetched into L2; else four tiles at a time at one or two rows (the x broadcasts shared), two
+// at three or four rows (accumulators stay in registers), prefetched into L1.
+template <class P, int MR, bool EX, bool L2>
 void tile_range(const XView& x, const uint8_t* pw, int64_t nb, int64_t t0, int64_t t1, const float* bias, float* y,
                 int64_t ys, int64_t lo, int64_t hi) {
-  constexpr int COLS = MR <= 2 ? 4 : 2;
+  constexpr int COLS = L2 ? 1 : MR <= 2 ? 4 : 2;
   int64_t t = t0;
-  for (; t + COLS <= t1; t += COLS) tiles<P, MR, COLS, EX>(x, pw, nb, t, bias, y, ys, lo, hi);
-  for (; t < t1; ++t) tiles<P, MR, 1, EX>(x, pw, nb, t, bias, y, ys, lo, hi);
+  for (; t + COLS <= t1; t += COLS) tiles<P, MR, COLS, EX, L2>(x, pw, nb, t, bias, y, ys, lo, hi);
+  for (; t < t1; ++t) tiles<P, MR, 1, EX, L2>(x, pw, nb, t, bias, y, ys, lo, hi);
 }
 
 #if defined(BATON_Q8P_AMX)
@@ -615,7 +641,10 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   for (int64_t c0 = t0; c0 < t1; c0 += step) {
     const int64_t c1 = std::min(t1, c0 + step);
     row_blocks(M, [&](auto mr, int64_t m) {
-      tile_range<P, decltype(mr)::value, EX>(rows_from(x, m), pw, nb, c0, c1, bias, y + m * N, N, n0, n1);
+      if (stream_into_l2())
+        tile_range<P, decltype(mr)::value, EX, true>(rows_from(x, m), pw, nb, c0, c1, bias, y + m * N, N, n0, n1);
+      else
+        tile_range<P, decltype(mr)::value, EX, false>(rows_from(x, m), pw, nb, c0, c1, bias, y + m * N, N, n0, n1);
     });
   }
 }
@@ -1381,6 +1410,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
 #endif
   m.def("q8p_kernel() -> bool", &q8p_kernel);
   m.def("q8p_path() -> str", &q8p_path);
+  m.def("packed_stream() -> str", [] { return std::string(packed_stream()); });
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {

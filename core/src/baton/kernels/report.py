@@ -20,6 +20,7 @@ import torch
 from baton.kernels import loader
 from baton.kernels.exact_packing import PackedExact, packed_exact_choice
 from baton.kernels.os_grant import Grant, amx_grant
+from baton.kernels.packed_stream import PackedStream, describe, packed_stream_choice
 
 #: cpuinfo flags shown in the report: the vector and matrix units the kernels and torch use.
 SHOWN_FLAGS = (
@@ -102,6 +103,8 @@ class _Why:
 
 #: kernel_paths' default: exact linears on ggml's rows
 NOT_PACKED = PackedExact(False, "not asked")
+#: kernel_paths' default streaming of the packed loop (what the library does off AMD)
+L1_STREAM = PackedStream("l1", "not asked")
 
 
 def kernel_paths(
@@ -110,9 +113,11 @@ def kernel_paths(
     isa: str,
     amx: Grant,
     exact_packed: PackedExact = NOT_PACKED,
+    stream: PackedStream = L1_STREAM,
 ) -> list[KernelPath]:
     """The path each kernel takes for a build with the macros ``build`` (pure: tests feed it);
-    ``exact_packed``: what exact_packing.packed_exact_choice() says."""
+    ``exact_packed``: what exact_packing.packed_exact_choice() says, ``stream``: how the packed
+    VNNI loop streams weights (packed_stream.packed_stream_choice())."""
     why = _Why(cpu, build, isa, amx)
     if "avx512f" in build:
         float_q = KernelPath("linear_q", "AVX-512: 16-float vectors", why("avx512f"))
@@ -135,10 +140,12 @@ def kernel_paths(
         tiles_too = "amx_int8" in build and amx.granted
         q8p = KernelPath(
             "linear_q8p",
-            "AVX-512 VNNI on repacked rows (Q4_0, Q4_1, Q8_0): 16 outputs per vpdpbusd"
+            "AVX-512 VNNI on repacked rows (Q4_0, Q4_1, Q8_0): 16 outputs per vpdpbusd, "
+            + describe(stream.mode)
             + ("; AMX-INT8 tiles from 12 rows" if tiles_too else ""),
             why("avx512vnni")
             + "; int8 activations repack these formats at load and quantize prefill too"
+            + f"; streaming: {stream.why}"
             + ("" if tiles_too else "; tiles: " + why("amx_int8")),
         )
     elif {"avx2", "fma", "f16c"} <= build:
@@ -255,13 +262,21 @@ def collect(build_kernels: bool = True) -> CpuReport:
         cxx_flags=flags,
         kernels_built=built,
         build_isa=sorted(build),
-        kernels=kernel_paths(build, cpu, isa, amx, packed_exact_choice()) if built else [],
+        kernels=kernel_paths(build, cpu, isa, amx, packed_exact_choice(), library_stream())
+        if built
+        else [],
         torch_version=str(torch.__version__),
         torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
         torch_threads=torch.get_num_threads(),
         python=sys.version.split()[0],
         kernels_error=error,
     )
+
+
+def library_stream() -> PackedStream:
+    """The packed loop's streaming as the loaded library does it, with the reason."""
+    choice = packed_stream_choice()
+    return PackedStream(str(torch.ops.baton.packed_stream()), choice.why)
 
 
 def render(report: CpuReport) -> str:
