@@ -11,11 +11,10 @@ A build without VNNI runs it on an AVX2 loop with the same bits; that is opt-in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from baton.errors import ConfigError
 from baton.kernels.cpu_features import cpu_features
+from baton.kernels.switches import env_switch
 
 #: "1" or "0": exact decode-sized calls on packed rows (linear_qp) or on the GGUF rows
 #: (linear_q), whatever the CPU; unset: as packed_exact_default says.
@@ -32,12 +31,9 @@ class PackedExact:
 
 def packed_exact_choice() -> PackedExact:
     """BATON_PACKED_EXACT when set, else packed_exact_default(), with the reason."""
-    value = os.environ.get(PACKED_EXACT_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ConfigError(
-            f"{PACKED_EXACT_ENV}={value!r}: set it to 1 (exact linears on packed rows), "
-            "0 (on the GGUF rows) or leave it unset (by CPU)"
-        )
+    value = env_switch(
+        PACKED_EXACT_ENV, {"1": "exact linears on packed rows", "0": "on the GGUF rows"}
+    )
     if value:
         return PackedExact(value == "1", f"{PACKED_EXACT_ENV}={value}")
     if packed_exact_default():

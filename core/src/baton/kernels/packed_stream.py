@@ -11,11 +11,10 @@ it); the variable overrides it. Either way each output is summed in the same ord
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from baton.errors import ConfigError
 from baton.kernels.cpu_features import cpu_features
+from baton.kernels.switches import env_switch
 
 #: "l1" or "l2" whatever the CPU; unset: by CPU vendor (packed_stream_choice)
 PACKED_STREAM_ENV = "BATON_PACKED_STREAM"
@@ -33,12 +32,7 @@ class PackedStream:
 def packed_stream_choice(vendor: str | None = None) -> PackedStream:
     """BATON_PACKED_STREAM when set, else "l2" on AMD CPUs and "l1" elsewhere, as the library
     decides (``vendor``: /proc/cpuinfo's vendor_id unless given); ConfigError for a bad value."""
-    value = os.environ.get(PACKED_STREAM_ENV, "")
-    if value not in ("", "l1", "l2"):
-        raise ConfigError(
-            f"{PACKED_STREAM_ENV}={value!r}: set it to l2 (one tile at a time, prefetched into "
-            "L2), l1 (four tiles at a time, prefetched into L1) or leave it unset (by CPU)"
-        )
+    value = env_switch(PACKED_STREAM_ENV, {mode: describe(mode) for mode in ("l2", "l1")})
     if value:
         return PackedStream(value, f"{PACKED_STREAM_ENV}={value}")
     vendor = cpu_features().vendor if vendor is None else vendor
