@@ -89,21 +89,20 @@ constexpr int PREFETCH = 8;
 // a stand-alone copy of the loop; batch-1 exact decode 1.26x). The default is "l2" on AMD CPUs,
 // "l1" elsewhere (the Xeon's figures above were measured with "l1"); BATON_PACKED_STREAM=l1|l2
 // overrides it (kernels/packed_stream.py checks the value when the library loads).
-const char* packed_stream() {
-  static const char* const choice = [] {
+bool stream_into_l2() {
+  static const bool l2 = [] {
     const char* env = std::getenv("BATON_PACKED_STREAM");
     if (env != nullptr && (std::strcmp(env, "l1") == 0 || std::strcmp(env, "l2") == 0))
-      return std::strcmp(env, "l1") == 0 ? "l1" : "l2";
+      return std::strcmp(env, "l2") == 0;
 #if defined(__x86_64__)
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u)
-      return "l2";  // "AuthenticAMD"
+      return true;  // "AuthenticAMD"
 #endif
-    return "l1";
+    return false;
   }();
-  return choice;
+  return l2;
 }
-inline bool stream_into_l2() { return packed_stream()[1] == '2'; }
 
 // Tiles a pass of packed_rows_p takes before the next four rows of x come (32 tiles of Q8_0 at
 // K = 576: 313 KB, in L2).
@@ -638,10 +637,11 @@ void packed_rows_p(const XView& x, int64_t M, const uint8_t* pw, int64_t nb, con
   // more than four rows of x pass over the tiles several times: CHUNK_TILES at a time, so that
   // the passes after the first read them from L2 (an LM head is tens of MB)
   const int64_t step = M > 4 ? CHUNK_TILES : t1 - t0;
+  const bool l2 = stream_into_l2();
   for (int64_t c0 = t0; c0 < t1; c0 += step) {
     const int64_t c1 = std::min(t1, c0 + step);
     row_blocks(M, [&](auto mr, int64_t m) {
-      if (stream_into_l2())
+      if (l2)
         tile_range<P, decltype(mr)::value, EX, true>(rows_from(x, m), pw, nb, c0, c1, bias, y + m * N, N, n0, n1);
       else
         tile_range<P, decltype(mr)::value, EX, false>(rows_from(x, m), pw, nb, c0, c1, bias, y + m * N, N, n0, n1);
@@ -1410,7 +1410,7 @@ TORCH_LIBRARY_FRAGMENT(baton, m) {
 #endif
   m.def("q8p_kernel() -> bool", &q8p_kernel);
   m.def("q8p_path() -> str", &q8p_path);
-  m.def("packed_stream() -> str", [] { return std::string(packed_stream()); });
+  m.def("packed_stream() -> str", [] { return std::string(stream_into_l2() ? "l2" : "l1"); });
 }
 
 TORCH_LIBRARY_IMPL(baton, CPU, m) {
