@@ -682,6 +682,22 @@ inline __m256i half_group(const uint8_t* blk, int h, int g) {
   }
 }
 
+// Bytes 4g .. 4g + 3 of x's block in every 32-bit lane (one group's inputs for 8 weight rows).
+inline __m256i x_group(const int8_t* xq, int g) {
+  int32_t a;
+  std::memcpy(&a, xq + 4 * g, 4);
+  return _mm256_set1_epi32(a);
+}
+
+// Q8_0's stored bytes (w + 128) as the signed w.
+inline __m256i q8_signed(__m256i w) { return _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))); }
+
+// The int32 sums of a Q8_0 group's signed weights q (aq = |q|) times the group's x bytes bx: |q| by
+// bx with q's sign, widened at once (the int16 pairs cannot overflow, but 8 groups of them could).
+inline __m256i q8_group_sum(__m256i q, __m256i aq, __m256i bx, __m256i ones) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(bx, q)), ones);
+}
+
 // half_sum's sums for R rows of x at once (xs[r]: row r's 32 bytes of the block): each group's
 // weights unpacked once, then every row's vpmaddubsw. With the 8 groups held in registers for one
 // row after another (half_sum), three or four rows spilled sums to the stack; here the R sums stay
@@ -702,20 +718,14 @@ inline void half_sums(const uint8_t* blk, int h, const int8_t* const* xs, __m256
     if constexpr (P::NIBBLES) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int32_t a;
-        std::memcpy(&a, xs[r] + 4 * g, 4);
-        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(a)));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(w, x_group(xs[r], g)));
         asm("" : "+x"(s[r]));
       }
     } else {
-      const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));  // w, signed
-      const __m256i aw = _mm256_sign_epi8(q, q);
+      const __m256i q = q8_signed(w), aq = _mm256_sign_epi8(q, q);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int32_t a;
-        std::memcpy(&a, xs[r] + 4 * g, 4);
-        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(a), q));
-        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+        s[r] = _mm256_add_epi32(s[r], q8_group_sum(q, aq, x_group(xs[r], g), ones));
         asm("" : "+x"(s[r]));
       }
     }
@@ -728,11 +738,7 @@ inline void half_sums(const uint8_t* blk, int h, const int8_t* const* xs, __m256
 // the unsigned bytes' for Q4 (as vpdpbusd's), the signed w's for Q8_0.
 template <class P>
 inline __m256i half_sum(const __m256i* w, const int8_t* xq) {
-  auto bx = [&](int g) {
-    int32_t a;
-    std::memcpy(&a, xq + 4 * g, 4);
-    return _mm256_set1_epi32(a);
-  };
+  auto bx = [&](int g) { return x_group(xq, g); };
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (P::NIBBLES) {
     __m256i s0 = _mm256_maddubs_epi16(w[0], bx(0)), s1 = _mm256_maddubs_epi16(w[1], bx(1));
@@ -744,9 +750,8 @@ inline __m256i half_sum(const __m256i* w, const int8_t* xq) {
   } else {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int g = 0; g < 8; ++g) {
-      const __m256i q = _mm256_xor_si256(w[g], _mm256_set1_epi8(static_cast<char>(0x80)));  // w, signed
-      const __m256i p =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(bx(g), q)), ones);
+      const __m256i q = q8_signed(w[g]);
+      const __m256i p = q8_group_sum(q, _mm256_sign_epi8(q, q), bx(g), ones);
       if (g % 2) s1 = _mm256_add_epi32(s1, p); else s0 = _mm256_add_epi32(s0, p);
     }
     return _mm256_add_epi32(s0, s1);
