@@ -440,7 +440,7 @@ def _probe(budget: PrefillBudget, step: int, rows: int, seconds: float) -> None:
     assert budget.observe(step, seconds)
 
 
-def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_median():
+def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_lower_quartile():
     budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
     budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
     budget.observe(1, 5.0)
@@ -451,10 +451,13 @@ def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_median():
     assert min(n for n in sizes if n) >= 16  # the other steps still compute prompts
     growing = [budget.prefill_tokens(8 + 2 * i, 800) for i in range(1, 2 * PROBE_EVERY + 1)]
     assert [i for i, n in enumerate(growing) if n == 0] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
-    # decodes alone measured at 8 rows: the target is AUTO_MULTIPLE x their median, carried to
-    # the rows asked by the prior's shape and the model's (the smaller); one stretched probe
-    # (a neighbour) does not move it
-    for step, seconds in enumerate([0.2, 0.21, 0.19, 4.0, 0.2], start=10):
+    # decodes alone measured at 8 rows: the target is AUTO_MULTIPLE x their lower quartile
+    # (the smallest of fewer than five), carried to the rows asked by the prior's shape and the
+    # model's (the smaller); a stretched probe (a neighbour) does not move it, even the second
+    _probe(budget, 10, 8, 0.2)
+    _probe(budget, 11, 8, 0.5)
+    assert budget.target(8, 800) == pytest.approx(AUTO_MULTIPLE * 0.2, rel=0.01)
+    for step, seconds in enumerate([0.21, 0.19, 4.0, 0.2, 0.22], start=12):
         _probe(budget, step, 8, seconds)
     assert budget.target(8, 800) == pytest.approx(AUTO_MULTIPLE * 0.2, rel=0.01)
     prior = DEFAULT.step_cost(0, 32, 3200) / DEFAULT.step_cost(0, 8, 800)

@@ -27,9 +27,11 @@ fixed cost from a prompt token's (it gave the fixed cost to the decode rows, 4x
 too much, and extrapolated to a full batch the target reached 2-3x its right
 value), so the first step with decodes computes no prompt token (a probe),
 then one every ``PROBE_EVERY`` steps while the decode rows move by more than a
-quarter and every ``PROBE_STALE`` steps anyway, and the median of the latest
-``DECODE_SAMPLES`` probes (one step stretched by a neighbour does not move it),
-carried to other batch sizes by the fitted model's shape and the cost model's
+quarter and every ``PROBE_STALE`` steps anyway, and the lower quartile of the
+latest ``DECODE_SAMPLES`` probes (the smallest while there are fewer than five: a
+neighbour only ever stretches a step, and on a shared 2-core host one probe
+stretched 2x next to one other set the median's target 1.6x too high for eight
+steps, whose gaps were the run's ITL p99), carried to other batch sizes by the fitted model's shape and the cost model's
 (the smaller of the two), sets the target. Before a probe is measured the
 fitted model predicts it; before any step is measured ``"auto"`` sets no
 target; its model treats the built-in prior as a shape whose scale the first
@@ -64,7 +66,6 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import statistics
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -106,7 +107,7 @@ AUTO_CLIP = 3.0
 PROBE_EVERY = 8
 #: ``"auto"``: the most steps with decodes between probes however steady the decode rows.
 PROBE_STALE = 32
-#: ``"auto"``: the decode-only steps whose median sets the target's scale.
+#: ``"auto"``: the decode-only steps whose lower quartile sets the target's scale.
 DECODE_SAMPLES = 5
 
 
@@ -394,8 +395,8 @@ class PrefillBudget:
         """Predicted seconds of a step of ``rows`` decodes alone attending to ``pairs`` tokens.
 
         From the latest decode-only steps measured (``DECODE_SAMPLES``), each carried to
-        ``rows`` and ``pairs`` by a shape: the fitted model's and the prior's, the median over
-        the samples for each, and the smaller of the two (a shape that is wrong, e.g. a fit
+        ``rows`` and ``pairs`` by a shape: the fitted model's and the prior's, the lower quartile
+        of the samples for each (a step is stretched by a neighbour, never shortened), and the smaller of the two (a shape that is wrong, e.g. a fit
         that gave a fixed cost to the decode rows, must not inflate the target). Without a
         measured decode-only step: the fitted model's prediction."""
         samples = self._decode_samples
@@ -406,9 +407,8 @@ class PrefillBudget:
             at = shape(0, rows, pairs)
             ratios = [at / base for base in (shape(0, r, p) for r, p, _ in samples) if base > 0]
             if ratios:
-                estimates.append(
-                    statistics.median(t * k for (_, _, t), k in zip(samples, ratios, strict=False))
-                )
+                carried = sorted(t * k for (_, _, t), k in zip(samples, ratios, strict=False))
+                estimates.append(carried[(len(carried) - 1) // 4])
         return min(estimates) if estimates else self.model.predict(0, rows, pairs)
 
     def _per_prompt_token(self) -> float:
