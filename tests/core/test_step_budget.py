@@ -418,6 +418,7 @@ def test_auto_takes_the_priors_proportions_at_the_first_measured_steps_scale():
     # the first step with decodes measures them alone (a probe, not observed here); the
     # next, with 10 decodes, takes about AUTO_MULTIPLE decode-only steps, not a full chunk
     assert budget.prefill_tokens(10, 10 * 200) == 0
+    budget.scheduled(2, StepShape(0, 10, 10 * 200))  # its time still to come
     n = budget.prefill_tokens(10, 10 * 200)
     step = budget.model.predict(n, 10, 10 * 200 + int(n * budget._pairs_per_prompt_token))
     assert step == pytest.approx(AUTO_MULTIPLE * budget.model.predict(0, 10, 10 * 200), rel=0.05)
@@ -435,6 +436,40 @@ def test_auto_bounds_what_one_stretched_step_teaches_the_model():
     assert budget.model.predict(64, 8, 10_000) < 3 * before
 
 
+def _steps(budget: PrefillBudget, rows: list[int], first: int) -> list[int]:
+    """Schedule and observe one step per entry of ``rows`` (that many decodes, 100 context
+    tokens each) on a linear machine; the prompt tokens each step got."""
+    sizes = []
+    for step, r in enumerate(rows, start=first):
+        n = budget.prefill_tokens(r, r * 100)
+        budget.scheduled(step, StepShape(n, r, r * 100 + n * 50))
+        budget.observe(step, 0.01 + 0.002 * r + 0.001 * n)
+        sizes.append(n)
+    return sizes
+
+
+def test_auto_probes_again_until_a_decode_only_step_is_measured():
+    # a probe that a running prompt's chunk rode along measured no decode-only step, and a
+    # probe whose step the engine never timed (one of several decode steps) neither: the next
+    # step probes again, not PROBE_EVERY steps later (until then the target is the fit's,
+    # which moved 0.07-0.8 s from step to step in a burst after a warm-up)
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
+    budget.observe(1, 5.0)
+    assert budget.prefill_tokens(10, 1000) == 0
+    budget.scheduled(2, StepShape(32, 10, 3000))  # a running chunk rode along
+    assert budget.prefill_tokens(10, 1000) == 0
+    budget.scheduled(3, StepShape(0, 10, 1000))  # never timed
+    budget.scheduled(4, StepShape(0, 10, 1000))
+    assert budget.prefill_tokens(10, 1000) == 0
+    # a probe whose time is awaited is not repeated, and once measured the cadence is back
+    budget.scheduled(5, StepShape(0, 10, 1000))
+    assert budget.prefill_tokens(10, 1000) > 0
+    budget.scheduled(6, StepShape(64, 10, 4000))
+    budget.observe(5, 0.05)
+    assert 0 not in _steps(budget, [10] * PROBE_EVERY, first=7)
+
+
 def _probe(budget: PrefillBudget, step: int, rows: int, seconds: float) -> None:
     budget.scheduled(step, StepShape(0, rows, rows * 100))
     assert budget.observe(step, seconds)
@@ -446,14 +481,17 @@ def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_lower_qua
     budget.observe(1, 5.0)
     # the first step with decodes computes no prompt token, then one every PROBE_STALE steps
     # while the decodes stay as many, and every PROBE_EVERY while they grow
-    sizes = [budget.prefill_tokens(8, 800) for _ in range(PROBE_STALE + 1)]
+    sizes = _steps(budget, [8] * (PROBE_STALE + 1), first=2)
     assert [i for i, n in enumerate(sizes) if n == 0] == [0, PROBE_STALE], sizes
     assert min(n for n in sizes if n) >= 16  # the other steps still compute prompts
-    growing = [budget.prefill_tokens(8 + 2 * i, 800) for i in range(1, 2 * PROBE_EVERY + 1)]
+    growing = _steps(budget, [8 + 2 * i for i in range(1, 2 * PROBE_EVERY + 1)], first=100)
     assert [i for i, n in enumerate(growing) if n == 0] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
     # decodes alone measured at 8 rows: the target is AUTO_MULTIPLE x their lower quartile
     # (the smallest of fewer than five), carried to the rows asked by the prior's shape and the
     # model's (the smaller); a stretched probe (a neighbour) does not move it, even the second
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
+    budget.observe(1, 5.0)
     _probe(budget, 10, 8, 0.2)
     _probe(budget, 11, 8, 0.5)
     assert budget.target(8, 800) == pytest.approx(AUTO_MULTIPLE * 0.2, rel=0.01)

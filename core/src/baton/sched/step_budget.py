@@ -26,14 +26,19 @@ fitted: while every step carries a prompt chunk the fit cannot tell a step's
 fixed cost from a prompt token's (it gave the fixed cost to the decode rows, 4x
 too much, and extrapolated to a full batch the target reached 2-3x its right
 value), so the first step with decodes computes no prompt token (a probe),
-then one every ``PROBE_EVERY`` steps while the decode rows move by more than a
-quarter and every ``PROBE_STALE`` steps anyway, and the lower quartile of the
-latest ``DECODE_SAMPLES`` probes (the smallest while there are fewer than five: a
-neighbour only ever stretches a step, and on a shared 2-core host one probe
-stretched 2x next to one other set the median's target 1.6x too high for eight
-steps, whose gaps were the run's ITL p99), carried to other batch sizes by the fitted model's shape and the cost model's
-(the smaller of the two), sets the target. Before a probe is measured the
-fitted model predicts it; before any step is measured ``"auto"`` sets no
+so does the next while no decode-only step is measured (a probe that a running
+chunk rode along, or a burst after a warm-up whose decodes ran several to a
+step), then one every ``PROBE_EVERY`` steps while the decode rows move by
+more than a quarter and every ``PROBE_STALE`` steps anyway; the lower quartile
+of the latest ``DECODE_SAMPLES`` decode-only steps (the smallest while there
+are fewer than five: a neighbour only ever
+stretches a step, and on a shared 2-core host one probe stretched 2x next to one
+other set the median's target 1.6x too high for eight steps, whose gaps were the
+run's ITL p99), carried to other batch sizes by the fitted model's shape and the
+cost model's (the smaller of the two), sets the target. Before a probe is
+measured the fitted model predicts it (after a warm-up request the targets of a
+burst's first eight steps swung 0.07-0.8 s before the probe-at-once rule);
+before any step is measured ``"auto"`` sets no
 target; its model treats the built-in prior as a shape whose scale the first
 measured step sets (a machine five times slower than the prior's must not read
 as a five-second fixed cost per step). Tuned on the scheduler simulator
@@ -345,6 +350,10 @@ class PrefillBudget:
         self._decode_steps = 0
         #: (step count with decodes, decode rows) of the latest probe.
         self._last_probe: tuple[int, int] | None = None
+        #: Whether the step being scheduled is a probe, and the id of the latest probe scheduled
+        #: with no prompt token.
+        self._probing = False
+        self._probe_step = -1
         #: (rows, attention pairs, seconds) of the latest decode-only steps measured.
         self._decode_samples: collections.deque[tuple[int, int, float]] = collections.deque(
             maxlen=DECODE_SAMPLES
@@ -378,13 +387,23 @@ class PrefillBudget:
         return self.multiple * self.decode_only_s(rows, pairs)
 
     def _probe_due(self, rows: int) -> bool:
-        """Whether this step with decodes should be a probe: the first, then at most every
+        """Whether this step with decodes should be a probe: the first, every step while no
+        decode-only step is measured (a probe that carried prompt tokens after all, or a
+        burst after a warm-up whose decodes ran several to a step, would otherwise leave the
+        target to the fit for ``PROBE_EVERY`` steps, and a fit of steps that all carry prompt
+        chunks moved it 0.07-0.8 s from step to step), then at most every
         ``PROBE_EVERY`` steps while the decode rows moved by a quarter since the last probe,
         and every ``PROBE_STALE`` steps anyway (the machine's speed may change)."""
         if not PROBE_EVERY:
             return False
         last = self._last_probe
         if last is None:
+            return True
+        # a probe is awaited while it is the latest step scheduled (a step the engine never
+        # times, e.g. one of several decode steps, stays pending)
+        pending = self._pending
+        awaited = bool(pending) and self._probe_step == max(pending)
+        if not awaited and not self._decode_samples:
             return True
         age = self._decode_steps - last[0]
         if age >= PROBE_STALE:
@@ -430,6 +449,7 @@ class PrefillBudget:
         self._decode_steps += 1
         if self.auto and self._probe_due(decode_rows):
             self._last_probe = (self._decode_steps, decode_rows)
+            self._probing = True
             return 0
         left = target - self.decode_only_s(decode_rows, decode_pairs)
         per_token = self._per_prompt_token()
@@ -447,6 +467,10 @@ class PrefillBudget:
         """Remember what step ``step_id`` computes, for ``observe``."""
         pending = self._pending
         pending[step_id] = shape
+        if self._probing:  # a probe: its time is awaited (unless prompt tokens rode along)
+            self._probing = False
+            if shape.prefill_tokens == 0 and shape.decode_rows > 0:
+                self._probe_step = step_id
         if shape.prefill_tokens > 0:
             per_token = max(0, shape.attention_pairs - self._decode_pairs) / shape.prefill_tokens
             old = self._pairs_per_prompt_token
