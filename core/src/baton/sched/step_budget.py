@@ -31,17 +31,16 @@ chunk rode along, or a burst after a warm-up whose decodes ran several to a
 step), then one every ``PROBE_EVERY`` steps while the decode rows move by
 more than a quarter and every ``PROBE_STALE`` steps anyway; the lower quartile
 of the latest ``DECODE_SAMPLES`` decode-only steps (the smallest while there
-are fewer than five: a neighbour only ever
-stretches a step, and on a shared 2-core host one probe stretched 2x next to one
-other set the median's target 1.6x too high for eight steps, whose gaps were the
-run's ITL p99), carried to other batch sizes by the fitted model's shape and the
-cost model's (the smaller of the two), sets the target. Before a probe is
-measured the fitted model predicts it (after a warm-up request the targets of a
-burst's first eight steps swung 0.07-0.8 s before the probe-at-once rule);
-before any step is measured ``"auto"`` sets no
-target; its model treats the built-in prior as a shape whose scale the first
-measured step sets (a machine five times slower than the prior's must not read
-as a five-second fixed cost per step). Tuned on the scheduler simulator
+are fewer than five: a neighbour only ever stretches a step, and on a shared
+2-core host one probe stretched 2x next to one other set the median's target
+1.6x too high for eight steps, whose gaps were the run's ITL p99), carried to
+other batch sizes by the fitted model's shape and the cost model's (the smaller
+of the two), sets the target. Before a probe is measured the fitted model
+predicts it (it moved a burst's targets 0.07-0.8 s from step to step after a
+warm-up, before the next step probed again); before any step is measured
+``"auto"`` sets no target; its model treats the built-in prior as a shape whose
+scale the first measured step sets (a machine five times slower than the
+prior's must not read as a five-second fixed cost per step). Tuned on the scheduler simulator
 (workload.json, machines 20x faster to 5x slower than the prior, 15% step
 noise, seeds 0-4): ITL p99 within 1.8-2.7x p50 at 0.935-1.0x the throughput
 of "off". The real engine on two CPU threads (workload.json) gave 1.24-1.31x at 0.79-0.83x the
@@ -414,10 +413,11 @@ class PrefillBudget:
         """Predicted seconds of a step of ``rows`` decodes alone attending to ``pairs`` tokens.
 
         From the latest decode-only steps measured (``DECODE_SAMPLES``), each carried to
-        ``rows`` and ``pairs`` by a shape: the fitted model's and the prior's, the lower quartile
-        of the samples for each (a step is stretched by a neighbour, never shortened), and the smaller of the two (a shape that is wrong, e.g. a fit
-        that gave a fixed cost to the decode rows, must not inflate the target). Without a
-        measured decode-only step: the fitted model's prediction."""
+        ``rows`` and ``pairs`` by a shape: the fitted model's and the prior's, the lower
+        quartile of the samples for each (a step is stretched by a neighbour, never
+        shortened), and the smaller of the two (a shape that is wrong, e.g. a fit that gave a
+        fixed cost to the decode rows, must not inflate the target). Without a measured
+        decode-only step: the fitted model's prediction."""
         samples = self._decode_samples
         if not samples:
             return self.model.predict(0, rows, pairs)
