@@ -449,15 +449,15 @@ def _steps(budget: PrefillBudget, rows: list[int], first: int) -> list[int]:
 
 
 def test_auto_probes_again_until_a_decode_only_step_is_measured():
-    # a probe that a running prompt's chunk rode along measured no decode-only step, and a
-    # probe whose step the engine never timed (one of several decode steps) neither: the next
-    # step probes again, not PROBE_EVERY steps later (until then the target is the fit's,
-    # which moved 0.07-0.8 s from step to step in a burst after a warm-up)
+    # a probe whose step the engine never timed (it ran several decode steps: a warm-up or a
+    # quiet spell) measured no decode-only step, nor does a step that computed prompt tokens
+    # after all: the next step probes again, not PROBE_EVERY steps later (until then the
+    # target is the fit's, which moved 0.07-0.8 s from step to step in a burst after a warm-up)
     budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
     budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
     budget.observe(1, 5.0)
     assert budget.prefill_tokens(10, 1000) == 0
-    budget.scheduled(2, StepShape(32, 10, 3000))  # a running chunk rode along
+    budget.scheduled(2, StepShape(32, 10, 3000))  # prompt tokens after all
     assert budget.prefill_tokens(10, 1000) == 0
     budget.scheduled(3, StepShape(0, 10, 1000))  # never timed
     budget.scheduled(4, StepShape(0, 10, 1000))

@@ -26,9 +26,10 @@ fitted: while every step carries a prompt chunk the fit cannot tell a step's
 fixed cost from a prompt token's (it gave the fixed cost to the decode rows, 4x
 too much, and extrapolated to a full batch the target reached 2-3x its right
 value), so the first step with decodes computes no prompt token (a probe),
-so does the next while no decode-only step is measured (a probe that a running
-chunk rode along, or a burst after a warm-up whose decodes ran several to a
-step), then one every ``PROBE_EVERY`` steps while the decode rows move by
+so does the next while no decode-only step is measured (a probe of at most four
+requests with none waiting runs as several decode steps, which the engine does
+not time: after a warm-up or a quiet spell the burst that follows had none),
+then one every ``PROBE_EVERY`` steps while the decode rows move by
 more than a quarter and every ``PROBE_STALE`` steps anyway; the lower quartile
 of the latest ``DECODE_SAMPLES`` decode-only steps (the smallest while there
 are fewer than five: a neighbour only ever stretches a step, and on a shared
@@ -387,10 +388,10 @@ class PrefillBudget:
 
     def _probe_due(self, rows: int) -> bool:
         """Whether this step with decodes should be a probe: the first, every step while no
-        decode-only step is measured (a probe that carried prompt tokens after all, or a
-        burst after a warm-up whose decodes ran several to a step, would otherwise leave the
-        target to the fit for ``PROBE_EVERY`` steps, and a fit of steps that all carry prompt
-        chunks moved it 0.07-0.8 s from step to step), then at most every
+        decode-only step is measured (a probe that ran as several decode steps is not timed,
+        and a burst after it would otherwise leave the target to the fit for ``PROBE_EVERY``
+        steps: a fit of steps that all carry prompt chunks moved it 0.07-0.8 s from step to
+        step), then at most every
         ``PROBE_EVERY`` steps while the decode rows moved by a quarter since the last probe,
         and every ``PROBE_STALE`` steps anyway (the machine's speed may change)."""
         if not PROBE_EVERY:
@@ -467,7 +468,7 @@ class PrefillBudget:
         """Remember what step ``step_id`` computes, for ``observe``."""
         pending = self._pending
         pending[step_id] = shape
-        if self._probing:  # a probe: its time is awaited (unless prompt tokens rode along)
+        if self._probing:  # a probe: its time is awaited if it computes decodes alone
             self._probing = False
             if shape.prefill_tokens == 0 and shape.decode_rows > 0:
                 self._probe_step = step_id
