@@ -391,19 +391,19 @@ class PrefillBudget:
         decode-only step is measured (a probe that ran as several decode steps is not timed,
         and a burst after it would otherwise leave the target to the fit for ``PROBE_EVERY``
         steps: a fit of steps that all carry prompt chunks moved it 0.07-0.8 s from step to
-        step), then at most every
-        ``PROBE_EVERY`` steps while the decode rows moved by a quarter since the last probe,
-        and every ``PROBE_STALE`` steps anyway (the machine's speed may change)."""
+        step), then at most every ``PROBE_EVERY`` steps while the decode rows moved by a
+        quarter since the last probe, and every ``PROBE_STALE`` steps anyway (the machine's
+        speed may change)."""
         if not PROBE_EVERY:
             return False
         last = self._last_probe
         if last is None:
             return True
-        # a probe is awaited while it is the latest step scheduled (a step the engine never
-        # times, e.g. one of several decode steps, stays pending)
+        # no decode-only step measured: probe again unless the latest step scheduled is a probe
+        # whose time is still to come (a step the engine never times, e.g. one of several
+        # decode steps, stays pending, so an older pending probe is not waited for)
         pending = self._pending
-        awaited = bool(pending) and self._probe_step == max(pending)
-        if not awaited and not self._decode_samples:
+        if not self._decode_samples and not (pending and self._probe_step == max(pending)):
             return True
         age = self._decode_steps - last[0]
         if age >= PROBE_STALE:
