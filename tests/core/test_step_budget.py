@@ -436,6 +436,14 @@ def test_auto_bounds_what_one_stretched_step_teaches_the_model():
     assert budget.model.predict(64, 8, 10_000) < 3 * before
 
 
+def _auto_budget() -> PrefillBudget:
+    """An ``"auto"`` budget whose first step, a 2,048-token chunk with no decode, took 5 s."""
+    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
+    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
+    budget.observe(1, 5.0)
+    return budget
+
+
 def _steps(budget: PrefillBudget, rows: list[int], first: int) -> list[int]:
     """Schedule and observe one step per entry of ``rows`` (that many decodes, 100 context
     tokens each) on a linear machine; the prompt tokens each step got."""
@@ -453,9 +461,7 @@ def test_auto_probes_again_until_a_decode_only_step_is_measured():
     # quiet spell) measured no decode-only step, nor does a step that computed prompt tokens
     # after all: the next step probes again, not PROBE_EVERY steps later (until then the
     # target is the fit's, which moved 0.07-0.8 s from step to step in a burst after a warm-up)
-    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
-    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
-    budget.observe(1, 5.0)
+    budget = _auto_budget()
     assert budget.prefill_tokens(10, 1000) == 0
     budget.scheduled(2, StepShape(32, 10, 3000))  # prompt tokens after all
     assert budget.prefill_tokens(10, 1000) == 0
@@ -476,9 +482,7 @@ def _probe(budget: PrefillBudget, step: int, rows: int, seconds: float) -> None:
 
 
 def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_lower_quartile():
-    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
-    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
-    budget.observe(1, 5.0)
+    budget = _auto_budget()
     # the first step with decodes computes no prompt token, then one every PROBE_STALE steps
     # while the decodes stay as many, and every PROBE_EVERY while they grow
     sizes = _steps(budget, [8] * (PROBE_STALE + 1), first=2)
@@ -489,9 +493,7 @@ def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_lower_qua
     # decodes alone measured at 8 rows: the target is AUTO_MULTIPLE x their lower quartile
     # (the smallest of fewer than five), carried to the rows asked by the prior's shape and the
     # model's (the smaller); a stretched probe (a neighbour) does not move it, even the second
-    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
-    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
-    budget.observe(1, 5.0)
+    budget = _auto_budget()
     _probe(budget, 10, 8, 0.2)
     _probe(budget, 11, 8, 0.5)
     assert budget.target(8, 800) == pytest.approx(AUTO_MULTIPLE * 0.2, rel=0.01)
@@ -503,9 +505,7 @@ def test_auto_measures_decodes_alone_in_a_probe_step_and_targets_their_lower_qua
 
 
 def test_auto_targets_the_batch_the_waiting_prompts_grow_the_decodes_to():
-    budget = PrefillBudget(None, min_tokens=16, max_tokens=2048)
-    budget.scheduled(1, StepShape(2048, 0, 2048 * 1024))
-    budget.observe(1, 5.0)
+    budget = _auto_budget()
     for step, rows in enumerate([4, 8, 16, 32, 8], start=10):
         _probe(budget, step, rows, budget.model.predict(0, rows, rows * 100))
     alone = budget.target(8, 800)
