@@ -20,9 +20,8 @@ from baton.sched.step_budget import (
     PROBE_EVERY,
     PROBE_STALE,
     PrefillBudget,
-    StepShape,
-    StepTimeModel,
 )
+from baton.sched.step_time_model import StepShape, StepTimeModel
 from baton.testing import FakeExecutor
 from baton.testing.sched_harness import SchedulerDriver
 

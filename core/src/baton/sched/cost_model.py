@@ -7,7 +7,7 @@ One step of the engine costs
     + decode_s_per_token  * (tokens generated one at a time)
     + attention_s_per_token_pair * sum over scheduled tokens of the context they attend to
 
-The live scheduler's step budget (``baton.sched.step_budget``) starts from
+The live scheduler's step-time model (``baton.sched.step_time_model``) starts from
 ``DEFAULT``; the scheduler simulator (baton-bench) replays workloads with it.
 ``baton bench scheduler --calibrate --cost-model-out FILE`` measures one on this machine.
 """

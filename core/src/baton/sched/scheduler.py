@@ -79,9 +79,10 @@ from baton.sched.forks import KVForks
 from baton.sched.kv_transfer import KVTransfer, finish_output
 from baton.sched.preemption import allocate_or_preempt, preempt
 from baton.sched.slo import has_slo, met_slo
-from baton.sched.step_budget import PrefillBudget, StepShape
+from baton.sched.step_budget import PrefillBudget
 from baton.sched.step_budget import prefill_cap as step_prefill_cap
 from baton.sched.step_plan import StepPlan
+from baton.sched.step_time_model import StepShape
 from baton.sched.step_update import RunnerStep, apply_step
 from baton.sched.victims import VictimCandidate
 
