@@ -136,6 +136,14 @@ class CacheSection(_Section):
     not exact: keys/values are rounded to nearest-even when written, attention still computes in
     the activation dtype, so greedy tokens may differ from a float32 cache's (float16 keeps 11
     bits of mantissa up to +-65504, bfloat16 8 bits over float32's range)."""
+    prefault: bool = True
+    """On CPU, map every page of the KV cache when it is allocated (a zero written into each), as
+    vLLM and llama.cpp fill theirs at start: the cache's memory is taken at start, not when a
+    burst of requests first reaches it, and serving never stops for a page fault (first
+    touches inside the model's steps cost 12-17% of workload.json's throughput in a 2-core
+    virtual machine). Start-up takes longer by the time the kernel needs to map the cache
+    (logged; ~0.1-0.3 s a GiB on bare metal, up to ~4 s in that VM). False: pages are mapped as
+    requests first write them (a small engine takes only the memory it uses)."""
 
 
 class SchedulerSection(_Section):
@@ -177,9 +185,10 @@ class SchedulerSection(_Section):
     "auto" (the default): the target is 1.75x the time of a step of decodes alone, for the
     batch the decodes grow to (those running plus the requests waiting, up to max_num_seqs), so
     it follows the machine, the model and the load. That time is measured: the first step with
-    decodes computes no prompt token, then one in 8 while the decodes grow or shrink by a
-    quarter and one in 32 anyway, and the median of the latest 5 such steps, carried to other batch sizes by the step-time model's shape and the cost model's
-    (the smaller), sets it (before one is measured: the step-time model's prediction; before any
+    decodes computes no prompt token (a probe), and so does the next while no such step is
+    measured, then one in 8 while the decodes grow or shrink by a quarter and one in 32 anyway;
+    the lower quartile of the latest 5 such steps (the smallest of fewer), carried to other
+    batch sizes by the step-time model's shape and the cost model's (the smaller), sets it (before one is measured: the step-time model's prediction; before any
     step is measured: no target). A number: that many milliseconds. "off" (or None): prompt
     chunks fill max_num_batched_tokens. Needs
     enable_chunked_prefill (off without it), and is off with a pipeline batch queue (overlapping

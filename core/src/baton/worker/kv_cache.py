@@ -9,6 +9,7 @@ A mixin of ``baton.worker.model_runner.ModelRunner``: it reads the model and the
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -38,7 +39,8 @@ CUDA_DEFAULT_UTILIZATION = 0.9
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU from calloc, so its pages cost memory only once written.
+    """A zero tensor; on CPU from calloc, so its pages cost memory only once written
+    (``prefault`` maps them all now).
 
     Attention reads whole blocks, including slots no request wrote yet: zeros
     keep them finite. torch.zeros would touch (and make resident) every page.
@@ -53,6 +55,20 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     if np_dtype is None:  # bfloat16: same size as int16, zero bits are 0.0
         return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(dtype)
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+
+
+def prefault(tensor: torch.Tensor) -> float:
+    """Write a zero into every memory page of a contiguous zero CPU tensor, so that the kernel
+    maps them now rather than when requests first write them; returns the seconds it took.
+
+    A first touch is a page fault (and in a virtual machine often one on the host too) taken
+    inside the model's parallel region, where the other thread waits for it at the next barrier.
+    """
+    start = time.perf_counter()
+    flat = tensor.view(-1)
+    flat[:: max(1, mmap.PAGESIZE // tensor.element_size())].zero_()
+    flat[-1:].zero_()  # the last page, where the data does not start on a page boundary
+    return time.perf_counter() - start
 
 
 class KVCacheMixin:
@@ -166,6 +182,8 @@ class KVCacheMixin:
             self.kv_dtype,
             self.device,
         )
+        # as vLLM's and llama.cpp's caches are: written once at start (cache.prefault)
+        faulted_s = prefault(cache) if self.cache.prefault and cache.device.type == "cpu" else None
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = config.num_blocks
         attn_out = torch.empty(
@@ -175,7 +193,7 @@ class KVCacheMixin:
         )
         self.inputs.set_kv_caches(self.kv_caches, attn_out)
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head dim %d, %s)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%d layers, %d KV heads, head dim %d, %s)%s",
             config.num_blocks,
             self.block_size,
             config.num_blocks * self.block_size,
@@ -184,6 +202,7 @@ class KVCacheMixin:
             self.num_kv_heads,
             self.head_dim,
             str(self.kv_dtype).removeprefix("torch."),
+            "" if faulted_s is None else f", pages mapped in {faulted_s:.2f} s",
         )
         self._warmup()
 
