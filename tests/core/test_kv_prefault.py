@@ -2,7 +2,7 @@
 or only as requests write them; the tokens are the same either way.
 
 Residency is read with mincore(2) on the cache's one allocation, in a real in-process engine on
-the tiny model.
+the tiny model (test_sleep's).
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.testing.tiny_model import tiny_model
+from tests.core.test_sleep import make_llm
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads page residency with Linux's mincore(2)"
 )
 
+#: Over glibc's largest mmap threshold (32 MiB): a smaller calloc may reuse heap memory, which
+#: it zeroes (and so maps) itself.
 KV_BYTES = 48 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [100 + 7 * i + j for j in range(40)]} for i in range(3)]
@@ -40,24 +42,13 @@ def resident_fraction(tensor: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / pages
 
 
-def make_llm(**overrides) -> LLM:
-    return LLM(
-        model=str(tiny_model("llama")),
-        device="cpu",
-        num_threads=1,
-        max_model_len=512,
-        kv_cache_memory=KV_BYTES,
-        **overrides,
-    )
-
-
 def cache_of(llm: LLM) -> torch.Tensor:
     runner = llm.engine.core.executor.worker.model_runner
     return runner.kv_caches[0]._base  # the one allocation every layer's K and V view
 
 
 def test_the_cache_is_mapped_at_allocation_and_again_after_waking():
-    with make_llm() as llm:
+    with make_llm(KV_BYTES) as llm:
         assert llm.engine.core.config.cache.prefault  # the default
         cache = cache_of(llm)
         assert cache.numel() * cache.element_size() >= 0.9 * KV_BYTES
@@ -71,14 +62,14 @@ def test_the_cache_is_mapped_at_allocation_and_again_after_waking():
 
 
 def test_off_maps_only_what_requests_write_with_the_same_tokens():
-    with make_llm(cache={"prefault": False}) as lazy:
+    with make_llm(KV_BYTES, cache={"prefault": False}) as lazy:
         # the warm-up writes a few slots of block 0 in every layer's K and V: at most those
         # pages (a 2 MiB huge page each where the kernel gives them) are mapped
         assert resident_fraction(cache_of(lazy)) < 0.5
         lazy_tokens = [
             o.outputs[0].token_ids for o in lazy.generate(PROMPTS, GREEDY, use_tqdm=False)
         ]
-    with make_llm() as eager:
+    with make_llm(KV_BYTES) as eager:
         eager_tokens = [
             o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)
         ]
