@@ -1,13 +1,14 @@
 """cache.prefault: the CPU KV cache's pages mapped when it is allocated (and again on waking),
-or only as requests write them; the tokens are the same either way.
+or left to the requests that write them; the tokens are the same either way.
 
-Residency is read with mincore(2) on the cache's one allocation, in a real in-process engine on
-the tiny model (test_sleep's).
+Residency is read with mincore(2): on the cache's one allocation in a real in-process engine on
+the tiny model (test_sleep's), and on a fresh anonymous mapping for ``prefault`` itself.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import sys
 
@@ -15,15 +16,13 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from tests.core.test_sleep import make_llm
+from baton.worker.kv_cache import prefault
+from tests.core.test_sleep import KV_BYTES, make_llm
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads page residency with Linux's mincore(2)"
 )
 
-#: Over glibc's largest mmap threshold (32 MiB): a smaller calloc may reuse heap memory, which
-#: it zeroes (and so maps) itself.
-KV_BYTES = 48 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [100 + 7 * i + j for j in range(40)]} for i in range(3)]
 
@@ -48,7 +47,7 @@ def cache_of(llm: LLM) -> torch.Tensor:
 
 
 def test_the_cache_is_mapped_at_allocation_and_again_after_waking():
-    with make_llm(KV_BYTES) as llm:
+    with make_llm() as llm:
         assert llm.engine.core.config.cache.prefault  # the default
         cache = cache_of(llm)
         assert cache.numel() * cache.element_size() >= 0.9 * KV_BYTES
@@ -61,16 +60,35 @@ def test_the_cache_is_mapped_at_allocation_and_again_after_waking():
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 
 
-def test_off_maps_only_what_requests_write_with_the_same_tokens():
-    with make_llm(KV_BYTES, cache={"prefault": False}) as lazy:
-        # the warm-up writes a few slots of block 0 in every layer's K and V: at most those
-        # pages (a 2 MiB huge page each where the kernel gives them) are mapped
-        assert resident_fraction(cache_of(lazy)) < 0.5
-        lazy_tokens = [
-            o.outputs[0].token_ids for o in lazy.generate(PROMPTS, GREEDY, use_tqdm=False)
-        ]
-    with make_llm(KV_BYTES) as eager:
-        eager_tokens = [
-            o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)
-        ]
+def test_off_leaves_the_pages_to_the_requests_with_the_same_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Whether a lazy cache's pages are mapped depends on glibc: a calloc it serves from freed
+    # heap memory is zeroed (so mapped) by glibc itself, as in a process that ran engines before.
+    # What prefault = false must do is not write them: the start-up log says so.
+    with caplog.at_level(logging.INFO, logger="baton.worker.model_runner"):
+        with make_llm(cache={"prefault": False}) as lazy:
+            lazy_tokens = [
+                o.outputs[0].token_ids for o in lazy.generate(PROMPTS, GREEDY, use_tqdm=False)
+            ]
+        lazy_log = [r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage()]
+        caplog.clear()
+        with make_llm() as eager:
+            eager_tokens = [
+                o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)
+            ]
+        eager_log = [r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage()]
+    assert len(lazy_log) == 1 and "pages mapped" not in lazy_log[0]
+    assert len(eager_log) == 1 and "pages mapped in" in eager_log[0]
     assert lazy_tokens == eager_tokens
+
+
+def test_prefault_maps_every_page_of_a_fresh_mapping_even_off_a_page_boundary() -> None:
+    size = 8 << 20
+    buf = mmap.mmap(-1, size + mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # 16 bytes in: the data starts and ends inside a page, as a calloc'd block's does
+    tensor = torch.frombuffer(buf, dtype=torch.float32, offset=16, count=size // 4)
+    assert resident_fraction(tensor) < 0.5  # an anonymous mapping nobody wrote
+    assert prefault(tensor) >= 0.0
+    assert resident_fraction(tensor) == 1.0
+    assert not tensor.any()

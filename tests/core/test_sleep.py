@@ -34,13 +34,13 @@ def tokens(llm: LLM, batch: list[dict]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(batch, GREEDY, use_tqdm=False)]
 
 
-def make_llm(kv_cache_memory: int = KV_BYTES, **overrides) -> LLM:
+def make_llm(**overrides) -> LLM:
     return LLM(
         model=str(tiny_model("llama")),
         device="cpu",
         num_threads=1,
         max_model_len=1024,
-        kv_cache_memory=kv_cache_memory,
+        kv_cache_memory=KV_BYTES,
         **overrides,
     )
 
