@@ -137,15 +137,13 @@ class CacheSection(_Section):
     the activation dtype, so greedy tokens may differ from a float32 cache's (float16 keeps 11
     bits of mantissa up to +-65504, bfloat16 8 bits over float32's range)."""
     prefault: bool = True
-    """On CPU, map every page of the KV cache ahead of the requests that write it, as vLLM and
-    llama.cpp fill their caches at start: a background thread maps them with
-    madvise(MADV_POPULATE_WRITE) (Linux 5.14+; it leaves their contents alone, so start-up does
-    not wait and requests run meanwhile); elsewhere a zero is written into each page when the
-    cache is allocated. Serving then stops for no page fault (first touches inside the model's
-    steps cost 13-32% of workload.json's throughput in a 2-core virtual machine), and the
-    cache's memory is taken at start, not when a burst of requests first reaches it. False:
-    pages are mapped as requests first write them (a small engine takes only the memory it
-    uses)."""
+    """On CPU, map every page of the KV cache when it is allocated (a zero written into each), as
+    vLLM and llama.cpp fill theirs at start: the cache's memory is taken at start, not when a
+    burst of requests first reaches it, and serving never stops for a page fault (first
+    touches inside the model's steps cost 12-17% of workload.json's throughput in a 2-core
+    virtual machine). Start-up takes longer by the time the kernel needs to map the cache
+    (logged; ~0.1-0.3 s a GiB on bare metal, up to ~4 s in that VM). False: pages are mapped as
+    requests first write them (a small engine takes only the memory it uses)."""
 
 
 class SchedulerSection(_Section):

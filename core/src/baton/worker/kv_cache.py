@@ -9,6 +9,7 @@ A mixin of ``baton.worker.model_runner.ModelRunner``: it reads the model and the
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,7 +22,6 @@ from baton.kernels.attention import META_KWARG, AttentionMetadata, DecodeGroup, 
 from baton.model.no_lm_head import head_kwargs
 from baton.protocol import KVCacheConfig, KVCacheSpec
 from baton.worker.memory import release_device_memory, release_host_memory
-from baton.worker.prefault import CachePrefault, populate_supported, prefault
 
 if TYPE_CHECKING:
     from baton.config import CacheSection
@@ -40,7 +40,7 @@ CUDA_DEFAULT_UTILIZATION = 0.9
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on CPU from calloc, so its pages cost memory only once written
-    (``cache.prefault`` maps them ahead: ``baton.worker.prefault``).
+    (``prefault`` maps them all now).
 
     Attention reads whole blocks, including slots no request wrote yet: zeros
     keep them finite. torch.zeros would touch (and make resident) every page.
@@ -55,6 +55,20 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     if np_dtype is None:  # bfloat16: same size as int16, zero bits are 0.0
         return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(dtype)
     return torch.from_numpy(np.zeros(shape, dtype=np_dtype))
+
+
+def prefault(tensor: torch.Tensor) -> float:
+    """Write a zero into every memory page of a contiguous zero CPU tensor, so that the kernel
+    maps them now rather than when requests first write them; returns the seconds it took.
+
+    A first touch is a page fault (and in a virtual machine often one on the host too) taken
+    inside the model's parallel region, where the other thread waits for it at the next barrier.
+    """
+    start = time.perf_counter()
+    flat = tensor.view(-1)
+    flat[:: max(1, mmap.PAGESIZE // tensor.element_size())].zero_()
+    flat[-1:].zero_()  # the last page, where the data does not start on a page boundary
+    return time.perf_counter() - start
 
 
 class KVCacheMixin:
@@ -80,8 +94,6 @@ class KVCacheMixin:
     inputs: StepInputBuilder
     fast_decode: FastDecode | None
     lora: LoRAModel | None
-    #: The thread mapping the CPU cache's pages ahead (cache.prefault), while it runs.
-    _prefault: CachePrefault | None = None
     _pending: object | None
     #: what sleep freed, for wake_up: the cache's layout and the sleep level (0: awake)
     _kv_config: KVCacheConfig
@@ -170,14 +182,8 @@ class KVCacheMixin:
             self.kv_dtype,
             self.device,
         )
-        # mapped ahead of the requests, as vLLM's and llama.cpp's caches are at start
-        mapping = ""
-        if self.cache.prefault and cache.device.type == "cpu":
-            if populate_supported():
-                self._prefault = CachePrefault(cache)
-                mapping = ", pages mapping in the background"
-            else:
-                mapping = f", pages mapped in {prefault(cache):.2f} s"
+        # as vLLM's and llama.cpp's caches are: written once at start (cache.prefault)
+        faulted_s = prefault(cache) if self.cache.prefault and cache.device.type == "cpu" else None
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = config.num_blocks
         attn_out = torch.empty(
@@ -196,7 +202,7 @@ class KVCacheMixin:
             self.num_kv_heads,
             self.head_dim,
             str(self.kv_dtype).removeprefix("torch."),
-            mapping,
+            "" if faulted_s is None else f", pages mapped in {faulted_s:.2f} s",
         )
         self._warmup()
 
@@ -288,9 +294,6 @@ class KVCacheMixin:
         if not self.kv_caches:
             raise ExecutorError("sleep before initialize_kv_cache, or while already asleep")
         self._pending = None
-        if self._prefault is not None:
-            self._prefault.stop()  # it holds the cache
-            self._prefault = None
         self._kv_config = KVCacheConfig(num_blocks=self.num_blocks, block_size=self.block_size)
         self.kv_caches = []
         self.inputs.set_kv_caches([], None)
