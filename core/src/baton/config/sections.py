@@ -139,9 +139,8 @@ class CacheSection(_Section):
     prefault: bool = True
     """On CPU, map every page of the KV cache when it is allocated (a zero written into each), as
     vLLM and llama.cpp fill theirs at start: the cache's memory is taken at start, not when a
-    burst of requests first reaches it, and serving never stops for a page fault (first
-    touches inside the model's steps cost 13-32% of workload.json's throughput in a 2-core
-    virtual machine). Start-up takes longer by the time the kernel needs to map the cache
+    burst of requests first reaches it, and serving never stops for a page fault (mapped first,
+    workload.json ran 1.13-1.32x faster in a 2-core virtual machine). Start-up takes longer by the time the kernel needs to map the cache
     (logged; well under a second a GiB on bare metal, 0.1-6 s in that VM, where a one-message
     `baton chat` took 12-17 s against 8-11 s). False: pages are mapped as requests first write
     them (a quicker start, and a small engine takes only the memory it uses); a smaller
