@@ -15,15 +15,14 @@ import sys
 import pytest
 import torch
 
-from baton import LLM, SamplingParams
+from baton import LLM
 from baton.worker.kv_cache import prefault
-from tests.core.test_sleep import KV_BYTES, make_llm
+from tests.core.test_sleep import KV_BYTES, make_llm, tokens
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads page residency with Linux's mincore(2)"
 )
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [100 + 7 * i + j for j in range(40)]} for i in range(3)]
 
 
@@ -52,12 +51,11 @@ def test_the_cache_is_mapped_at_allocation_and_again_after_waking():
         cache = cache_of(llm)
         assert cache.numel() * cache.element_size() >= 0.9 * KV_BYTES
         assert resident_fraction(cache) == 1.0
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        before = tokens(llm, PROMPTS)
         llm.sleep(1)
         llm.wake_up()
         assert resident_fraction(cache_of(llm)) == 1.0
-        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+        assert tokens(llm, PROMPTS) == before
 
 
 def test_off_leaves_the_pages_to_the_requests_with_the_same_tokens(
@@ -66,18 +64,16 @@ def test_off_leaves_the_pages_to_the_requests_with_the_same_tokens(
     # Whether a lazy cache's pages are mapped depends on glibc: a calloc it serves from freed
     # heap memory is zeroed (so mapped) by glibc itself, as in a process that ran engines before.
     # What prefault = false must do is not write them: the start-up log says so.
-    with caplog.at_level(logging.INFO, logger="baton.worker.model_runner"):
-        with make_llm(cache={"prefault": False}) as lazy:
-            lazy_tokens = [
-                o.outputs[0].token_ids for o in lazy.generate(PROMPTS, GREEDY, use_tqdm=False)
-            ]
-        lazy_log = [r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage()]
+    def run(**overrides) -> tuple[list[list[int]], list[str]]:
+        """The tokens of PROMPTS, and the KV cache's start-up log lines."""
         caplog.clear()
-        with make_llm() as eager:
-            eager_tokens = [
-                o.outputs[0].token_ids for o in eager.generate(PROMPTS, GREEDY, use_tqdm=False)
-            ]
-        eager_log = [r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage()]
+        with make_llm(**overrides) as llm:
+            out = tokens(llm, PROMPTS)
+        return out, [r.getMessage() for r in caplog.records if "KV cache:" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="baton.worker.model_runner"):
+        lazy_tokens, lazy_log = run(cache={"prefault": False})
+        eager_tokens, eager_log = run()
     assert len(lazy_log) == 1 and "pages mapped" not in lazy_log[0]
     assert len(eager_log) == 1 and "pages mapped in" in eager_log[0]
     assert lazy_tokens == eager_tokens

@@ -140,11 +140,11 @@ class CacheSection(_Section):
     """On CPU, map every page of the KV cache when it is allocated (a zero written into each), as
     vLLM and llama.cpp fill theirs at start: the cache's memory is taken at start, not when a
     burst of requests first reaches it, and serving never stops for a page fault (mapped first,
-    workload.json ran 1.13-1.32x faster in a 2-core virtual machine). Start-up takes longer by the time the kernel needs to map the cache
-    (logged; well under a second a GiB on bare metal, 0.1-6 s in that VM, where a one-message
-    `baton chat` took 12-17 s against 8-11 s). False: pages are mapped as requests first write
-    them (a quicker start, and a small engine takes only the memory it uses); a smaller
-    kv_cache_memory also starts quicker."""
+    workload.json ran 1.13-1.32x faster in a 2-core virtual machine). Start-up takes longer by
+    the time the kernel needs to map the cache (logged; well under a second a GiB on bare
+    metal, 0.1-6 s in that VM, where a one-message `baton chat` took 12-17 s against 8-11 s).
+    False: pages are mapped as requests first write them (a quicker start, and a small engine
+    takes only the memory it uses); a smaller kv_cache_memory also starts quicker."""
 
 
 class SchedulerSection(_Section):
@@ -189,8 +189,9 @@ class SchedulerSection(_Section):
     decodes computes no prompt token (a probe), and so does the next while no such step is
     measured, then one in 8 while the decodes grow or shrink by a quarter and one in 32 anyway;
     the lower quartile of the latest 5 such steps (the smallest of fewer), carried to other
-    batch sizes by the step-time model's shape and the cost model's (the smaller), sets it (before one is measured: the step-time model's prediction; before any
-    step is measured: no target). A number: that many milliseconds. "off" (or None): prompt
+    batch sizes by the step-time model's shape and the cost model's (the smaller), sets it
+    (before one is measured: the step-time model's prediction; before any step is measured: no
+    target). A number: that many milliseconds. "off" (or None): prompt
     chunks fill max_num_batched_tokens. Needs
     enable_chunked_prefill (off without it), and is off with a pipeline batch queue (overlapping
     batches have no step time to measure; a number set there logs a warning). "auto" is also
